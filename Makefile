@@ -1,0 +1,42 @@
+# Two commands run everything (see README):
+#   make lab    bootstrap .venv if needed, then open the course in JupyterLab
+#   make test   bootstrap .venv if needed, then run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: lab test lint build check bench doctor clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: otherwise pip may pick a multi-GB CUDA build on its own.
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/kit lab
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check kit autograder tests benchmarks solutions
+
+build: $(STAMP)
+	$(BIN)/kit build
+
+check: $(STAMP)
+	$(BIN)/kit build --check
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/launch_latency.py
+
+doctor: $(STAMP)
+	$(BIN)/kit doctor
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,204 @@
+"""The registry of graded tasks: each task's checks live here once, used by every runner.
+
+A *task* (id ``"L.N"``) is the student's function or class with a fixed name. Its checks are
+*cases*. A case is split in two halves so that the batch grader never trusts student code:
+
+* ``run(impl, seed) -> data`` exercises an implementation and returns **plain data**
+  (tensors, numbers, strings, lists/tuples/dicts of them). It is the only half that touches
+  student code, so the batch grader runs it in a sandboxed process.
+* ``compare(got, expected)`` runs in the trusted process and raises :class:`CheckFailed`
+  (with expected vs got and a hint) when the data is wrong. ``expected`` is ``run`` applied
+  to the task's trusted ``reference`` (torch's own implementation where one exists) with the
+  same seed, or ``None`` when the task has no reference (property checks).
+
+Lessons use it like this (``autograder/lesson00.py``)::
+
+    T = task("0.1", "shard_range", points=2, reference=_reference_shard_range,
+             hint="The first n % world_size ranks get one extra item.")
+
+    @T.case("12 items on 4 ranks")
+    def _(shard_range, seed):
+        return [list(shard_range(12, r, 4)) for r in range(4)]
+
+Points are split evenly over a task's cases (nbgrader partial credit); a case may carry a
+``weight`` to count more.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Case",
+    "CheckFailed",
+    "Task",
+    "TASKS",
+    "assert_same",
+    "get_task",
+    "lesson_tasks",
+    "task",
+]
+
+
+class CheckFailed(AssertionError):
+    """A case found wrong data. Carries what a student needs to fix it."""
+
+    def __init__(self, message: str, *, expected: Any = None, got: Any = None, hint: str = ""):
+        super().__init__(message)
+        self.message = message
+        self.expected = expected
+        self.got = got
+        self.hint = hint
+
+
+def _describe(x: Any, limit: int = 200) -> str:
+    if isinstance(x, torch.Tensor):
+        body = repr(x.detach().cpu()) if x.numel() <= 16 else f"tensor of shape {tuple(x.shape)}"
+        return f"{body} (dtype={x.dtype})" if x.numel() <= 16 else f"{body}, dtype={x.dtype}"
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def assert_same(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-6, path: str = "") -> None:
+    """Default comparison: same structure, same types, tensors equal up to tolerance.
+
+    Only plain data is accepted on either side (the batch grader guarantees it for ``got``),
+    so an object with a rigged ``__eq__`` never reaches this function.
+    """
+    where = path or "result"
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise CheckFailed(f"{where}: expected a tensor, got {type(got).__name__}",
+                              expected=_describe(expected), got=_describe(got))
+        if got.shape != expected.shape:
+            raise CheckFailed(f"{where}: wrong shape {tuple(got.shape)}, expected {tuple(expected.shape)}",
+                              expected=tuple(expected.shape), got=tuple(got.shape))
+        if got.dtype != expected.dtype:
+            raise CheckFailed(f"{where}: wrong dtype {got.dtype}, expected {expected.dtype}",
+                              expected=expected.dtype, got=got.dtype)
+        if expected.is_floating_point() or expected.is_complex():
+            ok = torch.allclose(got, expected, rtol=rtol, atol=atol, equal_nan=True)
+        else:
+            ok = torch.equal(got, expected)
+        if not ok:
+            diff = (got.double() - expected.double()).abs()
+            raise CheckFailed(f"{where}: values differ (max abs difference {diff.max().item():.3g})",
+                              expected=_describe(expected), got=_describe(got))
+        return
+    if isinstance(expected, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol) and not (
+            math.isnan(got) and math.isnan(expected)
+        ):
+            raise CheckFailed(f"{where}: expected {expected!r}, got {got!r}", expected=expected, got=got)
+        return
+    if type(got) is not type(expected):
+        raise CheckFailed(f"{where}: expected a {type(expected).__name__}, got {type(got).__name__}",
+                          expected=_describe(expected), got=_describe(got))
+    if isinstance(expected, (list, tuple)):
+        if len(got) != len(expected):
+            raise CheckFailed(f"{where}: expected {len(expected)} items, got {len(got)}",
+                              expected=_describe(expected), got=_describe(got))
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same(g, e, rtol=rtol, atol=atol, path=f"{where}[{i}]")
+        return
+    if isinstance(expected, dict):
+        if set(got) != set(expected):
+            raise CheckFailed(f"{where}: expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}",
+                              expected=sorted(map(str, expected)), got=sorted(map(str, got)))
+        for k in expected:
+            assert_same(got[k], expected[k], rtol=rtol, atol=atol, path=f"{where}[{k!r}]")
+        return
+    if got != expected:
+        raise CheckFailed(f"{where}: expected {_describe(expected)}, got {_describe(got)}",
+                          expected=_describe(expected), got=_describe(got))
+
+
+@dataclass
+class Case:
+    """One checked behaviour of a task (see the module docstring)."""
+
+    name: str
+    run: Callable[[Any, int], Any]
+    compare: Callable[[Any, Any], None] = assert_same
+    weight: float = 1.0
+    hint: str = ""
+    needs: str | None = None  # e.g. "cuda": the batch grader marks the case "blocked" without it
+
+
+@dataclass
+class Task:
+    """A graded exercise: a function or class with a fixed name, and its cases."""
+
+    id: str
+    name: str
+    points: float
+    reference: Any = None
+    hint: str = ""
+    cases: list[Case] = field(default_factory=list)
+
+    @property
+    def lesson(self) -> int:
+        return int(self.id.split(".")[0])
+
+    def case(self, name: str, *, compare: Callable[[Any, Any], None] = assert_same,
+             weight: float = 1.0, hint: str = "", needs: str | None = None):
+        """Decorator registering ``run(impl, seed) -> data`` as a case of this task."""
+
+        def register(run: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
+            if any(c.name == name for c in self.cases):
+                raise ValueError(f"task {self.id}: two cases named {name!r}")
+            self.cases.append(Case(name, run, compare, weight, hint or self.hint, needs))
+            return run
+
+        return register
+
+    def case_points(self, case: Case) -> float:
+        total = sum(c.weight for c in self.cases)
+        return self.points * case.weight / total if total else 0.0
+
+
+TASKS: dict[str, Task] = {}
+
+
+def task(id: str, name: str, *, points: float, reference: Any = None, hint: str = "") -> Task:
+    """Register a task. ``id`` is ``"L.N"``; ``name`` is the student's function/class name."""
+    lesson, _, number = id.partition(".")
+    if not (lesson.isdigit() and number.isdigit()):
+        raise ValueError(f"task id must look like '4.2', got {id!r}")
+    if id in TASKS:
+        raise ValueError(f"task {id} is registered twice")
+    TASKS[id] = Task(id, name, float(points), reference, hint)
+    return TASKS[id]
+
+
+def _import_lesson(lesson: int) -> None:
+    try:
+        importlib.import_module(f"autograder.lesson{lesson:02d}")
+    except ModuleNotFoundError as e:
+        if e.name != f"autograder.lesson{lesson:02d}":
+            raise
+
+
+def get_task(task_id: str) -> Task:
+    """The registered task ``task_id``, importing its lesson's checks on first use."""
+    if task_id not in TASKS:
+        lesson = task_id.split(".")[0]
+        if lesson.isdigit():
+            _import_lesson(int(lesson))
+    if task_id not in TASKS:
+        known = ", ".join(sorted(TASKS)) or "none"
+        raise KeyError(f"no task {task_id!r} (known tasks: {known}); task ids look like '0.2'")
+    return TASKS[task_id]
+
+
+def lesson_tasks(lesson: int) -> list[Task]:
+    """All tasks of a lesson, in id order."""
+    _import_lesson(lesson)
+    found = [t for t in TASKS.values() if t.lesson == lesson]
+    return sorted(found, key=lambda t: int(t.id.split(".")[1]))

@@ -1,0 +1,31 @@
+"""The course's helper package: start ranks from a notebook, trace them, check tasks.
+
+``from kit import launch, check`` is all a lesson needs; ``%load_ext kit`` adds the
+``%%distributed`` cell magic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["launch", "check", "LaunchError", "LaunchTimeout", "LaunchResult", "load_ipython_extension"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import kit` stays cheap (the CLI and spawned ranks import it).
+    if name in {"launch", "LaunchError", "LaunchTimeout", "LaunchResult", "RankFailure"}:
+        from kit import launcher
+
+        return getattr(launcher, name)
+    if name == "check":
+        from kit.checking import check
+
+        return check
+    raise AttributeError(f"module 'kit' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext kit``: registers ``%%distributed``."""
+    from kit.magic import DistributedMagics
+
+    ipython.register_magics(DistributedMagics)
