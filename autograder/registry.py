@@ -9,7 +9,8 @@ A *task* (id ``"L.N"``) is the student's function or class with a fixed name. It
 * ``compare(got, expected)`` runs in the trusted process and raises :class:`CheckFailed`
   (with expected vs got and a hint) when the data is wrong. ``expected`` is ``run`` applied
   to the task's trusted ``reference`` (torch's own implementation where one exists) with the
-  same seed, or ``None`` when the task has no reference (property checks).
+  same seed, or ``None`` when the task has no reference (property checks). A case may instead
+  compute it itself with a trusted ``expect(seed)`` (see :meth:`Task.expected`).
 
 Lessons use it like this (``autograder/lesson00.py``)::
 
@@ -129,6 +130,9 @@ class Case:
     weight: float = 1.0
     hint: str = ""
     needs: str | None = None  # e.g. "cuda": the batch grader marks the case "blocked" without it
+    # Trusted ``expect(seed) -> data`` computing the expected data directly (e.g. the mean of the
+    # concatenation in one process) instead of running ``reference`` through ``run``.
+    expect: Callable[[int], Any] | None = None
 
 
 @dataclass
@@ -147,16 +151,26 @@ class Task:
         return int(self.id.split(".")[0])
 
     def case(self, name: str, *, compare: Callable[[Any, Any], None] = assert_same,
-             weight: float = 1.0, hint: str = "", needs: str | None = None):
+             weight: float = 1.0, hint: str = "", needs: str | None = None,
+             expect: Callable[[int], Any] | None = None):
         """Decorator registering ``run(impl, seed) -> data`` as a case of this task."""
 
         def register(run: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
             if any(c.name == name for c in self.cases):
                 raise ValueError(f"task {self.id}: two cases named {name!r}")
-            self.cases.append(Case(name, run, compare, weight, hint or self.hint, needs))
+            self.cases.append(Case(name, run, compare, weight, hint or self.hint, needs, expect))
             return run
 
         return register
+
+    def expected(self, case: Case, seed: int) -> Any:
+        """The trusted data ``case`` must produce: ``case.expect(seed)``, else ``run`` on the
+        reference, else ``None`` (a property check)."""
+        if case.expect is not None:
+            return case.expect(seed)
+        if self.reference is not None:
+            return case.run(self.reference, seed)
+        return None
 
     def case_points(self, case: Case) -> float:
         total = sum(c.weight for c in self.cases)
