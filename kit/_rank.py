@@ -1,0 +1,158 @@
+"""The rank side of :func:`kit.launch`: what runs inside each started process.
+
+The parent (``kit/launcher.py``) starts one process per rank with :func:`rank_main`. It sets up
+what ``torchrun`` would (environment, default process group), runs the user's function, sends
+the outcome back as plain bytes, and waits for the parent's release before destroying the
+group, so a rank that returns early cannot tear down peers still inside a collective.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import io
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+
+# Messages a rank sends on its result connection, as (kind, payload) tuples of plain data.
+OK, ERROR, EXIT = "ok", "error", "exit"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs that is not the user's function (all picklable)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    master_addr: str
+    master_port: int
+    pg_timeout_s: float
+    stack_path: str
+    parent_pid: int
+    env: dict[str, str]
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Never outlive the kernel: SIGKILL on parent death (Linux), else a watchdog thread."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent_pid:  # parent already gone before prctl took effect
+            os._exit(1)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kit-parent-watchdog", daemon=True).start()
+
+
+def _redirect_output(out: Connection, err: Connection) -> None:
+    # fd-level, so output from C++ (gloo, NCCL) and from subprocesses is captured too.
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", line_buffering=True)
+
+
+def _send(conn: Connection, message: tuple[Any, ...]) -> None:
+    try:
+        conn.send_bytes(cloudpickle.dumps(message))
+    except (BrokenPipeError, OSError):  # parent gone or stopping us: nothing to report to
+        pass
+
+
+def _encode_return(value: Any) -> tuple[str, Any]:
+    try:
+        return OK, cloudpickle.dumps(value)
+    except Exception as e:  # noqa: BLE001 - any pickling failure is the user's to see
+        return ERROR, (
+            "TypeError",
+            f"the return value ({type(value).__name__}) cannot be sent back to the notebook: {e}. "
+            "Return tensors, numbers, strings or containers of them.",
+            "",
+        )
+
+
+def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
+              out: Connection, err: Connection) -> None:
+    """Entry point of one rank (runs in the child process)."""
+    try:
+        os.setpgid(0, 0)  # own process group: the parent kills it whole (DataLoader workers too)
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is the parent's to handle
+    _die_with_parent(spec.parent_pid)
+    _redirect_output(out, err)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults print a Python stack
+    stack_file = open(spec.stack_path, "w")  # noqa: SIM115 - kept open for the signal handler
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.environ.update(spec.env)
+
+    import torch
+    import torch.distributed as dist
+
+    # torchrun's default of one intra-op thread per rank (forked ranks inherit the kernel's pool).
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
+
+    fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+    started = time.perf_counter()
+    message: tuple[Any, ...]
+    try:
+        if spec.backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+                              timeout=timedelta(seconds=spec.pg_timeout_s))
+        dist.init_process_group(spec.backend, store=store, rank=spec.rank,
+                                world_size=spec.world_size,
+                                timeout=timedelta(seconds=spec.pg_timeout_s))
+        value = fn(*args, **kwargs)
+        kind, body = _encode_return(value)
+        message = (kind, body, time.perf_counter() - started)
+    except SystemExit as e:
+        code = e.code
+        if code is None or code == 0:
+            message = (OK, cloudpickle.dumps(None), time.perf_counter() - started)
+        else:
+            message = (EXIT, repr(code), time.perf_counter() - started)
+    except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))  # skip ours
+        message = (ERROR, (type(e).__qualname__, str(e), tb), time.perf_counter() - started)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _send(result, message)
+    if message[0] == OK:
+        # Hold the group until every rank has returned (the parent says so), like a final barrier
+        # that cannot itself deadlock: a peer still in a collective keeps its connections.
+        try:
+            result.recv_bytes()
+        except (EOFError, OSError):
+            pass
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if message[0] == OK else 1)

@@ -1,0 +1,188 @@
+"""``kit doctor``: can this machine run the course? A table of checks, each with its fix.
+
+Exit code 1 when a blocking problem is found (the course cannot launch ranks), 0 otherwise.
+Run it first on a new laptop, and when a launch fails in a way the error does not explain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import os
+import platform
+import shutil
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+
+@dataclass
+class Finding:
+    check: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return md.version(dist_name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def check_python() -> Finding:
+    v = sys.version_info
+    status = OK if v >= (3, 10) else FAIL
+    return Finding("Python", status, platform.python_version(),
+                   "" if status == OK else "install Python 3.10 or newer")
+
+
+def check_torch() -> Finding:
+    try:
+        import torch
+    except ImportError:
+        return Finding("PyTorch", FAIL, "not installed", "run `make lab` (it installs torch==2.13.0 first)")
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    return Finding("PyTorch", OK, f"{torch.__version__} ({build})")
+
+
+def check_backends() -> list[Finding]:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return [Finding("torch.distributed", FAIL, "not compiled in", "install an official torch wheel")]
+    gloo = Finding("gloo backend", OK if dist.is_gloo_available() else FAIL,
+                   "available" if dist.is_gloo_available() else "missing",
+                   "" if dist.is_gloo_available() else "install an official torch wheel")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dist.is_nccl_available() and gpus:
+        nccl = Finding("nccl backend / GPUs", OK, f"{gpus} GPU(s); nccl available")
+    elif gpus:
+        nccl = Finding("nccl backend / GPUs", WARN, f"{gpus} GPU(s) but no nccl",
+                       "install a CUDA build of torch to use backend='nccl'")
+    else:
+        nccl = Finding("nccl backend / GPUs", OK, "no GPU: lessons use gloo on CPU",
+                       "optional: a GPU box runs the 'Running at scale' notes with nccl")
+    return [gloo, nccl]
+
+
+def check_fork() -> Finding:
+    from kit.launcher import _default_start_method
+
+    method = _default_start_method("gloo")
+    if method == "fork":
+        return Finding("start method", OK, "fork (fast launches)")
+    return Finding("start method", WARN, f"{method} (each launch re-imports torch: seconds, not ms)",
+                   "expected on macOS/Windows or after CUDA init; launches still work")
+
+
+def check_loopback() -> Finding:
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
+        port = store.port
+        del store
+    except Exception as e:  # noqa: BLE001
+        return Finding("loopback + free port", FAIL, f"cannot listen on 127.0.0.1: {e}",
+                       "allow local TCP connections (firewall/VPN), check `ping 127.0.0.1`")
+    return Finding("loopback + free port", OK, f"127.0.0.1:{port} (OS-chosen)")
+
+
+def check_shm() -> Finding:
+    if not os.path.isdir("/dev/shm"):
+        if sys.platform.startswith("linux"):
+            return Finding("/dev/shm", WARN, "missing", "DataLoader workers need shared memory: mount /dev/shm")
+        return Finding("/dev/shm", OK, "not used on this platform")
+    free = shutil.disk_usage("/dev/shm").free / 2**20
+    if free < 256:
+        return Finding("/dev/shm", WARN, f"{free:.0f} MiB free",
+                       "give the container more shared memory (docker --shm-size=1g)")
+    return Finding("/dev/shm", OK, f"{free:.0f} MiB free")
+
+
+def check_cores(world_size: int) -> Finding:
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        return Finding("CPU cores", WARN, f"{cores} core for {world_size} ranks",
+                       "lessons still run, slower; close other programs")
+    return Finding("CPU cores", OK, f"{cores} cores for {world_size} ranks"
+                   + (" (ranks share cores: fine for learning, not for timing)" if cores < world_size else ""))
+
+
+def check_widgets() -> Finding:
+    lab, widgets, labw = _version("jupyterlab"), _version("ipywidgets"), _version("jupyterlab_widgets")
+    if not lab:
+        return Finding("JupyterLab + widgets", FAIL, "jupyterlab not installed", "run `make lab`")
+    problems = []
+    if int(lab.split(".")[0]) < 4:
+        problems.append(f"jupyterlab {lab} < 4")
+    if not widgets or int(widgets.split(".")[0]) < 8:
+        problems.append(f"ipywidgets {widgets or 'missing'} (need 8)")
+    if not labw:
+        problems.append("jupyterlab_widgets missing (widgets would show 'Loading widget...')")
+    if problems:
+        return Finding("JupyterLab + widgets", WARN, "; ".join(problems),
+                       "pip install 'jupyterlab>=4' 'ipywidgets>=8'")
+    return Finding("JupyterLab + widgets", OK, f"jupyterlab {lab}, ipywidgets {widgets}")
+
+
+def _smoke(world_size: int):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def check_launch(world_size: int) -> Finding:
+    from kit.launcher import LaunchError, run_ranks
+
+    try:
+        got = run_ranks(_smoke, (world_size,), world_size=world_size, timeout=60, echo=False)
+    except (LaunchError, ValueError, RuntimeError) as e:
+        first = str(e).splitlines()[0]
+        return Finding("launch + all_reduce", FAIL, first, "see the message above; `kit doctor` rows show the cause")
+    if list(got) != [float(world_size)] * world_size:
+        return Finding("launch + all_reduce", FAIL, f"wrong all_reduce result {list(got)}",
+                       "reinstall torch; report this machine")
+    return Finding("launch + all_reduce", OK, f"{world_size} ranks in {got.wall_time:.2f} s")
+
+
+def run_checks(world_size: int = 4) -> list[Finding]:
+    findings = [check_python(), check_torch()]
+    if findings[-1].status == FAIL:
+        return findings
+    findings += check_backends()
+    findings += [check_fork(), check_loopback(), check_shm(), check_cores(world_size), check_widgets()]
+    if not any(f.status == FAIL for f in findings):
+        findings.append(check_launch(world_size))
+    return findings
+
+
+def format_table(findings: list[Finding]) -> str:
+    w1 = max(len(f.check) for f in findings)
+    w2 = max(len(f.status) for f in findings)
+    lines = []
+    for f in findings:
+        lines.append(f"{f.check:<{w1}}  {f.status:<{w2}}  {f.detail}")
+        if f.fix and f.status != OK:
+            lines.append(f"{'':<{w1}}  {'':<{w2}}  fix: {f.fix}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kit doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("-n", "--world-size", type=int, default=4, help="ranks to test (default 4)")
+    args = parser.parse_args(argv)
+    findings = run_checks(args.world_size)
+    print(format_table(findings))
+    blocking = [f for f in findings if f.status == FAIL]
+    print()
+    print(f"{len(blocking)} blocking problem(s)." if blocking else "Ready: this machine can run the course.")
+    return 1 if blocking else 0

@@ -1,0 +1,534 @@
+"""``kit.launch``: run a function on N real ``torch.distributed`` ranks from a notebook cell.
+
+Every lesson uses it. Each rank is a process with the environment ``torchrun`` sets and an
+initialised default process group, so code written for ``torchrun`` runs unchanged. The kernel
+hosts the rendezvous ``TCPStore`` on a port the OS picks, starts the ranks (fork where safe,
+spawn with cloudpickle otherwise), shows their output live, stops every rank as soon as one
+fails, and explains hangs at the timeout. Nothing of the kernel (environment, signal handlers)
+is changed, and no process outlives the call.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import selectors
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+
+from kit import _rank, hang
+from kit.output import RankOutput
+
+__all__ = ["LaunchError", "LaunchResult", "LaunchTimeout", "RankFailure", "launch", "run_ranks"]
+
+STOP_GRACE_S = 0.5  # after a first failure, how long peers get to report their own failure
+STACK_WAIT_S = 1.5  # at a timeout, how long ranks get to dump their stacks
+EXIT_WAIT_S = 10.0  # after every rank returned, how long the group teardown may take
+
+
+class LaunchResult(list):
+    """Every rank's return value, indexable by rank, plus what each rank printed and its time."""
+
+    def __init__(self, values: list[Any], outputs: list[str], durations: list[float],
+                 wall_time: float, start_method: str):
+        super().__init__(values)
+        self.outputs = outputs
+        self.durations = durations
+        self.wall_time = wall_time
+        self.start_method = start_method
+
+
+@dataclass
+class RankFailure:
+    """Why one rank did not return."""
+
+    rank: int
+    summary: str  # one line, e.g. "raised ValueError: bad shard"
+    details: str = ""  # traceback, or the last lines the rank printed to stderr
+    after_s: float = 0.0  # seconds after the launch started
+    exception_type: str | None = None
+    exitcode: int | None = None
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed. ``failures`` lists them, first failure first."""
+
+    def __init__(self, message: str, failures: list[RankFailure], outputs: list[str]):
+        super().__init__(message)
+        self.failures = failures
+        self.outputs = outputs
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [f.rank for f in self.failures]
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows this instead of launcher internals
+        return [f"{type(self).__name__}: {self}"]
+
+
+class LaunchTimeout(LaunchError, TimeoutError):
+    """The ranks did not finish in time. ``stacks`` maps rank to its Python stack text."""
+
+    def __init__(self, message: str, stacks: dict[int, str], outputs: list[str]):
+        super().__init__(message, [], outputs)
+        self.stacks = stacks
+
+
+def launch(fn: Callable[..., Any], *args: Any, world_size: int = 4, backend: str = "gloo",
+           timeout: float = 60.0, start_method: str | None = None, **kwargs: Any) -> LaunchResult:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return every rank's return value.
+
+    Each rank sees ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` as under ``torchrun``, with the default process group
+    already initialised (``backend``) and destroyed after every rank has returned.
+
+    Args:
+        fn: the function each rank runs (a notebook function, lambda or closure is fine).
+        world_size: number of ranks.
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (one GPU per rank).
+        timeout: seconds before the launch is declared hung; each rank's stack is then shown.
+        start_method: ``"fork"`` (default where safe: fast) or ``"spawn"``.
+
+    Raises:
+        LaunchError: a rank raised, exited or was killed; every failed rank is named.
+        LaunchTimeout: the ranks did not finish within ``timeout`` seconds.
+    """
+    return run_ranks(fn, args, kwargs, world_size=world_size, backend=backend, timeout=timeout,
+                     start_method=start_method)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _default_start_method(backend: str) -> str:
+    import torch
+
+    if sys.platform != "linux" or "fork" not in _mp().get_all_start_methods():
+        return "spawn"  # macOS/Windows: fork is unsafe or absent
+    if torch.cuda.is_initialized():
+        return "spawn"  # a forked child cannot use the kernel's CUDA context
+    return "fork"
+
+
+def _mp():
+    import torch.multiprocessing as mp
+
+    return mp
+
+
+def _validate(fn: Any, args: tuple, kwargs: dict, world_size: Any, backend: Any, timeout: Any,
+              start_method: str | None) -> str:
+    import torch
+    import torch.distributed as dist
+
+    if not callable(fn):
+        raise TypeError(f"kit.launch needs a function to run on every rank, got {type(fn).__name__} "
+                        f"{fn!r}. Pass the function itself: kit.launch(train, world_size=4).")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}.")
+    if not isinstance(timeout, (int, float)) or not timeout > 0 or math.isinf(timeout):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    known = ("gloo", "nccl", "mpi", "ucc", "xccl")
+    if backend not in known:
+        raise ValueError(f"unknown backend {backend!r}: use 'gloo' for CPU tensors or 'nccl' for "
+                         "GPUs (one GPU per rank).")
+    if not dist.is_available() or not dist.is_backend_available(backend):
+        raise ValueError(f"backend {backend!r} is not available in this PyTorch build "
+                         f"({torch.__version__}); use backend='gloo'.")
+    if backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world_size:
+            raise ValueError(f"backend='nccl' needs one GPU per rank: found {gpus} GPU(s) for "
+                             f"world_size={world_size}. On CPU use backend='gloo', or lower "
+                             "world_size to the number of GPUs.")
+    if start_method is None:
+        start_method = _default_start_method(backend)
+    if start_method not in ("fork", "spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'fork', 'spawn' or None, got {start_method!r}.")
+    if start_method not in _mp().get_all_start_methods():
+        raise ValueError(f"start_method={start_method!r} is not available on {sys.platform}; "
+                         "use start_method='spawn'.")
+    if start_method == "fork" and torch.cuda.is_initialized():
+        raise RuntimeError("CUDA is already initialised in this kernel, and forked ranks cannot use "
+                           "it. Use start_method='spawn', or restart the kernel and launch before "
+                           "touching CUDA.")
+    if start_method != "fork":
+        _check_picklable(fn, args, kwargs)
+    return start_method
+
+
+def _check_picklable(fn: Any, args: tuple, kwargs: dict) -> None:
+    named = [("the function", fn)] + [(f"argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for what, obj in named:
+        try:
+            cloudpickle.dumps(obj)
+        except Exception as e:  # noqa: BLE001 - the message carries the cause
+            raise TypeError(
+                f"{what} ({type(obj).__name__}) cannot be sent to spawned ranks: {e}. Build it "
+                "inside the function instead, pass plain data (tensors, numbers, paths), or use "
+                "start_method='fork' on Linux.") from e
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: Any
+    result: Connection
+    out_fd: int
+    err_fd: int
+    stack_path: str
+    message: tuple | None = None
+    exitcode: int | None = None
+    killed: bool = False
+    released: bool = False
+
+
+def _rank_env(rank: int, world_size: int, addr: str, port: int) -> dict[str, str]:
+    env = {
+        "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size,
+        "LOCAL_WORLD_SIZE": world_size, "GROUP_RANK": 0, "GROUP_WORLD_SIZE": 1,
+        "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world_size, "ROLE_NAME": "default",
+        "MASTER_ADDR": addr, "MASTER_PORT": port,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # torchrun's default
+        "PYTHONUNBUFFERED": "1",
+    }
+    return {k: str(v) for k, v in env.items()}
+
+
+def _kill(r: _Rank) -> None:
+    if r.process.exitcode is not None:
+        return
+    r.killed = True
+    for target in (lambda: os.killpg(r.process.pid, signal.SIGKILL),
+                   lambda: os.kill(r.process.pid, signal.SIGKILL)):
+        try:
+            target()
+            return
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def _start(ctx: Any, spec: _rank.RankSpec, payload: Any) -> _Rank:
+    result_parent, result_child = ctx.Pipe(duplex=True)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    out_conn, err_conn = Connection(out_w, readable=False), Connection(err_w, readable=False)
+    process = ctx.Process(target=_rank.rank_main, name=f"kit-rank-{spec.rank}",
+                          args=(spec, payload, result_child, out_conn, err_conn))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "fork() with threads" (3.12+)
+        process.start()
+    for conn in (result_child, out_conn, err_conn):
+        conn.close()
+    try:
+        os.setpgid(process.pid, process.pid)  # also done by the child: whoever runs first
+    except OSError:
+        pass
+    for fd in (out_r, err_r):
+        os.set_blocking(fd, False)
+    return _Rank(spec.rank, process, result_parent, out_r, err_r, spec.stack_path)
+
+
+def _describe_exit(r: _Rank) -> RankFailure | None:
+    kind = r.message[0] if r.message else None
+    took = r.message[2] if r.message else 0.0
+    if kind == _rank.OK and r.exitcode == 0:
+        return None
+    if kind == _rank.ERROR:
+        etype, text, tb = r.message[1]
+        summary = f"raised {etype}: {text}" if text else f"raised {etype}"
+        return RankFailure(r.rank, summary, tb, took, exception_type=etype, exitcode=r.exitcode)
+    if kind == _rank.EXIT:
+        return RankFailure(r.rank, f"called sys.exit({r.message[1]})", "", took, exitcode=r.exitcode)
+    code = r.exitcode
+    if code is not None and code < 0:
+        sig = signal.Signals(-code)
+        what = signal.strsignal(sig) or sig.name
+        return RankFailure(r.rank, f"was killed by signal {sig.name} ({what.lower()})",
+                           exitcode=code)
+    if kind == _rank.OK:
+        return RankFailure(r.rank, f"returned, then exited with code {code} while shutting down",
+                           exitcode=code)
+    return RankFailure(r.rank, f"exited with code {code} without returning "
+                               "(os._exit(), or a crash outside Python)", exitcode=code)
+
+
+def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
+              world_size: int = 4, backend: str = "gloo", timeout: float = 60.0,
+              start_method: str | None = None, echo: bool = True) -> LaunchResult:
+    """:func:`launch` with its options explicit; ``echo=False`` keeps rank output off the cell."""
+    kwargs = dict(kwargs or {})
+    method = _validate(fn, args, kwargs, world_size, backend, timeout, start_method)
+    import torch.distributed as dist
+
+    ctx = _mp().get_context(method)
+    payload = (fn, args, kwargs) if method == "fork" else cloudpickle.dumps((fn, args, kwargs))
+    tmp = tempfile.mkdtemp(prefix="kit-launch-")
+    addr = "127.0.0.1"
+    # The kernel hosts the rendezvous store: port 0 lets the OS pick a free port (no race), and a
+    # crashing rank 0 cannot take the store down with it.
+    store = dist.TCPStore(addr, 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    port = store.port
+    pg_timeout = max(2 * timeout, timeout + 30.0)  # the launcher's hang report must come first
+    output = RankOutput(world_size, echo=echo)
+    ranks: list[_Rank] = []
+    sel = selectors.DefaultSelector()
+    started = time.monotonic()
+    try:
+        for rank in range(world_size):
+            spec = _rank.RankSpec(rank, world_size, backend, addr, port, pg_timeout,
+                                  os.path.join(tmp, f"stack-{rank}.txt"), os.getpid(),
+                                  _rank_env(rank, world_size, addr, port))
+            r = _start(ctx, spec, payload)
+            ranks.append(r)
+            sel.register(r.out_fd, selectors.EVENT_READ, (r, "out"))
+            sel.register(r.err_fd, selectors.EVENT_READ, (r, "err"))
+            sel.register(r.result.fileno(), selectors.EVENT_READ, (r, "result"))
+            sel.register(r.process.sentinel, selectors.EVENT_READ, (r, "exit"))
+        failures, stacks = _supervise(ranks, sel, output, started, timeout)
+    except BaseException:
+        for r in ranks:  # KeyboardInterrupt (the stop button) or a launcher bug: leave nothing
+            _kill(r)
+        raise
+    finally:
+        for r in ranks:
+            _kill(r)
+            r.process.join()
+        _drain(ranks, output)
+        output.flush()
+        for r in ranks:
+            for fd in (r.out_fd, r.err_fd):
+                os.close(fd)
+            r.result.close()
+            r.process.close()
+        sel.close()
+        del store
+        shutil.rmtree(tmp, ignore_errors=True)
+    wall = time.monotonic() - started
+    outputs = [output.text(r) for r in range(world_size)]
+    if stacks is not None:
+        raise LaunchTimeout(_timeout_message(ranks, stacks, timeout, world_size), 
+                            {k: v.raw for k, v in stacks.items()}, outputs)
+    if failures:
+        for f in failures:  # a signal or a bare exit: the rank's last stderr lines say most
+            if not f.details and f.exception_type is None:
+                f.details = clean_fatal_error("\n".join(output.stderr_tails[f.rank][-30:]))
+        raise LaunchError(_failure_message(failures, ranks, world_size), failures, outputs)
+    values = [cloudpickle.loads(r.message[1]) for r in ranks]
+    durations = [float(r.message[2]) for r in ranks]
+    return LaunchResult(values, outputs, durations, wall, method)
+
+
+def _drain(ranks: list[_Rank], output: RankOutput) -> None:
+    for r in ranks:
+        for fd, stream in ((r.out_fd, "out"), (r.err_fd, "err")):
+            while True:
+                try:
+                    data = os.read(fd, 65536)
+                except (BlockingIOError, OSError):
+                    break
+                if not data:
+                    break
+                output.feed(r.rank, stream, data)
+
+
+def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutput,
+               started: float, timeout: float):
+    """Pump output and results until every rank exits; stop all on failure or timeout."""
+    deadline = started + timeout
+    failures: list[RankFailure] = []
+    stop_at: float | None = None
+    while any(r.exitcode is None for r in ranks):
+        now = time.monotonic()
+        if stop_at is not None and now >= stop_at:
+            for r in ranks:
+                _kill(r)
+        if stop_at is None and now >= deadline:
+            return failures, _collect_stacks(ranks, output)
+        wait = (stop_at if stop_at is not None else deadline) - now
+        for key, _ in sel.select(max(0.0, min(wait, 1.0))):
+            r, what = key.data
+            if what in ("out", "err"):
+                try:
+                    data = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if data:
+                    output.feed(r.rank, what, data)
+                else:
+                    sel.unregister(key.fd)
+            elif what == "result":
+                _receive(r, sel)
+            else:  # the process exited
+                sel.unregister(key.fd)
+                r.process.join()
+                r.exitcode = r.process.exitcode
+                _receive(r, sel)
+                failure = None if r.killed else _describe_exit(r)
+                if failure is not None:
+                    failure.after_s = time.monotonic() - started
+                    failures.append(failure)
+                    if stop_at is None:
+                        stop_at = time.monotonic() + STOP_GRACE_S
+        if stop_at is None and all(r.message and r.message[0] == _rank.OK for r in ranks):
+            for r in ranks:  # everyone returned: let them tear the group down and exit
+                if not r.released:
+                    r.released = True
+                    try:
+                        r.result.send_bytes(b"release")
+                    except OSError:
+                        pass
+            deadline = max(deadline, time.monotonic() + EXIT_WAIT_S)
+    return failures, None
+
+
+def _receive(r: _Rank, sel: selectors.BaseSelector) -> None:
+    try:
+        while r.message is None and r.result.poll():
+            r.message = cloudpickle.loads(r.result.recv_bytes())
+    except (EOFError, OSError):
+        pass
+    if r.message is not None or r.exitcode is not None:
+        try:
+            sel.unregister(r.result.fileno())
+        except (KeyError, ValueError, OSError):
+            pass
+
+
+def _collect_stacks(ranks: list[_Rank], output: RankOutput) -> dict[int, hang.RankStack]:
+    """Ask every rank still working for its stack (faulthandler on SIGUSR1), then parse them."""
+    waiting = [r for r in ranks if r.exitcode is None and not (r.message and r.message[0] == _rank.OK)]
+    for r in waiting:
+        try:
+            os.kill(r.process.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + STACK_WAIT_S
+    sizes: dict[int, int] = {}
+    while time.monotonic() < end:
+        now = {r.rank: _size(r.stack_path) for r in waiting}
+        if all(now.values()) and now == sizes:
+            break
+        sizes = now
+        time.sleep(0.05)
+    for r in ranks:
+        _kill(r)
+    stacks = {}
+    for r in waiting:
+        try:
+            with open(r.stack_path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        if text:
+            stacks[r.rank] = hang.parse_dump(r.rank, text)
+    return stacks
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "Socket closed", "Connection refused")
+
+
+def _is_consequence(f: RankFailure, first: RankFailure) -> bool:
+    """A peer's failure that only reports the first one (gloo noticing a vanished peer)."""
+    return f is not first and f.exception_type is not None and any(
+        m in f.summary for m in _PEER_GONE)
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _failure_message(failures: list[RankFailure], ranks: list[_Rank], world_size: int) -> str:
+    first = failures[0]
+    causes = [f for f in failures if not _is_consequence(f, first)]
+    echoes = [f for f in failures if _is_consequence(f, first)]
+    head = ", ".join(f"rank {f.rank}" for f in causes)
+    if len(causes) == 1:
+        lines = [f"rank {first.rank} of {world_size} failed, {first.after_s:.2f} s after launch."]
+    else:
+        lines = [f"{head} failed ({len(causes)} of {world_size} ranks); rank {first.rank} failed "
+                 f"first, {first.after_s:.2f} s after launch."]
+    for f in causes:
+        lines += ["", f"rank {f.rank} {f.summary}"]
+        if f.details:
+            lines.append(_indent(f.details.rstrip()))
+    if echoes:
+        lines += ["", f"{hang._ranks([f.rank for f in echoes])} then failed because a peer was gone "
+                  f"(a consequence, not a cause): {_first_line(echoes[0].summary)}"]
+    failed = {f.rank for f in failures}
+    stopped = [r.rank for r in ranks if r.killed and r.rank not in failed
+               and not (r.message and r.message[0] == _rank.OK)]
+    returned = [r.rank for r in ranks if r.message and r.message[0] == _rank.OK
+                and r.rank not in failed]
+    if returned:
+        lines += ["", f"{hang._ranks(returned)} had returned normally."]
+    if stopped:
+        lines += ["", f"{hang._ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped "
+                  "by the launcher."]
+    return "\n".join(lines).rstrip()
+
+
+def clean_fatal_error(text: str) -> str:
+    """Trim a faulthandler crash report to the rank's own frames (a forked rank's stack also
+    shows the kernel frames it was forked from, below ``rank_main``)."""
+    kept, skipping = [], False
+    for line in text.splitlines():
+        if line.startswith("Extension modules:"):
+            continue
+        if skipping and line.strip().startswith("File "):
+            continue
+        skipping = False
+        kept.append(line)
+        if "in rank_main" in line:
+            kept.pop()
+            skipping = True
+    return "\n".join(kept).strip()
+
+
+def _timeout_message(ranks: list[_Rank], stacks: dict[int, hang.RankStack], timeout: float,
+                     world_size: int) -> str:
+    returned = [r.rank for r in ranks if r.message and r.message[0] == _rank.OK]
+    lines = [f"Timed out after {timeout:g} s: the ranks did not finish.",
+             hang.diagnose(stacks, returned, world_size), ""]
+    for r in ranks:
+        if r.rank in returned:
+            lines.append(f"  rank {r.rank}: returned from the function after {r.message[2]:.2f} s")
+        elif r.rank in stacks:
+            lines.append(f"  rank {r.rank}: {stacks[r.rank].describe()}")
+        else:
+            lines.append(f"  rank {r.rank}: no stack (it did not answer)")
+    for rank, st in sorted(stacks.items()):
+        lines += ["", f"rank {rank} stack (most recent call last):"]
+        for f in reversed(st.shown_frames()):
+            lines.append(f'  File "{f.file}", line {f.line}, in {f.func}')
+            if f.source:
+                lines.append(f"    {f.source}")
+    return "\n".join(lines)
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
