@@ -1,0 +1,145 @@
+"""Checks for Lesson 00, "Launching ranks from a notebook": tasks 0.1 and 0.2.
+
+Task 0.1 ``shard_range`` is checked against ``torch.tensor_split`` (torch's own balanced
+split). Task 0.2 ``global_mean`` runs on real ranks through :func:`kit.launch`; its expected
+value is computed in one process as the mean of the concatenation of every rank's data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autograder.registry import CheckFailed, task
+
+# --------------------------------------------------------------------------- task 0.1
+
+
+def _reference_shard_range(n: int, rank: int, world_size: int) -> range:
+    # torch.tensor_split gives the first n % world_size sections one extra element.
+    sizes = [len(s) for s in torch.tensor_split(torch.arange(n), world_size)]
+    start = sum(sizes[:rank])
+    return range(start, start + sizes[rank])
+
+
+SHARD = task(
+    "0.1", "shard_range", points=2, reference=_reference_shard_range,
+    hint="Each rank gets n // world_size items; the first n % world_size ranks get one more, "
+         "and rank r starts where rank r - 1 stopped.",
+)
+
+
+def _all_shards(shard_range: Any, pairs: list[tuple[int, int]]) -> dict[str, list[list[int]]]:
+    """``{"n=10, world_size=4": [items of rank 0, items of rank 1, ...]}`` for every pair."""
+    return {f"n={n}, world_size={ws}": [list(shard_range(n, r, ws)) for r in range(ws)]
+            for n, ws in pairs}
+
+
+def _compare_shards(got: Any, expected: dict[str, list[list[int]]]) -> None:
+    if not isinstance(got, dict) or set(got) != set(expected):
+        raise CheckFailed("the shards could not be collected", expected="a list of items per rank",
+                          got=repr(got)[:200])
+    for key, want in expected.items():
+        for rank, (g, e) in enumerate(zip(got[key], want)):
+            if g != e:
+                raise CheckFailed(f"{key}: rank {rank} gets the wrong items", expected=e, got=g)
+
+
+def _shard_case(name: str, pairs: list[tuple[int, int]], hint: str = "") -> None:
+    def run(shard_range: Any, seed: int) -> dict[str, list[list[int]]]:
+        return _all_shards(shard_range, pairs)
+
+    SHARD.case(name, compare=_compare_shards, hint=hint)(run)
+
+
+_shard_case("12 items on 4 ranks (an even split)", [(12, 4)])
+_shard_case("10 items on 4 ranks (ranks 0 and 1 get one extra)", [(10, 4)],
+            hint="The remainder goes to the *first* n % world_size ranks, not the last.")
+_shard_case("3 items on 5 ranks (more ranks than items)", [(3, 5)],
+            hint="Ranks past the last item get an empty range.")
+_shard_case("every n from 0 to 40 on 1 to 8 ranks",
+            [(n, ws) for n in range(41) for ws in range(1, 9)])
+
+
+@SHARD.case("returns a range object",
+            hint="Return range(start, stop), not a list: a range costs no memory for any n.")
+def _(shard_range: Any, seed: int) -> str:
+    return type(shard_range(10, 1, 4)).__name__
+
+
+# --------------------------------------------------------------------------- task 0.2
+
+MEAN = task(
+    "0.2", "global_mean", points=3,
+    hint="all_reduce the local sum and the local element count, then divide. Averaging the "
+         "per-rank means is wrong as soon as ranks hold different numbers of elements.",
+)
+
+
+def _local_blocks(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Each rank's data: float32 blocks of the given shapes, centred on different values."""
+    g = torch.Generator().manual_seed(seed)
+    # The per-rank offset makes the mean of means differ clearly from the true mean.
+    return [torch.randn(shape, generator=g) + 3.0 * rank for rank, shape in enumerate(shapes)]
+
+
+def _plain(x: Any) -> Any:
+    """What a rank returned, as plain data the trusted side can compare."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return f"<a {type(x).__name__} object>"
+
+
+def _mean_on_rank(global_mean: Any, seed: int, shapes: list[tuple[int, ...]]) -> Any:
+    import torch.distributed as dist
+
+    local = _local_blocks(seed, shapes)[dist.get_rank()]
+    return _plain(global_mean(local))
+
+
+def _expected_means(seed: int, shapes: list[tuple[int, ...]]) -> list[float]:
+    # Trusted and independent of any collective: one process, the concatenation of all data.
+    everything = torch.cat([b.reshape(-1).double() for b in _local_blocks(seed, shapes)])
+    return [everything.mean().item()] * len(shapes)
+
+
+def _compare_means(got: Any, expected: list[float]) -> None:
+    if not isinstance(got, list) or len(got) != len(expected):
+        raise CheckFailed("expected one result per rank", expected=len(expected), got=repr(got)[:200])
+    for rank, (g, e) in enumerate(zip(got, expected)):
+        if not isinstance(g, torch.Tensor):
+            raise CheckFailed(f"rank {rank} returned {g!r}, not a tensor", expected="a 0-d tensor",
+                              got=g, hint="Return a tensor, e.g. total / count, not .item().")
+        if g.numel() != 1:
+            raise CheckFailed(f"rank {rank} returned a tensor of shape {tuple(g.shape)}, not a single "
+                              "value", expected="a 0-d tensor, like torch.mean returns",
+                              got=f"shape {tuple(g.shape)}")
+        value = g.double().item()
+        if not abs(value - e) <= 1e-5 * max(1.0, abs(e)):
+            raise CheckFailed(f"rank {rank} returned the wrong mean", expected=round(e, 6),
+                              got=round(value, 6) if value == value else value)
+
+
+def _mean_case(name: str, shapes: list[tuple[int, ...]], hint: str = "") -> None:
+    def run(global_mean: Any, seed: int) -> list[Any]:
+        import kit
+
+        return list(kit.launch(_mean_on_rank, global_mean, seed, shapes,
+                               world_size=len(shapes), timeout=20.0))
+
+    MEAN.case(name, compare=_compare_means, hint=hint,
+              expect=lambda seed: _expected_means(seed, shapes))(run)
+
+
+_mean_case("4 ranks holding 6 elements each", [(6,)] * 4)
+_mean_case("4 ranks holding 5, 1, 3 and 8 elements", [(5,), (1,), (3,), (8,)],
+           hint="Weight each rank by how many elements it holds: sum and count, not mean.")
+_mean_case("3 ranks, one of them empty (4, 0 and 7 elements)", [(4,), (0,), (7,)],
+           hint="An empty rank has sum 0 and count 0 and must still join every collective; "
+                "the mean of an empty tensor is nan.")
+_mean_case("2 ranks holding 2-D blocks (3x4 and 1x4)", [(3, 4), (1, 4)],
+           hint="Count elements with local.numel() (len(local) counts rows) and weight each rank "
+                "by its count.")
