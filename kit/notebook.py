@@ -322,6 +322,7 @@ def load_tasks(path: str | os.PathLike[str], *, lesson: int | None = None) -> Mo
         NotebookError: the file is missing or unreadable, or its lesson cannot be told.
     """
     path = Path(path)
+    cells = read_cells(path)
     lesson = lesson_of(path) if lesson is None else lesson
     if lesson is None:
         raise NotebookError(f"cannot tell which lesson {path.name} belongs to: name it "
@@ -330,7 +331,6 @@ def load_tasks(path: str | os.PathLike[str], *, lesson: int | None = None) -> Mo
     if not tasks:
         raise NotebookError(f"lesson {lesson:02d} has no registered tasks "
                             f"(autograder/lesson{lesson:02d}.py); nothing to load from {path.name}.")
-    cells = read_cells(path)
     report = LoadReport(path, lesson)
     chunks = _setup_chunks(cells, report)
     for task in tasks:

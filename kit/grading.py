@@ -1,0 +1,145 @@
+"""``kit grade NOTEBOOK``: grade one notebook's tasks with the same checks students run.
+
+    kit grade lessons/00_launching_ranks.ipynb              lesson taken from the file name
+    kit grade alice.ipynb --lessons 00,01 --json alice.json
+
+The graded code is loaded with :func:`kit.notebook.load_tasks` (setup and solution cells only,
+found by tag or by name, demos never run) and every task of the lesson is checked with
+:func:`kit.checking.run_checks`. Prints a per-task score table and writes JSON. The submission
+itself is only read. :func:`grade_notebook` is the unit the batch grader runs per submission.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autograder.registry import lesson_tasks
+from kit.checking import ERROR, CaseResult, TaskReport, run_checks, stderr_to_stdout
+from kit.notebook import LoadReport, NotebookError, lesson_of, load_tasks
+
+__all__ = ["GradeReport", "grade_notebook", "main"]
+
+OUTPUT_LIMIT = 4000  # characters of captured output kept per task in the JSON
+
+
+@dataclass
+class GradeReport:
+    """The grade of one notebook: every task of the graded lessons, and what could not be loaded."""
+
+    notebook: Path
+    lessons: list[int]
+    tasks: list[TaskReport] = field(default_factory=list)
+    loads: list[LoadReport] = field(default_factory=list)
+    outputs: dict[str, str] = field(default_factory=dict)  # task id -> what its checks printed
+
+    @property
+    def score(self) -> float:
+        return sum(t.score for t in self.tasks)
+
+    @property
+    def max_score(self) -> float:
+        return sum(t.max_score for t in self.tasks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "notebook": str(self.notebook),
+            "lessons": [f"{n:02d}" for n in self.lessons],
+            "score": round(self.score, 6),
+            "max_score": self.max_score,
+            "tasks": [{**t.to_dict(), "output": self.outputs.get(t.task_id, "")} for t in self.tasks],
+            "load": [{"lesson": f"{r.lesson:02d}", "found": r.found, "missing": r.missing,
+                      "notes": r.notes} for r in self.loads],
+        }
+
+    def table(self) -> str:
+        width = max([len(t.name) for t in self.tasks] + [4])
+        lines = [f"{'task':<6}{'name':<{width + 2}}{'score':>11}  status"]
+        for t in self.tasks:
+            score = f"{t.score:.4g}/{t.max_score:.4g}"
+            lines.append(f"{t.task_id:<6}{t.name:<{width + 2}}{score:>11}  {t.status}")
+        lines.append(f"{'total':<{width + 8}}{f'{self.score:.4g}/{self.max_score:.4g}':>11}")
+        for report in self.loads:
+            lines += [f"missing {tid}: {why}" for tid, why in report.missing.items()]
+            lines += [f"note: {note}" for note in report.notes]
+        return "\n".join(lines)
+
+
+def _missing_task(task_id: str, name: str, cases: list[tuple[str, float]], why: str) -> TaskReport:
+    message = f"not found in the notebook: {why}"
+    return TaskReport(task_id, name, [CaseResult(case, ERROR, 0.0, points, message) for case, points in cases])
+
+
+def grade_notebook(path: str | Path, *, lessons: list[int] | None = None, seed: int = 0) -> GradeReport:
+    """Check every task of ``lessons`` (default: the lesson in the file name) in ``path``.
+
+    Raises:
+        NotebookError: missing or unreadable file, or no lesson given nor in the file name.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise NotebookError(f"no such notebook: {path}")
+    if lessons is None:
+        lesson = lesson_of(path)
+        if lesson is None:
+            raise NotebookError(f"cannot tell which lesson {path.name} is: name it NN_slug.ipynb "
+                                "or pass --lessons 00")
+        lessons = [lesson]
+    report = GradeReport(path, lessons)
+    for lesson in lessons:
+        module = load_tasks(path, lesson=lesson)
+        load: LoadReport = module.__load_report__
+        report.loads.append(load)
+        for task in lesson_tasks(lesson):
+            impl = getattr(module, task.name, None)
+            if task.id in load.missing or impl is None:
+                cases = [(c.name, task.case_points(c)) for c in task.cases]
+                report.tasks.append(_missing_task(task.id, task.name, cases,
+                                                  load.missing.get(task.id, "no definition")))
+                continue
+            buffer = io.StringIO()
+            # The student's prints and rank output go to the JSON, not between the table rows.
+            with contextlib.redirect_stdout(buffer), stderr_to_stdout():
+                report.tasks.append(run_checks(task.id, impl, seed=seed))
+            report.outputs[task.id] = buffer.getvalue()[-OUTPUT_LIMIT:]
+    return report
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kit grade", description="Grade a notebook's tasks.")
+    parser.add_argument("notebook", help="a student's .ipynb (or a solutions/NN_slug.py source)")
+    parser.add_argument("--lessons", help="lessons to grade, e.g. 00,01 (default: from the file name)")
+    parser.add_argument("--json", dest="json_path",
+                        help="where to write the JSON report (default: grading-out/<name>.json; - for stdout)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the checks' data (default 0)")
+    args = parser.parse_args(argv)
+    from kit.build import BuildError, parse_lessons
+
+    path = Path(args.notebook)
+    out = Path(args.json_path) if args.json_path and args.json_path != "-" else \
+        Path("grading-out") / f"{path.stem}.json"
+    if args.json_path != "-" and out.resolve() == path.resolve():
+        print(f"kit grade: --json would overwrite the submission {path}", file=sys.stderr)
+        return 2
+    try:
+        lessons = parse_lessons(args.lessons) if args.lessons else None
+        report = grade_notebook(path, lessons=lessons, seed=args.seed)
+    except (NotebookError, BuildError) as e:
+        print(f"kit grade: {e}", file=sys.stderr)
+        return 2
+    print(f"kit grade: {path} (lesson {', '.join(f'{n:02d}' for n in report.lessons)})")
+    print(report.table())
+    text = json.dumps(report.to_dict(), indent=2)
+    if args.json_path == "-":
+        print(text)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n", encoding="utf-8")
+        print(f"wrote {out}")
+    return 0

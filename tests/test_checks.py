@@ -1,0 +1,228 @@
+"""Every registered check can fail: it passes on the solution, fails on the stub and on every
+seeded bug. Parametrized over all tasks of all lessons, so a new lesson is covered by adding
+its source, its checks and its seeded bugs (tests/bugs/lessonNN.py).
+
+Also: what check() shows a student and how nbgrader reads its score.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+from nbformat.v4 import new_code_cell, new_output
+from nbgrader.utils import determine_grade
+
+from autograder.registry import get_task, lesson_tasks
+from kit.checking import ERROR, FAILED, NOT_IMPLEMENTED, check, run_checks
+from kit.notebook import lesson_of, load_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {lesson_of(p): p for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}
+CHECKED_LESSONS = sorted(set(SOURCES) | {int(p.stem[6:]) for p in (ROOT / "autograder").glob("lesson[0-9][0-9].py")})
+TASK_IDS = [t.id for lesson in CHECKED_LESSONS for t in lesson_tasks(lesson)]
+
+
+@functools.cache
+def solutions(lesson: int):
+    assert lesson in SOURCES, f"lesson {lesson:02d} has checks but no solutions/{lesson:02d}_*.py"
+    return load_tasks(SOURCES[lesson])
+
+
+@functools.cache
+def stubs(lesson: int):
+    assert lesson in SOURCES, f"lesson {lesson:02d} has checks but no solutions/{lesson:02d}_*.py"
+    notebook = ROOT / "lessons" / f"{SOURCES[lesson].stem}.ipynb"
+    assert notebook.exists(), f"{notebook.name} is missing: run `kit build`"
+    return load_tasks(notebook)
+
+
+def seeded_bugs(lesson: int) -> dict:
+    try:
+        return importlib.import_module(f"bugs.lesson{lesson:02d}").BUGS
+    except ModuleNotFoundError:
+        return {}
+
+
+def test_every_lesson_registers_tasks():
+    assert TASK_IDS, "no task is registered"
+    for lesson in SOURCES:
+        assert lesson_tasks(lesson), f"solutions/ has lesson {lesson:02d} but it registers no task"
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_solution_passes_every_case(task_id):
+    task = get_task(task_id)
+    module = solutions(task.lesson)
+    assert task.id in module.__load_report__.found, str(module.__load_report__)
+    report = run_checks(task_id, getattr(module, task.name))
+    assert report.passed, report.to_text()
+    assert report.score == pytest.approx(task.points)
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_stub_fails_as_not_implemented(task_id):
+    task = get_task(task_id)
+    report = run_checks(task_id, getattr(stubs(task.lesson), task.name))
+    assert report.score == 0
+    assert report.status == NOT_IMPLEMENTED, report.to_text()
+    assert f"Task {task_id}:" in report.cases[0].message
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_every_seeded_bug_fails(task_id):
+    task = get_task(task_id)
+    bugs = seeded_bugs(task.lesson).get(task_id, [])
+    assert bugs, f"task {task_id} has no seeded bug: add one to tests/bugs/lesson{task.lesson:02d}.py"
+    for description, impl in bugs:
+        report = run_checks(task_id, impl)
+        assert not report.passed, f"seeded bug {description!r} of task {task_id} passes every check"
+        assert report.status != NOT_IMPLEMENTED
+        assert report.score < task.points
+
+
+@pytest.mark.parametrize("lesson", CHECKED_LESSONS)
+def test_seeded_bugs_name_registered_tasks(lesson):
+    registered = {t.id for t in lesson_tasks(lesson)}
+    assert set(seeded_bugs(lesson)) <= registered
+
+
+# --------------------------------------------------------------------------- what students see
+
+
+def _global_mean_of_means():
+    return dict(seeded_bugs(0)["0.2"])["averages the per-rank means"]
+
+
+def test_mean_of_means_gets_partial_credit_with_expected_got_and_hint():
+    report = run_checks("0.2", _global_mean_of_means())
+    # Equal shards hide the bug; uneven, empty and 2-D shards expose it.
+    assert [c.status for c in report.cases] == ["passed", FAILED, FAILED, FAILED]
+    assert report.score == pytest.approx(0.75)
+    uneven = report.cases[1]
+    assert uneven.expected is not None and uneven.got is not None and uneven.expected != uneven.got
+    assert "count" in uneven.hint
+
+
+def test_nbgrader_reads_the_report_as_the_cells_partial_score():
+    report = run_checks("0.2", _global_mean_of_means())
+    cell = new_code_cell("check('0.2', global_mean)", metadata={"nbgrader": {
+        "grade": True, "solution": False, "points": 3, "grade_id": "check-0-2"}})
+    cell.outputs = [new_output("execute_result", data={"text/plain": repr(report),
+                                                      "text/html": report._repr_html_()},
+                               execution_count=1)]
+    assert determine_grade(cell) == (pytest.approx(0.75), 3.0)
+
+
+def test_html_feedback_escapes_and_shows_every_case():
+    report = run_checks("0.1", dict(seeded_bugs(0)["0.1"])["gives the remainder to the last ranks"])
+    page = report._repr_html_()
+    for case in report.cases:
+        assert case.name in page
+    assert "expected" in page and "Hint:" in page
+    assert "<script" not in page
+
+
+def test_check_prints_text_feedback_in_a_terminal(capsys):
+    report = check("0.1", dict(seeded_bugs(0)["0.1"])["stops one item early (off by one)"])
+    out = capsys.readouterr().out
+    assert out.startswith("Task 0.1 shard_range:")
+    assert "[FAIL]" in out and "expected:" in out and "got:" in out
+    assert repr(report) == repr(round(report.score, 6))
+
+
+def _noisy_shard_range(n, rank, world_size):
+    print("to stderr", file=sys.stderr)
+    os.write(2, b"to fd 2\n")
+    raise NotImplementedError("Task 0.1: not yet")
+
+
+def test_check_never_writes_to_stderr(capfd):
+    report = check("0.1", _noisy_shard_range)
+    captured = capfd.readouterr()
+    assert captured.err == ""
+    assert "to stderr" in captured.out and "to fd 2" in captured.out
+    assert report.status == NOT_IMPLEMENTED
+
+
+def test_stub_feedback_says_not_implemented_and_runs_once():
+    calls = []
+
+    def stub(n, rank, world_size):
+        calls.append(n)
+        raise NotImplementedError("Task 0.1: Return the contiguous range")
+
+    report = run_checks("0.1", stub)
+    assert len(calls) == 1
+    assert "not implemented yet" in report.to_text()
+    assert "Task 0.1: Return the contiguous range" in report.to_text()
+
+
+def test_student_exception_shows_the_students_frame_not_the_graders():
+    def shard_range(n, rank, world_size):
+        return range(n // (world_size - world_size))
+
+    report = run_checks("0.1", shard_range)
+    case = report.cases[0]
+    assert case.status == ERROR
+    assert case.message.startswith("raised ZeroDivisionError")
+    assert "return range(n // (world_size - world_size))" in case.details
+    assert "autograder" not in case.details and "checking.py" not in case.details
+
+
+def _crash_on_rank_1(local):
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    return local.mean()
+
+
+def test_a_crashing_rank_is_reported_by_rank():
+    report = run_checks("0.2", _crash_on_rank_1)
+    assert report.score == 0
+    first = report.cases[0]
+    assert first.status == ERROR
+    assert "rank 1" in first.message and "ValueError" in first.message
+
+
+def test_not_a_function_gets_a_friendly_message():
+    report = run_checks("0.1", None)
+    assert report.score == 0
+    assert "run the cell that defines shard_range first" in report.cases[0].message
+
+
+def test_unknown_task_id_names_the_known_ones():
+    with pytest.raises(KeyError, match=re.escape("known tasks")):
+        check("0.99", lambda: None)
+
+
+# --------------------------------------------------------------------------- the oracles
+
+
+@given(st.integers(0, 5000), st.integers(1, 64))
+def test_reference_shard_range_is_a_balanced_exact_cover(n, world_size):
+    from autograder.lesson00 import _reference_shard_range
+
+    shards = [_reference_shard_range(n, r, world_size) for r in range(world_size)]
+    assert [i for s in shards for i in s] == list(range(n))
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the extra items go to the first ranks
+
+
+def test_expected_global_mean_is_the_mean_of_the_concatenation():
+    from autograder.lesson00 import _expected_means, _local_blocks
+
+    shapes = [(4,), (0,), (7,)]
+    blocks = _local_blocks(3, shapes)
+    want = torch.cat(blocks).double().mean().item()
+    assert _expected_means(3, shapes) == pytest.approx([want] * 3)
+    assert blocks[1].numel() == 0
