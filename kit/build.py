@@ -252,9 +252,10 @@ def build_lessons(root: Path, *, check: bool = False) -> list[str]:
         if current == text:
             continue
         if check:
-            state = "is missing" if current is None else "is stale"
-            problems.append(f"{out.relative_to(root)} {state}: it is not what "
-                            f"{src.relative_to(root)} builds. Run `kit build` and commit lessons/.")
+            rel_out, rel_src = out.relative_to(root), src.relative_to(root)
+            why = (f"is missing (built from {rel_src})" if current is None
+                   else f"is stale: it differs from what {rel_src} builds")
+            problems.append(f"{rel_out} {why}. Run `kit build` and commit lessons/.")
         else:
             lessons.mkdir(exist_ok=True)
             out.write_text(text, encoding="utf-8")
