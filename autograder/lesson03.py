@@ -1,0 +1,471 @@
+"""Checks for Lesson 03, "The data plane": tasks 3.1, 3.2 and 3.3.
+
+Task 3.1 ``ShardSampler`` is compared index for index with torch's own
+``torch.utils.data.DistributedSampler``, on fixed cases and on a hypothesis search over
+dataset lengths, replicas, ranks, shuffle, seeds, ``drop_last`` and epochs. Task 3.2
+``seed_worker`` runs as the ``worker_init_fn`` of real ``DataLoader`` workers on two real
+ranks, two epochs each; its streams must be distinct and reproducible (a property: no
+reference). Task 3.3 ``gather_unpadded`` runs on real ranks; its result must equal the
+single-process data in dataset order.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from autograder.registry import CheckFailed, assert_same, task
+
+# --------------------------------------------------------------------------- task 3.1
+
+SAMPLER = task(
+    "3.1", "ShardSampler", points=4, reference=DistributedSampler,
+    hint="num_samples = ceil(len / num_replicas) (with drop_last and an uneven split: "
+         "ceil((len - num_replicas) / num_replicas)); pad by repeating indices from the start "
+         "(wrapping around as often as needed) up to num_samples * num_replicas, or cut to it "
+         "with drop_last; rank r takes indices[r::num_replicas]. Shuffle with "
+         "torch.randperm(len, generator=g), g seeded with seed + epoch.",
+)
+
+
+def _as_index(x: Any) -> Any:
+    """An index as a plain int; anything else as its repr, so the comparison names it."""
+    if isinstance(x, bool):
+        return repr(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_floating_point():
+        return int(x)
+    return f"<{type(x).__name__} {x!r}>"[:80]
+
+
+def _describe_sampler(n: int, replicas: int, rank: int, shuffle: bool, seed: int,
+                      drop_last: bool) -> str:
+    return (f"ShardSampler(range({n}), num_replicas={replicas}, rank={rank}, shuffle={shuffle}, "
+            f"seed={seed}, drop_last={drop_last})")
+
+
+def _sampler_streams(impl: Any, n: int, replicas: int, shuffle: bool, seed: int,
+                     drop_last: bool, epochs: list[int]) -> dict[str, Any]:
+    """``{describe(rank): {"len": len(sampler), "epoch e": [indices], ...}}`` for every rank."""
+    out: dict[str, Any] = {}
+    for rank in range(replicas):
+        sampler = impl(range(n), num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
+                       drop_last=drop_last)
+        entry: dict[str, Any] = {"len": int(len(sampler))}
+        for epoch in epochs:
+            sampler.set_epoch(epoch)
+            entry[f"epoch {epoch}"] = [_as_index(i) for i in sampler]
+        out[_describe_sampler(n, replicas, rank, shuffle, seed, drop_last)] = entry
+    return out
+
+
+def _compare_streams(got: Any, expected: dict[str, Any]) -> None:
+    if not isinstance(got, dict) or set(got) != set(expected):
+        raise CheckFailed("the sampler's indices could not be collected",
+                          expected="indices for every rank", got=repr(got)[:200])
+    for where, want in expected.items():
+        have = got[where]
+        if not isinstance(have, dict) or set(have) != set(want):
+            raise CheckFailed(f"{where}: results are missing", expected=sorted(want), got=repr(have)[:200])
+        for key in sorted(want, key=lambda k: (k != "len", k)):
+            if have[key] != want[key]:
+                what = "len(sampler)" if key == "len" else f"indices in {key}"
+                raise CheckFailed(f"{where}: wrong {what}", expected=want[key], got=have[key])
+
+
+def _sampler_case(name: str, grid: list[tuple[int, int, bool, int, bool, list[int]]],
+                  hint: str = "", weight: float = 1.0) -> None:
+    def run(impl: Any, seed: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for n, replicas, shuffle, s, drop_last, epochs in grid:
+            out.update(_sampler_streams(impl, n, replicas, shuffle, s, drop_last, epochs))
+        return out
+
+    SAMPLER.case(name, compare=_compare_streams, hint=hint, weight=weight)(run)
+
+
+_sampler_case("10 items on 4 replicas, no shuffle (2 padded indices)",
+              [(10, 4, False, 0, False, [0])],
+              hint="12 = 3 * 4 slots for 10 items: the 2 missing slots repeat indices 0 and 1, "
+                   "then rank r takes every 4th index starting at r.")
+_sampler_case("3 items on 8 replicas (the padding wraps around the dataset)",
+              [(3, 8, False, 0, False, [0]), (1, 3, True, 5, False, [0, 1])],
+              hint="With fewer items than replicas the padding repeats the whole index list "
+                   "as many times as needed, then cuts it to num_samples * num_replicas.")
+_sampler_case("10 items on 4 replicas with drop_last (the uneven tail is dropped)",
+              [(10, 4, False, 0, True, [0]), (10, 4, True, 3, True, [0, 1]), (3, 4, False, 0, True, [0])],
+              hint="With drop_last each rank gets floor(len / num_replicas) items: the tail of the "
+                   "(shuffled) list is dropped, nothing is padded.")
+_sampler_case("shuffle from seed + epoch, over epochs 0-3 (set_epoch)",
+              [(23, 4, True, 0, False, [0, 1, 2, 3]), (23, 4, True, 7, False, [0, 3])],
+              hint="Seed a fresh torch.Generator with seed + epoch on every __iter__ and use "
+                   "torch.randperm(len(dataset), generator=g).tolist(); set_epoch only stores epoch.")
+
+
+@SAMPLER.case("defaults num_replicas and rank to the process group (3 real ranks)",
+              hint="num_replicas=None means dist.get_world_size(); rank=None means dist.get_rank().")
+def _(impl: Any, seed: int) -> list[Any]:
+    from kit.launcher import run_ranks
+
+    def on_rank(impl: Any) -> Any:
+        sampler = impl(range(10), shuffle=True, seed=seed)
+        return [_as_index(i) for i in sampler]
+
+    return list(run_ranks(on_rank, (impl,), world_size=3, timeout=20.0, echo=False))
+
+
+# A hypothesis search over every parameter. The search runs next to the student's code (it
+# needs torch's sampler to find and shrink a counterexample), and every example it tried comes
+# back as plain data that the trusted side checks again against torch's DistributedSampler.
+SEARCH_EXAMPLES = 120
+
+
+def _search(impl: Any, seed: int) -> dict[str, Any]:
+    from hypothesis import HealthCheck, Verbosity, example, given, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis import strategies as st
+
+    # A plain call first, outside hypothesis, so an unimplemented stub fails with its own message.
+    _sampler_streams(impl, 10, 4, True, 0, False, [0])
+    tried: list[dict[str, Any]] = []
+    failing: list[dict[str, Any]] = []
+
+    # Half the lengths are at most 2 * replicas: datasets smaller than the replicas and padding
+    # longer than the dataset (N < W / 2) are the corners where samplers go wrong.
+    sizes = st.integers(1, 8).flatmap(
+        lambda w: st.tuples(st.integers(0, 2 * w) | st.integers(0, 200), st.just(w)))
+
+    @settings(max_examples=SEARCH_EXAMPLES, deadline=None, database=None,
+              verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))
+    @hypothesis_seed(seed)
+    # The corners first, as explicit examples, so that every search covers them.
+    @example(sizes=(1, 3), shuffle=False, s=0, drop_last=False, epochs=[0])
+    @example(sizes=(2, 8), shuffle=True, s=1, drop_last=False, epochs=[0, 1])
+    @example(sizes=(0, 4), shuffle=True, s=0, drop_last=False, epochs=[0])
+    @example(sizes=(3, 8), shuffle=True, s=2, drop_last=True, epochs=[1])
+    @given(sizes=sizes, shuffle=st.booleans(), s=st.integers(0, 2**31 - 1), drop_last=st.booleans(),
+           epochs=st.lists(st.integers(0, 1000), min_size=1, max_size=3, unique=True))
+    def search(sizes: tuple[int, int], shuffle: bool, s: int, drop_last: bool,
+               epochs: list[int]) -> None:
+        n, replicas = sizes
+        record: dict[str, Any] = {"params": [n, replicas, shuffle, s, drop_last, epochs]}
+        try:
+            record["got"] = _sampler_streams(impl, n, replicas, shuffle, s, drop_last, epochs)
+        except Exception as e:  # noqa: BLE001 - the student's error becomes the finding
+            record["error"] = f"{type(e).__name__}: {e}"[:300]
+        tried.append(record)
+        if "error" in record or record["got"] != _sampler_streams(
+                DistributedSampler, n, replicas, shuffle, s, drop_last, epochs):
+            failing.append(record)
+            raise AssertionError("differs from DistributedSampler")
+
+    try:
+        search()
+    except AssertionError:
+        pass  # hypothesis replays the shrunk (smallest) counterexample last: failing[-1]
+    return {"smallest failure": failing[-1] if failing else None, "tried": tried}
+
+
+def _compare_search(got: Any, expected: None) -> None:
+    if not isinstance(got, dict) or not isinstance(got.get("tried"), list):
+        raise CheckFailed("the search's examples could not be collected", got=repr(got)[:200])
+    records = ([got["smallest failure"]] if got.get("smallest failure") else []) + got["tried"]
+    if got.get("smallest failure") is None and len(records) < SEARCH_EXAMPLES // 2:
+        raise CheckFailed(f"the search tried only {len(records)} examples",
+                          expected=f"at least {SEARCH_EXAMPLES // 2}", got=len(records))
+    for record in records:
+        n, replicas, shuffle, s, drop_last, epochs = record["params"]
+        if "error" in record:
+            raise CheckFailed(f"{_describe_sampler(n, replicas, 0, shuffle, s, drop_last)} "
+                              f"(or another rank) raised {record['error']}",
+                              expected="the indices DistributedSampler yields", got=record["error"])
+        _compare_streams(record["got"],
+                         _sampler_streams(DistributedSampler, n, replicas, shuffle, s, drop_last, epochs))
+
+
+SAMPLER.case(f"hypothesis: {SEARCH_EXAMPLES} random lengths 0-200, 1-8 replicas, every rank, "
+             "shuffle, seed, drop_last and epochs", compare=_compare_search, weight=2,
+             expect=lambda seed: None)(_search)
+
+
+@SAMPLER.case("iterates on its own (does not wrap torch's DistributedSampler)", weight=0.5,
+              expect=lambda seed: "own indices",
+              hint="Build the index list yourself; the point of the task is to know exactly "
+                   "what DistributedSampler does.")
+def _(impl: Any, seed: int) -> str:
+    original = DistributedSampler.__iter__
+
+    def refuse(self: Any) -> Any:
+        raise RuntimeError("torch's DistributedSampler was used")
+
+    DistributedSampler.__iter__ = refuse  # type: ignore[method-assign]
+    try:
+        list(impl(range(10), num_replicas=4, rank=1, shuffle=True, seed=0))
+    except RuntimeError as e:
+        if "DistributedSampler was used" in str(e):
+            return "wraps torch's DistributedSampler"
+        raise
+    finally:
+        DistributedSampler.__iter__ = original  # type: ignore[method-assign]
+    return "own indices"
+
+
+# --------------------------------------------------------------------------- task 3.2
+
+SEEDING = task(
+    "3.2", "seed_worker", points=3,
+    hint="torch.initial_seed() in a worker is the loader's per-worker seed (new every epoch); "
+         "mix in the rank (int(os.environ.get('RANK', 0))) without collisions, e.g. "
+         "np.random.SeedSequence([torch.initial_seed(), rank]).generate_state(3), and seed "
+         "torch, numpy and random from it.",
+)
+
+LIBRARIES = ("random", "numpy", "torch")
+
+
+class _RandomDraws(Dataset):
+    """Item ``i``: the drawing worker's id and one draw from each global random stream."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        info = torch.utils.data.get_worker_info()
+        return {"worker": info.id if info else -1, "random": random.random(),
+                "numpy": float(np.random.random()), "torch": float(torch.rand(()))}
+
+
+class _Portable:
+    """A ``worker_init_fn`` that survives spawned workers: the function travels cloudpickled."""
+
+    def __init__(self, fn: Any):
+        self.blob = cloudpickle.dumps(fn)
+
+    def __call__(self, worker_id: int) -> None:
+        cloudpickle.loads(self.blob)(worker_id)
+
+
+def _draws(seed_worker: Any, seed: int, epochs: int, workers: int) -> list[Any]:
+    """``[epoch][worker] -> {library: [draws]}`` for a loader over a fresh global seed."""
+    # Every rank seeds torch identically, as a training script does to start from identical
+    # weights; the loader then draws the same base seed on every rank.
+    torch.manual_seed(seed)
+    loader = DataLoader(_RandomDraws(4 * workers), batch_size=None, num_workers=workers,
+                        worker_init_fn=_Portable(seed_worker))
+    out = []
+    for _ in range(epochs):
+        streams: dict[int, dict[str, list[float]]] = {}
+        for item in loader:
+            stream = streams.setdefault(int(item["worker"]), {lib: [] for lib in LIBRARIES})
+            for lib in LIBRARIES:
+                stream[lib].append(float(item[lib]))
+        out.append([streams[w] for w in sorted(streams)])
+    return out
+
+
+def _draws_on_rank(seed_worker: Any, seed: int) -> dict[str, Any]:
+    return {"first run": _draws(seed_worker, seed, 2, 2),
+            "same seed again": _draws(seed_worker, seed, 2, 2),
+            "another seed": _draws(seed_worker, seed + 1, 2, 2)}
+
+
+Streams = dict[tuple[int, str, int, int], dict[str, list[float]]]
+
+
+def _streams(got: Any) -> Streams:
+    """``{(rank, run, epoch, worker): {library: draws}}`` from what the ranks returned."""
+    try:
+        runs = {(rank, run, epoch, worker): stream
+                for rank, per_rank in enumerate(got)
+                for run, epochs in per_rank.items()
+                for epoch, workers in enumerate(epochs)
+                for worker, stream in enumerate(workers)}
+        assert len(got) == 2 and len(runs) == 2 * 3 * 2 * 2
+        assert all(sorted(s) == sorted(LIBRARIES) for s in runs.values())
+    except (AssertionError, AttributeError, TypeError, ValueError) as e:
+        raise CheckFailed("the workers' draws could not be collected",
+                          expected="2 ranks x 3 runs x 2 epochs x 2 workers", got=repr(got)[:200]) from e
+    return runs
+
+
+def _first_duplicate(runs: Streams, same_epoch: bool) -> None:
+    """Raise on two (rank, epoch, worker) of the first run drawing the same stream."""
+    for lib in LIBRARIES:
+        seen: dict[tuple[float, ...], tuple[int, int, int]] = {}
+        for (rank, run, epoch, worker), stream in runs.items():
+            key = tuple(stream[lib])
+            if run != "first run":
+                continue
+            if key in seen and (seen[key][1] == epoch) == same_epoch:
+                r0, e0, w0 = seen[key]
+                raise CheckFailed(
+                    f"rank {r0} worker {w0} in epoch {e0} and rank {rank} worker {worker} in epoch "
+                    f"{epoch} draw the same {lib} stream",
+                    expected="a different stream for every (rank, epoch, worker)",
+                    got=f"both draw {list(key)[:2]} ...")
+            seen.setdefault(key, (rank, epoch, worker))
+
+
+def _compare_across_ranks(got: Any, expected: None) -> None:
+    _first_duplicate(_streams(got), same_epoch=True)
+
+
+def _compare_across_epochs(got: Any, expected: None) -> None:
+    _first_duplicate(_streams(got), same_epoch=False)
+
+
+def _compare_rerun(got: Any, expected: None) -> None:
+    runs = _streams(got)
+    for (rank, run, epoch, worker), stream in runs.items():
+        again = runs[(rank, "same seed again", epoch, worker)]
+        for lib in LIBRARIES:
+            if run == "first run" and again[lib] != stream[lib]:
+                raise CheckFailed(
+                    f"rank {rank} worker {worker}, epoch {epoch}: the {lib} stream changed when "
+                    "the loader ran again after the same torch.manual_seed",
+                    expected=stream[lib][:2], got=again[lib][:2])
+
+
+def _compare_other_seed(got: Any, expected: None) -> None:
+    runs = _streams(got)
+    for (rank, run, epoch, worker), stream in runs.items():
+        other = runs[(rank, "another seed", epoch, worker)]
+        for lib in LIBRARIES:
+            if run == "first run" and other[lib] == stream[lib]:
+                raise CheckFailed(
+                    f"rank {rank} worker {worker}, epoch {epoch}: the {lib} stream stayed the same "
+                    "when torch.manual_seed changed",
+                    expected="a stream derived from torch's per-worker seed", got=stream[lib][:2])
+
+
+def _seeding_run(seed_worker: Any, seed: int) -> list[Any]:
+    from kit.launcher import run_ranks
+
+    return list(run_ranks(_draws_on_rank, (seed_worker, seed), world_size=2, timeout=30.0,
+                          echo=False))
+
+
+for _name, _compare, _weight, _hint in [
+    ("different streams on every rank and worker (each rank called torch.manual_seed alike)",
+     _compare_across_ranks, 2,
+     "Every rank seeds torch alike, so the loader gives worker k the same seed on every rank: "
+     "mix the rank in, without collisions (adding it to the seed makes rank 1 worker 0 equal "
+     "rank 0 worker 1), and seed all three libraries."),
+    ("different streams in epochs 0 and 1 (2 workers per rank)", _compare_across_epochs, 0.5,
+     "Derive the seeds from torch.initial_seed(), which the loader changes every epoch, not "
+     "from constants such as the worker id and rank alone."),
+    ("reproducible: the same torch seed gives the same streams again", _compare_rerun, 0.5,
+     "Derive every seed from torch.initial_seed() and the rank only: no clock, no os.urandom, "
+     "no state kept between calls."),
+    ("derived from torch's seed: another torch.manual_seed gives other streams",
+     _compare_other_seed, 0.5,
+     "Seed from torch.initial_seed() (the loader's per-worker seed), not from constants."),
+]:
+    SEEDING.case(_name, compare=_compare, weight=_weight, hint=_hint,
+                 expect=lambda seed: None)(_seeding_run)
+
+
+# --------------------------------------------------------------------------- task 3.3
+
+GATHER = task(
+    "3.3", "gather_unpadded", points=3,
+    hint="all_gather every rank's (S, ...) shard; rank r holds dataset positions r, r + W, "
+         "r + 2W, ..., so torch.stack(shards, dim=1).reshape(-1, *rest) restores dataset order; "
+         "then keep the first num_samples (the rest is padding).",
+)
+
+
+def _dataset_results(seed: int, n: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Per-sample results of a whole dataset, as one process would compute them: (n, *shape)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn((n, *shape), generator=g).to(dtype)
+    return torch.randint(0, 10, (n, *shape), generator=g, dtype=dtype)
+
+
+def _gather_on_rank(gather_unpadded: Any, results: torch.Tensor) -> Any:
+    import torch.distributed as dist
+
+    sampler = DistributedSampler(range(len(results)), dist.get_world_size(), dist.get_rank(),
+                                 shuffle=False)
+    local = results[list(sampler)]  # (ceil(n / W), *shape): this rank's shard, padding included
+    out = gather_unpadded(local.clone(), len(results))
+    return out.detach().clone() if isinstance(out, torch.Tensor) else f"<a {type(out).__name__}>"
+
+
+def _compare_gathered(got: Any, expected: list[torch.Tensor]) -> None:
+    if not isinstance(got, list) or len(got) != len(expected):
+        raise CheckFailed("expected one result per rank", expected=len(expected), got=repr(got)[:200])
+    for rank, (g, e) in enumerate(zip(got, expected)):
+        if isinstance(g, torch.Tensor) and g.dim() >= 1 and e.dim() >= 1 and len(g) != len(e):
+            extra = len(g) - len(e)
+            raise CheckFailed(
+                f"rank {rank} returned {len(g)} samples for a dataset of {len(e)}",
+                expected=len(e), got=len(g),
+                hint=f"Drop the {extra} padded duplicate{'s' * (extra > 1)}: keep the first "
+                     "num_samples rows."
+                if extra > 0 else "Every sample of the dataset must come back, on every rank.")
+        assert_same(g, e, path=f"rank {rank}'s result")
+
+
+def _gather_case(name: str, n: int, world_size: int, shape: tuple[int, ...] = (),
+                 dtype: torch.dtype = torch.float32, hint: str = "") -> None:
+    def run(gather_unpadded: Any, seed: int) -> list[Any]:
+        from kit.launcher import run_ranks
+
+        results = _dataset_results(seed, n, shape, dtype)
+        return list(run_ranks(_gather_on_rank, (gather_unpadded, results), world_size=world_size,
+                              timeout=20.0, echo=False))
+
+    GATHER.case(name, compare=_compare_gathered, hint=hint,
+                expect=lambda seed: [_dataset_results(seed, n, shape, dtype)] * world_size)(run)
+
+
+_gather_case("10 per-sample losses on 4 ranks (2 padded duplicates)", 10, 4)
+_gather_case("12 integer predictions on 4 ranks (no padding)", 12, 4, dtype=torch.int64,
+             hint="Rank r's k-th sample is dataset sample k * world_size + r: interleave the "
+                  "shards, do not concatenate them.")
+_gather_case("7 per-sample logits (7 x 5) on 3 ranks", 7, 3, shape=(5,),
+             hint="Keep the trailing dimensions: reshape to (-1, *local.shape[1:]).")
+_gather_case("3 samples on 4 ranks (rank 3 holds only a duplicate)", 3, 4)
+
+
+def _accuracy_data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predictions and labels where the first samples (those padding repeats) are all correct."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    predictions = torch.where(torch.arange(n) < 3, labels, (labels + 1) % 3)
+    return predictions, labels
+
+
+def _accuracy_on_rank(gather_unpadded: Any, seed: int, n: int) -> Any:
+    import torch.distributed as dist
+
+    predictions, labels = _accuracy_data(seed, n)
+    sampler = DistributedSampler(range(n), dist.get_world_size(), dist.get_rank(), shuffle=False)
+    idx = list(sampler)
+    correct = (predictions[idx] == labels[idx]).to(torch.int64)  # (ceil(n / W),) 0/1 per sample
+    every = gather_unpadded(correct, n)
+    return every.double().mean().item() if isinstance(every, torch.Tensor) else repr(every)[:80]
+
+
+@GATHER.case("accuracy of 9 samples on 4 ranks equals the single-process accuracy",
+             expect=lambda seed: [(_accuracy_data(seed, 9)[0] == _accuracy_data(seed, 9)[1])
+                                  .double().mean().item()] * 4,
+             hint="The 3 padded slots repeat samples 0-2: counting them inflates the accuracy.")
+def _(gather_unpadded: Any, seed: int) -> list[Any]:
+    from kit.launcher import run_ranks
+
+    return list(run_ranks(_accuracy_on_rank, (gather_unpadded, seed, 9), world_size=4,
+                          timeout=20.0, echo=False))
+
+

@@ -1,0 +1,201 @@
+"""Lesson 03's checks can pass and can fail: solution passes, stubs and seeded bugs fail.
+
+Also proves the lesson's claims independently of the checks: the solution's ShardSampler
+matches torch's DistributedSampler (hypothesis), gather_unpadded matches one process for every
+small (length, world size), and kit.data's timing and index streams measure what they say.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler
+
+from autograder.registry import CheckFailed, get_task, lesson_tasks
+from kit.data import SlowDataset, plot_index_streams, sampler_streams, time_loader
+from kit.launcher import run_ranks
+from kit.notebook import load_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("lesson03_bugs", ROOT / "tests" / "bugs" / "lesson03.py")
+_bugs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bugs)
+BUGS = _bugs.BUGS
+SOURCE = ROOT / "solutions" / "03_data_plane.py"
+STUDENT = ROOT / "lessons" / "03_data_plane.ipynb"
+
+
+@pytest.fixture(scope="module")
+def solution():
+    return load_tasks(SOURCE)
+
+
+def _failures(task_id: str, impl) -> list[str]:
+    """Names of the cases ``impl`` fails (raises in run, or CheckFailed in compare)."""
+    task = get_task(task_id)
+    failed = []
+    for case in task.cases:
+        try:
+            case.compare(case.run(impl, 0), task.expected(case, 0))
+        except CheckFailed:
+            failed.append(case.name)
+        except Exception:  # noqa: BLE001 - a stub or a bug that crashes also fails the case
+            failed.append(case.name)
+    return failed
+
+
+def test_lesson03_registers_tasks_3_1_to_3_3_with_their_points():
+    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(3)}
+    assert tasks == {"3.1": ("ShardSampler", 4.0), "3.2": ("seed_worker", 3.0),
+                     "3.3": ("gather_unpadded", 3.0)}
+
+
+@pytest.mark.parametrize("task_id", ["3.1", "3.2", "3.3"])
+def test_solution_passes_every_case(solution, task_id):
+    assert _failures(task_id, getattr(solution, get_task(task_id).name)) == []
+
+
+@pytest.mark.parametrize("task_id", ["3.1", "3.2", "3.3"])
+def test_student_stub_fails_every_case(task_id):
+    if not STUDENT.exists():
+        pytest.skip("lessons/03_data_plane.ipynb is not built yet (kit build)")
+    stub = getattr(load_tasks(STUDENT), get_task(task_id).name)
+    task = get_task(task_id)
+    assert _failures(task_id, stub) == [c.name for c in task.cases]
+
+
+@pytest.mark.parametrize("task_id,what,bug", [(t, what, bug) for t, bugs in BUGS.items()
+                                              for what, bug in bugs],
+                         ids=[f"{t}: {what}" for t, bugs in BUGS.items() for what, _ in bugs])
+def test_seeded_bug_fails_at_least_one_case(task_id, what, bug):
+    assert _failures(task_id, bug), f"task {task_id}: the bug '{what}' passes every case"
+
+
+def test_wrapping_distributed_sampler_fails_only_the_own_implementation_case():
+    wrapped = dict(BUGS["3.1"])["wraps torch's DistributedSampler"]
+    assert _failures("3.1", wrapped) == ["iterates on its own (does not wrap torch's DistributedSampler)"]
+
+
+def test_sampler_search_reports_the_smallest_differing_case():
+    # Pads once only: wrong exactly when the padding (total_size - N) is longer than the dataset.
+    bug = dict(BUGS["3.1"])["pads once only: too short when the dataset is smaller than the padding"]
+    case = next(c for c in get_task("3.1").cases if c.name.startswith("hypothesis"))
+    got = case.run(bug, 0)
+    n, replicas, *_ = got["smallest failure"]["params"]
+    assert 0 < n and replicas - n > n  # the padding (replicas - n) exceeds the dataset
+    with pytest.raises(CheckFailed, match=r"ShardSampler\(range\("):
+        case.compare(got, None)
+
+
+def test_tampered_search_results_are_rechecked_by_the_trusted_side(solution):
+    case = next(c for c in get_task("3.1").cases if c.name.startswith("hypothesis"))
+    got = case.run(solution.ShardSampler, 0)
+    record = got["tried"][-1]
+    key = next(iter(record["got"]))
+    record["got"][key]["len"] += 1  # what a sampler reporting the wrong length would send
+    with pytest.raises(CheckFailed, match="wrong len"):
+        case.compare(got, None)
+    with pytest.raises(CheckFailed, match="tried only"):
+        case.compare({"smallest failure": None, "tried": got["tried"][:3]}, None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 120), replicas=st.integers(1, 8), shuffle=st.booleans(),
+       seed=st.integers(0, 10**6), drop_last=st.booleans(), epoch=st.integers(0, 50))
+def test_solution_sampler_equals_distributed_sampler(solution, n, replicas, shuffle, seed,
+                                                     drop_last, epoch):
+    for rank in range(replicas):
+        ours = solution.ShardSampler(range(n), replicas, rank, shuffle, seed, drop_last)
+        torchs = DistributedSampler(range(n), replicas, rank, shuffle, seed, drop_last)
+        ours.set_epoch(epoch)
+        torchs.set_epoch(epoch)
+        assert list(ours) == list(torchs) and len(ours) == len(torchs)
+
+
+def _every_length_on_rank(gather_unpadded, lengths):
+    import torch.distributed as dist
+
+    out = []
+    for n in lengths:
+        values = torch.arange(n * 2, dtype=torch.float64).reshape(n, 2)  # (n, 2)
+        sampler = DistributedSampler(range(n), dist.get_world_size(), dist.get_rank(), shuffle=False)
+        out.append(gather_unpadded(values[list(sampler)], n))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_gather_unpadded_restores_every_length_on_every_world_size(solution, world_size):
+    lengths = list(range(12))
+    for rank_result in run_ranks(_every_length_on_rank, (solution.gather_unpadded, lengths),
+                                 world_size=world_size, echo=False, timeout=30):
+        for n, got in zip(lengths, rank_result):
+            assert torch.equal(got, torch.arange(n * 2, dtype=torch.float64).reshape(n, 2)), n
+
+
+def test_naive_padded_accuracy_differs_from_single_process_but_gathered_equals_it(solution):
+    # The lesson's claim: counting padded duplicates skews the metric; gathering fixes it.
+    n, world_size = 10, 4
+    correct = (torch.arange(n) < 2).to(torch.int64)  # only the samples padding repeats are right
+
+    def on_rank(gather_unpadded):
+        import torch.distributed as dist
+
+        idx = list(DistributedSampler(range(n), world_size, dist.get_rank(), shuffle=False))
+        counts = torch.tensor([correct[idx].sum().item(), len(idx)], dtype=torch.float64)
+        dist.all_reduce(counts)
+        return (counts[0] / counts[1]).item(), gather_unpadded(correct[idx], n).double().mean().item()
+
+    naive, exact = run_ranks(on_rank, (solution.gather_unpadded,), world_size=world_size,
+                             echo=False)[0]
+    assert exact == correct.double().mean().item() == 0.2
+    assert naive == pytest.approx(4 / 12)
+
+
+def test_sampler_streams_without_set_epoch_repeat_epoch_zero():
+    def make(rank):
+        return DistributedSampler(range(10), 4, rank, shuffle=True, seed=0)
+
+    fixed = sampler_streams(make, 4, 3, set_epoch=False)
+    moving = sampler_streams(make, 4, 3, set_epoch=True)
+    assert fixed[0] == fixed[1] == fixed[2] == moving[0]
+    assert moving[1] != moving[0]
+    every = sorted(i for rank in moving[1] for i in rank)
+    assert len(every) == 12 and set(every) == set(range(10))  # 2 padded duplicates
+
+
+def test_index_stream_plot_frames_exactly_the_padded_slots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = plot_index_streams([[[0, 4, 8], [1, 5, 9], [2, 6, 0], [3, 7, 1]]], 10)
+    frames = [p for p in fig.axes[0].patches if p.get_edgecolor()[:3] == (1.0, 0.0, 0.0)]
+    assert sorted((p.get_x() + 0.5, p.get_y() + 0.5) for p in frames) == [(2.0, 2.0), (2.0, 3.0)]
+
+
+def test_time_loader_sees_worker_startup_only_without_persistent_workers():
+    def slow_start(worker_id):
+        import time
+
+        time.sleep(0.4)
+
+    timings = {}
+    for persistent in (False, True):
+        loader = DataLoader(SlowDataset(4, 0.0), batch_size=2, num_workers=1,
+                            worker_init_fn=slow_start, persistent_workers=persistent)
+        timings[persistent] = time_loader(loader, epochs=2).first_batch_s
+    assert timings[False][1] >= 0.4 and timings[True][1] < 0.4
+    assert timings[True][0] >= 0.4
+
+
+def test_slow_dataset_samples_are_made_from_the_index_and_bad_input_is_named():
+    x, y = SlowDataset(5, 0.0, features=3)[4]
+    assert torch.equal(x, torch.full((3,), 4.0)) and y == 4
+    with pytest.raises(IndexError, match="out of range"):
+        SlowDataset(5, 0.0)[5]
+    with pytest.raises(ValueError, match="n >= 0"):
+        SlowDataset(-1)
