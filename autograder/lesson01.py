@@ -1,0 +1,455 @@
+"""Checks for Lesson 01, "torch.distributed primitives": tasks 1.1 to 1.4.
+
+The point-to-point tasks (1.1 ``tree_broadcast``, 1.2 ``ring_all_reduce``) run on real ranks
+under :mod:`kit.trace`, so a check sees every ``torch.distributed`` call they make: they must
+call no collective, and the broadcast must finish in ``ceil(log2 p)`` rounds, counted from the
+messages the ranks really sent. Results are compared with torch's own ``dist.all_reduce`` on the
+same random inputs (1.2) or with the source rank's data (1.1). Task 1.3 ``store_barrier`` is a
+property check: with one rank arriving late in every round, no rank may leave before the last
+one arrived. Task 1.4 compares with :mod:`kit.costmodel`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from autograder.registry import CheckFailed, assert_same, task
+from kit import costmodel
+
+RANK_TIMEOUT_S = 30.0  # a deadlocked ring shows the launcher's hang report after this long
+
+
+def _plain(x: Any) -> Any:
+    """What a rank got, as plain data the trusted side can compare."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return f"<a {type(x).__name__} object>"
+
+
+def _rank_tensor(seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s random input: normal floats, or integers in [-100, 100) for int64."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(-100, 100, shape, generator=g, dtype=dtype)
+
+
+def _launch(fn: Any, args: tuple, world_size: int) -> list[Any]:
+    from kit.launcher import run_ranks
+
+    return list(run_ranks(fn, args, {}, world_size=world_size, timeout=RANK_TIMEOUT_S, echo=False))
+
+
+def _no_collectives(got: dict[str, Any], name: str) -> None:
+    used = sorted({op for ops in got["collectives"] for op in ops})
+    if used:
+        raise CheckFailed(f"{name} called {', '.join(f'dist.{op}' for op in used)}: this task may use "
+                          "only send/recv (or isend/irecv)", expected="no collective calls", got=used,
+                          hint="Build the operation from dist.send/dist.recv (or isend/irecv) only.")
+
+
+def _compare_tensors(got: list[Any], expected: list[torch.Tensor], what: str) -> None:
+    for rank, (g, e) in enumerate(zip(got, expected)):
+        if isinstance(g, str):
+            raise CheckFailed(f"{what}: rank {rank} ended with {g}, not a tensor")
+        # float sums in a different order than gloo's differ in the last bits only
+        assert_same(g, e, rtol=1e-5, atol=1e-5, path=f"{what}, rank {rank}")
+
+
+# --------------------------------------------------------------------------- task 1.1
+
+
+def _broadcast_on_rank(tree_broadcast: Any, seed: int, src: int, shape: tuple[int, ...],
+                       dtype: torch.dtype) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from kit.trace import trace
+
+    rank = dist.get_rank()
+    # Non-source ranks start from their own data: a broadcast must overwrite it.
+    tensor = _rank_tensor(seed, rank, shape, dtype)
+    with trace() as t:
+        tree_broadcast(tensor, src)
+    messages = [(e.op, e.peer) for e in t.events if e.kind == "p2p"]
+    return {"tensor": _plain(tensor), "collectives": t.collectives(), "messages": messages}
+
+
+def count_rounds(messages: list[list[tuple[str, int | None]]], src: int) -> int:
+    """Rounds a broadcast took, from each rank's ordered (op, peer) p2p calls.
+
+    A rank can send once per round, and only once it holds the data: its clock starts at 0 on
+    ``src`` and at the round of the message that reached it elsewhere; each send happens in
+    round clock + 1. The k-th send from a to b is the k-th receive on b from a (torch's ordering
+    guarantee). A binomial tree needs ceil(log2 p) rounds; a loop of sends from src, p - 1.
+    """
+    p = len(messages)
+    sends: dict[tuple[int, int], list[int]] = {}  # (from, to) -> round of each message sent
+    taken: dict[tuple[int, int], int] = {}
+    clock = [0] * p
+    pos = [0] * p
+    rounds = 0
+    while True:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(messages[r]):
+                op, peer = messages[r][pos[r]]
+                if peer is None or not 0 <= peer < p:
+                    raise CheckFailed(f"rank {r} called {op} without a valid peer rank ({peer!r})",
+                                      hint="Pass src= to recv/irecv and dst= to send/isend.")
+                if op in ("send", "isend"):
+                    clock[r] += 1
+                    sends.setdefault((r, peer), []).append(clock[r])
+                    rounds = max(rounds, clock[r])
+                else:
+                    k = taken.get((peer, r), 0)
+                    sent = sends.get((peer, r), [])
+                    if k >= len(sent):
+                        break  # its matching send is not processed yet
+                    taken[(peer, r)] = k + 1
+                    clock[r] = max(clock[r], sent[k])
+                pos[r] += 1
+                progressed = True
+        if all(pos[r] == len(messages[r]) for r in range(p)):
+            return rounds
+        if not progressed:
+            raise CheckFailed("some receives have no matching send (the ranks' calls do not pair up)")
+
+
+def _compare_broadcast(got: Any, expected: dict[str, Any]) -> None:
+    if not isinstance(got, list) or len(got) != len(expected["tensors"]):
+        raise CheckFailed("expected one result per rank", got=repr(got)[:200])
+    got_ = {"collectives": [g["collectives"] for g in got]}
+    _no_collectives(got_, "tree_broadcast")
+    _compare_tensors([g["tensor"] for g in got], expected["tensors"],
+                     f"broadcast from rank {expected['src']}")
+    rounds = count_rounds([g["messages"] for g in got], expected["src"])
+    p = len(got)
+    if rounds > expected["rounds"]:
+        raise CheckFailed(f"the broadcast took {rounds} rounds on {p} ranks; a binomial tree needs "
+                          f"ceil(log2 {p}) = {expected['rounds']}", expected=expected["rounds"],
+                          got=rounds,
+                          hint="In each round every rank that already holds the data sends it to "
+                               "one rank that does not, so the number of holders doubles.")
+
+
+def _reference_tree_broadcast(tensor: torch.Tensor, src: int = 0) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast(tensor, src)
+
+
+BROADCAST = task(
+    "1.1", "tree_broadcast", points=3, reference=_reference_tree_broadcast,
+    hint="Number the ranks relative to src (vrank = (rank - src) % p). In round k, every vrank "
+         "below 2**k that holds the data sends to vrank + 2**k.",
+)
+
+
+def _broadcast_case(name: str, world_size: int, src: int, shape: tuple[int, ...],
+                    dtype: torch.dtype, hint: str = "") -> None:
+    def run(tree_broadcast: Any, seed: int) -> list[dict[str, Any]]:
+        return _launch(_broadcast_on_rank, (tree_broadcast, seed, src, shape, dtype), world_size)
+
+    def expect(seed: int) -> dict[str, Any]:
+        # torch's broadcast leaves every rank with src's tensor: computed here in one process.
+        data = _rank_tensor(seed, src, shape, dtype)
+        return {"tensors": [data] * world_size, "src": src,
+                "rounds": math.ceil(math.log2(world_size)) if world_size > 1 else 0}
+
+    BROADCAST.case(name, compare=_compare_broadcast, expect=expect, hint=hint)(run)
+
+
+_broadcast_case("4 ranks from rank 0 (float32, 2 rounds)", 4, 0, (5, 3), torch.float32)
+_broadcast_case("5 ranks from rank 3 (int64, 3 rounds)", 5, 3, (7,), torch.int64,
+                hint="With src != 0, shift ranks: vrank = (rank - src) % world_size, and map a "
+                     "peer's vrank back with (vrank + src) % world_size.")
+_broadcast_case("8 ranks from rank 6 (float64, 3 rounds)", 8, 6, (16,), torch.float64,
+                hint="Sending from src to every rank in turn takes p - 1 rounds: let ranks that "
+                     "already hold the data send too.")
+_broadcast_case("7 ranks from rank 2 (not a power of two)", 7, 2, (4,), torch.float32,
+                hint="When p is not a power of two, skip children whose vrank is >= p.")
+_broadcast_case("2 ranks from rank 1", 2, 1, (3,), torch.int64)
+
+
+@BROADCAST.case("a single rank does nothing", expect=lambda seed: {"tensors": [
+    _rank_tensor(seed, 0, (3,), torch.float32)], "src": 0, "rounds": 0},
+    compare=_compare_broadcast)
+def _(tree_broadcast: Any, seed: int) -> list[dict[str, Any]]:
+    return _launch(_broadcast_on_rank, (tree_broadcast, seed, 0, (3,), torch.float32), 1)
+
+
+# --------------------------------------------------------------------------- task 1.2
+
+
+def _ring_on_rank(ring_all_reduce: Any, seed: int, configs: list[tuple[tuple[int, ...], torch.dtype]],
+                  ) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from kit.trace import trace
+
+    rank = dist.get_rank()
+    tensors = []
+    with trace() as t:
+        for i, (shape, dtype) in enumerate(configs):
+            tensor = _rank_tensor(seed + 1000 * i, rank, shape, dtype)
+            ring_all_reduce(tensor)  # in place
+            tensors.append(_plain(tensor))
+    return {"tensors": tensors, "collectives": t.collectives()}
+
+
+def _reference_ring_all_reduce(tensor: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)
+
+
+def _describe_config(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    return f"{math.prod(shape)} elements of {str(dtype).replace('torch.', '')}"
+
+
+def _compare_ring(got: Any, expected: dict[str, Any]) -> None:
+    want = expected["ranks"]
+    if not isinstance(got, list) or len(got) != len(want):
+        raise CheckFailed("expected one result per rank", got=repr(got)[:200])
+    _no_collectives({"collectives": [g["collectives"] for g in got]}, "ring_all_reduce")
+    for i, (shape, dtype) in enumerate(expected["configs"]):
+        _compare_tensors([g["tensors"][i] for g in got], [w["tensors"][i] for w in want],
+                         f"{len(got)} ranks, {_describe_config(shape, dtype)}")
+
+
+RING = task(
+    "1.2", "ring_all_reduce", points=4, reference=_reference_ring_all_reduce,
+    hint="Split tensor.view(-1) into world_size chunks with tensor_split (sizes differ by at most "
+         "one, some may be empty). Reduce-scatter: in step s send chunk (rank - s) % p right and "
+         "add the chunk (rank - s - 1) % p from the left. All-gather: the same ring, copying.",
+)
+
+
+def _ring_case(name: str, world_size: int, configs: list[tuple[tuple[int, ...], torch.dtype]],
+               hint: str = "") -> None:
+    def run(ring_all_reduce: Any, seed: int) -> list[dict[str, Any]]:
+        return _launch(_ring_on_rank, (ring_all_reduce, seed, configs), world_size)
+
+    def expect(seed: int) -> dict[str, Any]:
+        # torch's own all_reduce on the same inputs, on real ranks (trusted code).
+        return {"ranks": run(_reference_ring_all_reduce, seed), "configs": configs}
+
+    RING.case(name, compare=_compare_ring, expect=expect, hint=hint)(run)
+
+
+_F32, _F64, _I64 = torch.float32, torch.float64, torch.int64
+_ring_case("4 ranks, 1000 float32 elements", 4, [((1000,), _F32)])
+_ring_case("3 ranks, 10 and 11 elements (not divisible by 3)", 3, [((10,), _F64), ((11,), _I64)],
+           hint="The last chunks are shorter (or longer): use tensor_split, and send and receive "
+                "exactly the size of the chunk in question.")
+_ring_case("5 ranks, 3 elements (fewer elements than ranks)", 5,
+           [((3,), _I64), ((1,), _F32), ((0,), _F64)],
+           hint="With n < world_size some chunks are empty; every rank must still take part in "
+                "every step (an empty send/recv is fine). torch.chunk returns fewer than p chunks "
+                "here: tensor_split does not.")
+_ring_case("8 ranks, a 2-D 6x7 float64 tensor and 13 int64", 8, [((6, 7), _F64), ((13,), _I64)],
+           hint="Work on tensor.view(-1): it shares memory with the tensor, so writing a chunk "
+                "writes the result in place.")
+_ring_case("2 ranks, 64 float32 elements", 2, [((64,), _F32)])
+_ring_case("1 rank (nothing to do)", 1, [((5,), _F32)])
+
+
+# --------------------------------------------------------------------------- task 1.3
+
+
+def _barrier_on_rank(store_barrier: Any, seed: int, host: str, port: int | None, path: str | None,
+                     names: list[str], late: list[int]) -> list[tuple[float, float]]:
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if path is not None:
+        store: Any = dist.FileStore(path, world_size)
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=False,
+                              timeout=timedelta(seconds=10))
+    times = []
+    for name, late_rank in zip(names, late):
+        if rank == late_rank:
+            time.sleep(0.05)  # everyone else must wait for this rank
+        arrived = time.perf_counter()
+        store_barrier(store, rank, world_size, name)
+        times.append((arrived, time.perf_counter()))
+    return times
+
+
+def _compare_barrier(got: Any, expected: dict[str, Any]) -> None:
+    names = expected["names"]
+    if not isinstance(got, list) or any(not isinstance(g, list) or len(g) != len(names) for g in got):
+        raise CheckFailed("expected an (arrive, leave) time per rank and barrier", got=repr(got)[:200])
+    for i, name in enumerate(names):
+        arrive = [g[i][0] for g in got]
+        leave = [g[i][1] for g in got]
+        last = max(range(len(got)), key=lambda r: arrive[r])
+        first = min(range(len(got)), key=lambda r: leave[r])
+        if leave[first] < arrive[last]:
+            early = (arrive[last] - leave[first]) * 1e3
+            raise CheckFailed(
+                f"barrier {i + 1} of {len(names)} (name {name!r}): rank {first} left {early:.0f} ms "
+                f"before rank {last} arrived", expected="every rank leaves after the last arrives",
+                got=f"rank {first} left early",
+                hint="Count arrivals with store.add; a rank may leave only once the count shows "
+                     "all world_size ranks of *this* use of the barrier (the count keeps growing "
+                     "across uses, so compare against a multiple of world_size).")
+
+
+def _barrier_case(name: str, world_size: int, names: list[str], *, file_store: bool = False,
+                  hint: str = "") -> None:
+    def run(store_barrier: Any, seed: int) -> list[list[tuple[float, float]]]:
+        import torch.distributed as dist
+
+        rng = random.Random(seed)
+        late = [rng.randrange(world_size) for _ in names]
+        tmp = tempfile.mkdtemp(prefix="kit-barrier-")
+        host, master = "127.0.0.1", None
+        try:
+            if file_store:
+                args = (store_barrier, seed, host, None, os.path.join(tmp, "store"), names, late)
+            else:  # this process hosts the store the ranks share, as the launcher does
+                master = dist.TCPStore(host, 0, None, True, timedelta(seconds=10),
+                                       wait_for_workers=False)
+                args = (store_barrier, seed, host, master.port, None, names, late)
+            return _launch(_barrier_on_rank, args, world_size)
+        finally:
+            del master
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    BARRIER.case(name, compare=_compare_barrier, expect=lambda seed: {"names": names},
+                 hint=hint)(run)
+
+
+BARRIER = task(
+    "1.3", "store_barrier", points=3,
+    hint="store.add(key, 1) returns the new count atomically. The k-th use of the barrier is "
+         "complete when the count reaches k * world_size; store.wait blocks until a key exists.",
+)
+_barrier_case("4 ranks on a TCPStore, used once", 4, ["sync"])
+_barrier_case("4 ranks, the same name used 6 times, a different rank late each time", 4,
+              ["sync"] * 6,
+              hint="A barrier is reused: once the count reached world_size the first time, a "
+                   "check like `count >= world_size` lets every later use through at once.")
+_barrier_case("3 ranks, two names interleaved", 3, ["a", "b", "a", "b", "a"],
+              hint="Keep every key under the barrier's own name, so two barriers never share a "
+                   "counter.")
+_barrier_case("5 ranks on a FileStore, reused 4 times", 5, ["epoch"] * 4, file_store=True)
+
+
+# --------------------------------------------------------------------------- task 1.4
+
+
+def _model_of(fit_alpha_beta: Any) -> Any:
+    """The student's ``ring_all_reduce_time``: defined beside ``fit_alpha_beta`` (same cell)."""
+    found = getattr(fit_alpha_beta, "ring_all_reduce_time", None)
+    if found is None:
+        found = getattr(fit_alpha_beta, "__globals__", {}).get("ring_all_reduce_time")
+    if not callable(found):
+        raise CheckFailed("ring_all_reduce_time is not defined",
+                          hint="Define ring_all_reduce_time in the same cell as fit_alpha_beta.")
+    return found
+
+
+def _measurements(seed: int, noise: float) -> tuple[list[float], list[float], float, float]:
+    """Synthetic timings: sizes from 1 KB to 64 MB, times alpha + beta n, times (1 + noise)."""
+    rng = random.Random(seed)
+    alpha = rng.uniform(20e-6, 200e-6)  # 20-200 us latency
+    beta = 1.0 / rng.uniform(0.5e9, 20e9)  # 0.5-20 GB/s
+    sizes = [float(2**k) for k in range(10, 27, 2)]
+    times = [(alpha + beta * n) * (1 + rng.uniform(-noise, noise)) for n in sizes]
+    return sizes, times, alpha, beta
+
+
+def _as_float(v: Any) -> Any:
+    """A number the student returned as a float (0-d tensors and numpy scalars included)."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1):
+        return float(v)
+    if type(v).__module__ == "numpy" and hasattr(v, "item"):
+        return float(v.item())
+    return _plain(v)
+
+
+def _pair(x: Any) -> Any:
+    if isinstance(x, (tuple, list)) and len(x) == 2:
+        return [_as_float(v) for v in x]
+    return _plain(x)
+
+
+def _compare_model(got: Any, expected: list[dict[str, Any]]) -> None:
+    if not isinstance(got, list) or len(got) != len(expected):
+        raise CheckFailed("expected one prediction per case", got=repr(got)[:200])
+    for g, e in zip(got, expected):
+        value = g.get("value") if isinstance(g, dict) else g
+        if not isinstance(value, float):
+            raise CheckFailed(f"{e['label']} returned {value!r}, not a number")
+        if not math.isclose(value, e["value"], rel_tol=1e-6, abs_tol=1e-15):
+            raise CheckFailed(f"{e['label']} is wrong", expected=e["value"], got=value)
+
+
+def _compare_fit(got: Any, expected: Any) -> None:
+    if not (isinstance(got, list) and len(got) == 2 and all(isinstance(v, float) for v in got)):
+        raise CheckFailed("fit_alpha_beta must return a tuple of two floats (alpha, beta)",
+                          expected="(alpha, beta)", got=repr(got)[:200])
+    # alpha is small next to the times of large messages, so allow it 1 ns of rounding.
+    for name, g, e, tol in zip(("alpha", "beta"), got, expected, (1e-9, 1e-18)):
+        if not math.isclose(g, e, rel_tol=1e-4, abs_tol=tol):
+            raise CheckFailed(f"{name} is wrong", expected=e, got=g)
+
+
+def _reference_fit(nbytes: Any, seconds: Any) -> tuple[float, float]:
+    return costmodel.fit_alpha_beta(nbytes, seconds)
+
+
+MODEL = task(
+    "1.4", "fit_alpha_beta", points=2, reference=_reference_fit,
+    hint="Least squares for t = alpha + beta * n: beta = cov(n, t) / var(n), "
+         "alpha = mean(t) - beta * mean(n). A ring all-reduce takes 2(p-1) steps, each sending "
+         "n / p bytes.",
+)
+
+
+@MODEL.case("recovers alpha and beta from exact timings (lists)", compare=_compare_fit,
+            expect=lambda seed: list(_measurements(seed, 0.0)[2:]))
+def _(fit_alpha_beta: Any, seed: int) -> Any:
+    sizes, times, _, _ = _measurements(seed, 0.0)
+    return _pair(fit_alpha_beta(sizes, times))
+
+
+@MODEL.case("least-squares fit of noisy timings (tensors)", compare=_compare_fit,
+            expect=lambda seed: list(costmodel.fit_alpha_beta(*_measurements(seed + 1, 0.2)[:2])),
+            hint="Fit ordinary least squares on the seconds, with an intercept: not a line "
+                 "through the origin, not through two points.")
+def _(fit_alpha_beta: Any, seed: int) -> Any:
+    sizes, times, _, _ = _measurements(seed + 1, 0.2)
+    return _pair(fit_alpha_beta(torch.tensor(sizes), torch.tensor(times)))
+
+
+_GRID = [(n, p) for n in (1.0, 4096.0, 2.0**24, 1e9) for p in (1, 2, 3, 4, 8, 64)]
+
+
+def _predictions(model: Any, alpha: float, beta: float) -> list[dict[str, Any]]:
+    return [{"label": f"ring_all_reduce_time({n:g} bytes, world_size={p})",
+             "value": _as_float(model(n, p, alpha, beta))} for n, p in _GRID]
+
+
+@MODEL.case("ring_all_reduce_time matches 2(p-1) alpha + 2(p-1)/p n beta", compare=_compare_model,
+            expect=lambda seed: _predictions(costmodel.ring_all_reduce_time, 5e-5, 1e-9),
+            hint="2(p-1) messages in a row, each of n / p bytes: 2(p-1) alpha + 2(p-1)/p n beta. "
+                 "One rank sends nothing.")
+def _(fit_alpha_beta: Any, seed: int) -> Any:
+    return _predictions(_model_of(fit_alpha_beta), 5e-5, 1e-9)
