@@ -13,6 +13,7 @@ import faulthandler
 import io
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -95,7 +96,8 @@ def _encode_return(value: Any) -> tuple[str, Any]:
 
 
 def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
-              out: Connection, err: Connection) -> None:
+              out: Connection, err: Connection, listener: socket.socket | None,
+              store_ready: Any) -> None:
     """Entry point of one rank (runs in the child process)."""
     try:
         os.setpgid(0, 0)  # own process group: the parent kills it whole (DataLoader workers too)
@@ -104,7 +106,10 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is the parent's to handle
     _die_with_parent(spec.parent_pid)
     _redirect_output(out, err)
-    faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults print a Python stack
+    # A crash (segfault, abort) writes the Python stack to a file the parent cleans up and shows;
+    # SIGUSR1 (sent at a timeout) dumps every thread's stack for the hang report.
+    crash_file = open(spec.stack_path + ".crash", "w")  # noqa: SIM115 - kept open for the handler
+    faulthandler.enable(file=crash_file, all_threads=False)
     stack_file = open(spec.stack_path, "w")  # noqa: SIM115 - kept open for the signal handler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.update(spec.env)
@@ -121,8 +126,19 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
     try:
         if spec.backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
-                              timeout=timedelta(seconds=spec.pg_timeout_s))
+        # Rank 0 serves the store on the socket the parent opened (see kit/launcher.py). The others
+        # connect once it serves: a connection queued before the server starts can sit unanswered
+        # until the client's retry, seconds later.
+        timeout = timedelta(seconds=spec.pg_timeout_s)
+        if listener is not None:
+            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, True,
+                                  timeout, wait_for_workers=False,
+                                  master_listen_fd=listener.detach())
+            store_ready.set()
+        else:
+            store_ready.wait(spec.pg_timeout_s)
+            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False,
+                                  timeout)
         dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                                 world_size=spec.world_size,
                                 timeout=timedelta(seconds=spec.pg_timeout_s))
@@ -140,7 +156,8 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
         message = (ERROR, (type(e).__qualname__, str(e), tb), time.perf_counter() - started)
     sys.stdout.flush()
     sys.stderr.flush()
-    _send(result, message)
+    # CLOCK_MONOTONIC is system-wide: the parent orders failures by when they happened.
+    _send(result, (*message, time.monotonic()))
     if message[0] == OK:
         # Hold the group until every rank has returned (the parent says so), like a final barrier
         # that cannot itself deadlock: a peer still in a collective keeps its connections.

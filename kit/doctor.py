@@ -13,7 +13,6 @@ import platform
 import shutil
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -81,14 +80,15 @@ def check_fork() -> Finding:
 
 
 def check_loopback() -> Finding:
-    import torch.distributed as dist
+    import socket
 
     try:
-        store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
-        port = store.port
-        del store
-    except Exception as e:  # noqa: BLE001
-        return Finding("loopback + free port", FAIL, f"cannot listen on 127.0.0.1: {e}",
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            port = server.getsockname()[1]
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+    except OSError as e:
+        return Finding("loopback + free port", FAIL, f"cannot connect on 127.0.0.1: {e}",
                        "allow local TCP connections (firewall/VPN), check `ping 127.0.0.1`")
     return Finding("loopback + free port", OK, f"127.0.0.1:{port} (OS-chosen)")
 

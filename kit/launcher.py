@@ -2,8 +2,8 @@
 
 Every lesson uses it. Each rank is a process with the environment ``torchrun`` sets and an
 initialised default process group, so code written for ``torchrun`` runs unchanged. The kernel
-hosts the rendezvous ``TCPStore`` on a port the OS picks, starts the ranks (fork where safe,
-spawn with cloudpickle otherwise), shows their output live, stops every rank as soon as one
+opens the rendezvous port (the OS picks it) and hands it to rank 0's ``TCPStore``, starts the
+ranks (fork where safe, spawn with cloudpickle otherwise), shows their output live, stops every rank as soon as one
 fails, and explains hangs at the timeout. Nothing of the kernel (environment, signal handlers)
 is changed, and no process outlives the call.
 """
@@ -15,13 +15,13 @@ import os
 import selectors
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -59,6 +59,7 @@ class RankFailure:
     after_s: float = 0.0  # seconds after the launch started
     exception_type: str | None = None
     exitcode: int | None = None
+    consequence: bool = False  # only reports that a failed peer vanished
 
 
 class LaunchError(RuntimeError):
@@ -143,15 +144,15 @@ def _validate(fn: Any, args: tuple, kwargs: dict, world_size: Any, backend: Any,
     if backend not in known:
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' for CPU tensors or 'nccl' for "
                          "GPUs (one GPU per rank).")
-    if not dist.is_available() or not dist.is_backend_available(backend):
-        raise ValueError(f"backend {backend!r} is not available in this PyTorch build "
-                         f"({torch.__version__}); use backend='gloo'.")
     if backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus < world_size:
             raise ValueError(f"backend='nccl' needs one GPU per rank: found {gpus} GPU(s) for "
                              f"world_size={world_size}. On CPU use backend='gloo', or lower "
                              "world_size to the number of GPUs.")
+    if not dist.is_available() or not dist.is_backend_available(backend):
+        raise ValueError(f"backend {backend!r} is not available in this PyTorch build "
+                         f"({torch.__version__}); use backend='gloo'.")
     if start_method is None:
         start_method = _default_start_method(backend)
     if start_method not in ("fork", "spawn", "forkserver"):
@@ -196,6 +197,7 @@ class _Rank:
     exitcode: int | None = None
     killed: bool = False
     released: bool = False
+    noted: bool = False  # its outcome has been looked at
 
 
 def _rank_env(rank: int, world_size: int, addr: str, port: int) -> dict[str, str]:
@@ -223,13 +225,15 @@ def _kill(r: _Rank) -> None:
             continue
 
 
-def _start(ctx: Any, spec: _rank.RankSpec, payload: Any) -> _Rank:
+def _start(ctx: Any, spec: _rank.RankSpec, payload: Any, listener: socket.socket | None,
+           store_ready: Any) -> _Rank:
     result_parent, result_child = ctx.Pipe(duplex=True)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     out_conn, err_conn = Connection(out_w, readable=False), Connection(err_w, readable=False)
     process = ctx.Process(target=_rank.rank_main, name=f"kit-rank-{spec.rank}",
-                          args=(spec, payload, result_child, out_conn, err_conn))
+                          args=(spec, payload, result_child, out_conn, err_conn, listener,
+                                store_ready))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # "fork() with threads" (3.12+)
         process.start()
@@ -247,7 +251,7 @@ def _start(ctx: Any, spec: _rank.RankSpec, payload: Any) -> _Rank:
 def _describe_exit(r: _Rank) -> RankFailure | None:
     kind = r.message[0] if r.message else None
     took = r.message[2] if r.message else 0.0
-    if kind == _rank.OK and r.exitcode == 0:
+    if kind == _rank.OK and r.exitcode in (0, None):
         return None
     if kind == _rank.ERROR:
         etype, text, tb = r.message[1]
@@ -274,16 +278,16 @@ def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = No
     """:func:`launch` with its options explicit; ``echo=False`` keeps rank output off the cell."""
     kwargs = dict(kwargs or {})
     method = _validate(fn, args, kwargs, world_size, backend, timeout, start_method)
-    import torch.distributed as dist
-
     ctx = _mp().get_context(method)
     payload = (fn, args, kwargs) if method == "fork" else cloudpickle.dumps((fn, args, kwargs))
     tmp = tempfile.mkdtemp(prefix="kit-launch-")
     addr = "127.0.0.1"
-    # The kernel hosts the rendezvous store: port 0 lets the OS pick a free port (no race), and a
-    # crashing rank 0 cannot take the store down with it.
-    store = dist.TCPStore(addr, 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    port = store.port
+    # Rank 0 hosts the rendezvous TCPStore, as under torchrun, on a socket the kernel opens with
+    # port 0: the OS picks a free port and nothing can take it between choosing and listening.
+    # The kernel itself runs no store thread, so forking it stays safe.
+    listener = socket.create_server((addr, 0), backlog=max(128, world_size))
+    port = listener.getsockname()[1]
+    store_ready = ctx.Event()
     pg_timeout = max(2 * timeout, timeout + 30.0)  # the launcher's hang report must come first
     output = RankOutput(world_size, echo=echo)
     ranks: list[_Rank] = []
@@ -294,7 +298,9 @@ def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = No
             spec = _rank.RankSpec(rank, world_size, backend, addr, port, pg_timeout,
                                   os.path.join(tmp, f"stack-{rank}.txt"), os.getpid(),
                                   _rank_env(rank, world_size, addr, port))
-            r = _start(ctx, spec, payload)
+            r = _start(ctx, spec, payload, listener if rank == 0 else None, store_ready)
+            if rank == 0:
+                listener.close()  # rank 0 owns it now; later ranks must not inherit it
             ranks.append(r)
             sel.register(r.out_fd, selectors.EVENT_READ, (r, "out"))
             sel.register(r.err_fd, selectors.EVENT_READ, (r, "err"))
@@ -311,23 +317,24 @@ def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = No
             r.process.join()
         _drain(ranks, output)
         output.flush()
+        crash_reports = {r.rank: clean_fatal_error(_read(r.stack_path + ".crash")) for r in ranks}
         for r in ranks:
             for fd in (r.out_fd, r.err_fd):
                 os.close(fd)
             r.result.close()
             r.process.close()
         sel.close()
-        del store
+        listener.close()
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.monotonic() - started
     outputs = [output.text(r) for r in range(world_size)]
     if stacks is not None:
-        raise LaunchTimeout(_timeout_message(ranks, stacks, timeout, world_size), 
+        raise LaunchTimeout(_timeout_message(ranks, stacks, timeout, world_size),
                             {k: v.raw for k, v in stacks.items()}, outputs)
     if failures:
         for f in failures:  # a signal or a bare exit: the rank's last stderr lines say most
             if not f.details and f.exception_type is None:
-                f.details = clean_fatal_error("\n".join(output.stderr_tails[f.rank][-30:]))
+                f.details = crash_reports.get(f.rank) or "\n".join(output.stderr_tails[f.rank][-15:])
         raise LaunchError(_failure_message(failures, ranks, world_size), failures, outputs)
     values = [cloudpickle.loads(r.message[1]) for r in ranks]
     durations = [float(r.message[2]) for r in ranks]
@@ -379,10 +386,15 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
                 r.process.join()
                 r.exitcode = r.process.exitcode
                 _receive(r, sel)
+            # A rank that reported an error counts at once: it may block on its way out.
+            if not r.noted and (r.exitcode is not None or (r.message and r.message[0] != _rank.OK)):
+                r.noted = True
                 failure = None if r.killed else _describe_exit(r)
                 if failure is not None:
-                    failure.after_s = time.monotonic() - started
+                    happened = r.message[3] if r.message else time.monotonic()
+                    failure.after_s = happened - started
                     failures.append(failure)
+                    failures.sort(key=lambda f: f.after_s)
                     if stop_at is None:
                         stop_at = time.monotonic() + STOP_GRACE_S
         if stop_at is None and all(r.message and r.message[0] == _rank.OK for r in ranks):
@@ -430,14 +442,18 @@ def _collect_stacks(ranks: list[_Rank], output: RankOutput) -> dict[int, hang.Ra
         _kill(r)
     stacks = {}
     for r in waiting:
-        try:
-            with open(r.stack_path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except OSError:
-            text = ""
+        text = _read(r.stack_path)
         if text:
             stacks[r.rank] = hang.parse_dump(r.rank, text)
     return stacks
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _size(path: str) -> int:
@@ -452,7 +468,7 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def _is_consequence(f: RankFailure, first: RankFailure) -> bool:
-    """A peer's failure that only reports the first one (gloo noticing a vanished peer)."""
+    """A peer's failure that only reports another one (gloo noticing a vanished peer)."""
     return f is not first and f.exception_type is not None and any(
         m in f.summary for m in _PEER_GONE)
 
@@ -463,9 +479,12 @@ def _first_line(text: str, limit: int = 160) -> str:
 
 
 def _failure_message(failures: list[RankFailure], ranks: list[_Rank], world_size: int) -> str:
-    first = failures[0]
-    causes = [f for f in failures if not _is_consequence(f, first)]
-    echoes = [f for f in failures if _is_consequence(f, first)]
+    # The first failure that is not just "my peer vanished" is the root cause.
+    first = next((f for f in failures if not any(m in f.summary for m in _PEER_GONE)), failures[0])
+    for f in failures:
+        f.consequence = _is_consequence(f, first)
+    causes = [f for f in failures if not f.consequence]
+    echoes = [f for f in failures if f.consequence]
     head = ", ".join(f"rank {f.rank}" for f in causes)
     if len(causes) == 1:
         lines = [f"rank {first.rank} of {world_size} failed, {first.after_s:.2f} s after launch."]
