@@ -11,6 +11,7 @@ single-process data in dataset order.
 
 from __future__ import annotations
 
+import builtins
 import random
 from typing import Any
 
@@ -229,6 +230,11 @@ SEEDING = task(
 LIBRARIES = ("random", "numpy", "torch")
 
 
+# Set in a worker whose worker_init_fn raised: the worker then reports it with every item
+# instead of crashing, so the loader shuts its workers down cleanly and the rank raises it.
+_INIT_ERROR: tuple[str, str] | None = None
+
+
 class _RandomDraws(Dataset):
     """Item ``i``: the drawing worker's id and one draw from each global random stream."""
 
@@ -241,17 +247,30 @@ class _RandomDraws(Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         info = torch.utils.data.get_worker_info()
         return {"worker": info.id if info else -1, "random": random.random(),
-                "numpy": float(np.random.random()), "torch": float(torch.rand(()))}
+                "numpy": float(np.random.random()), "torch": float(torch.rand(())),
+                "error": _INIT_ERROR}
 
 
 class _Portable:
-    """A ``worker_init_fn`` that survives spawned workers: the function travels cloudpickled."""
+    """A ``worker_init_fn`` that survives spawned workers (the function travels cloudpickled)
+    and turns its exception into data (see ``_INIT_ERROR``)."""
 
     def __init__(self, fn: Any):
         self.blob = cloudpickle.dumps(fn)
 
     def __call__(self, worker_id: int) -> None:
-        cloudpickle.loads(self.blob)(worker_id)
+        global _INIT_ERROR
+        try:
+            cloudpickle.loads(self.blob)(worker_id)
+        except Exception as e:  # noqa: BLE001 - re-raised in the rank by _draws
+            _INIT_ERROR = (type(e).__name__, str(e))
+
+
+def _raise_init_error(name: str, message: str) -> None:
+    kind = getattr(builtins, name, None)
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        raise kind(f"in a DataLoader worker's worker_init_fn: {message}")
+    raise RuntimeError(f"{name} in a DataLoader worker's worker_init_fn: {message}")
 
 
 def _draws(seed_worker: Any, seed: int, epochs: int, workers: int) -> list[Any]:
@@ -263,8 +282,12 @@ def _draws(seed_worker: Any, seed: int, epochs: int, workers: int) -> list[Any]:
                         worker_init_fn=_Portable(seed_worker))
     out = []
     for _ in range(epochs):
+        items = list(loader)
+        for item in items:
+            if item["error"] is not None:
+                _raise_init_error(*item["error"])
         streams: dict[int, dict[str, list[float]]] = {}
-        for item in loader:
+        for item in items:
             stream = streams.setdefault(int(item["worker"]), {lib: [] for lib in LIBRARIES})
             for lib in LIBRARIES:
                 stream[lib].append(float(item[lib]))

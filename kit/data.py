@@ -47,8 +47,10 @@ class SlowDataset(Dataset):
         if not 0 <= i < self.n:
             raise IndexError(f"index {i} out of range for a SlowDataset of {self.n} samples")
         if self.busy:
-            end = time.perf_counter() + self.delay_s
-            while time.perf_counter() < end:
+            # Spin until this process has *used* delay_s of CPU: a process waiting for a core
+            # gets no closer, so workers beyond the free cores cannot help.
+            end = time.process_time() + self.delay_s
+            while time.process_time() < end:
                 pass
         elif self.delay_s:
             time.sleep(self.delay_s)
@@ -127,7 +129,9 @@ def plot_index_streams(streams: Sequence[Sequence[Sequence[int]]], n: int, *, ti
         ax.imshow(grid.numpy(), cmap="viridis", vmin=0, vmax=max(n - 1, 1), aspect="auto")
         for rank, s in enumerate(streams[epoch]):
             for step, index in enumerate(s):
-                ax.text(step, rank, str(index), ha="center", va="center", fontsize=8, color="white")
+                bright = index > 0.6 * (n - 1)  # viridis turns yellow: dark text reads better
+                ax.text(step, rank, str(index), ha="center", va="center", fontsize=8,
+                        color="black" if bright else "white")
                 if step * world_size + rank >= n:
                     ax.add_patch(Rectangle((step - 0.5, rank - 0.5), 1, 1, fill=False,
                                            edgecolor="red", linewidth=2))

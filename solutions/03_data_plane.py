@@ -41,6 +41,7 @@ import math
 import os
 import random
 import time
+import warnings
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -123,7 +124,9 @@ def throughput(num_workers, busy):
 
 
 workers = [0, 1, 2, 4]
-speed = {busy: [throughput(k, busy) for k in workers] for busy in (False, True)}
+with warnings.catch_warnings():  # torch warns when num_workers exceeds the cores: here on purpose
+    warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+    speed = {busy: [throughput(k, busy) for k in workers] for busy in (False, True)}
 
 fig, ax = plt.subplots(figsize=(5.5, 3.2))
 ax.plot(workers, speed[False], "o-", label="waiting (I/O-like)")
@@ -161,8 +164,9 @@ first = {p: first_batch_times(p) for p in (False, True)}
 fig, ax = plt.subplots(figsize=(5.5, 3))
 for shift, p in ((-0.2, False), (0.2, True)):
     ax.bar([e + shift for e in range(3)], first[p], width=0.4, label=f"persistent_workers={p}")
-ax.set(xlabel="epoch", ylabel="seconds to first batch", xticks=range(3))
-ax.legend()
+ax.set(xlabel="epoch", ylabel="seconds to first batch", xticks=range(3),
+       ylim=(0, 1.5 * max(first[False])))
+ax.legend(loc="upper right")
 plt.show()
 
 # %% [markdown]
