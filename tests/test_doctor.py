@@ -1,0 +1,43 @@
+"""kit doctor and the kit command: a readable table, a fix per problem, a non-zero exit when blocked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kit import cli, doctor
+
+
+def test_doctor_passes_on_this_machine_and_lists_every_check():
+    proc = subprocess.run([sys.executable, "-m", "kit.cli", "doctor", "-n", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("Python", "PyTorch", "gloo backend", "nccl backend / GPUs", "start method",
+                "loopback + free port", "/dev/shm", "CPU cores", "JupyterLab + widgets",
+                "launch + all_reduce"):
+        assert row in proc.stdout
+    assert "2 ranks in" in proc.stdout and "Ready" in proc.stdout
+
+
+def test_blocking_problem_exits_non_zero_with_its_fix(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "check_loopback", lambda: doctor.Finding(
+        "loopback + free port", doctor.FAIL, "cannot connect on 127.0.0.1", "allow local TCP"))
+    assert doctor.main(["-n", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "fix: allow local TCP" in out and "1 blocking problem" in out
+    assert "launch + all_reduce" not in out  # no launch attempted on a broken machine
+
+
+def test_warnings_do_not_block(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "check_cores", lambda n: doctor.Finding("CPU cores", doctor.WARN, "1 core", "close programs"))
+    assert doctor.main(["-n", "2"]) == 0
+    assert "fix: close programs" in capsys.readouterr().out
+
+
+def test_kit_command_lists_subcommands_and_rejects_unknown(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert name in out
+    assert cli.main(["fly"]) == 2
+    assert "unknown command 'fly'" in capsys.readouterr().err
