@@ -199,3 +199,28 @@ def test_slow_dataset_samples_are_made_from_the_index_and_bad_input_is_named():
         SlowDataset(5, 0.0)[5]
     with pytest.raises(ValueError, match="n >= 0"):
         SlowDataset(-1)
+
+
+@pytest.mark.slow
+def test_lesson03_runs_headless_with_its_solutions_and_shows_the_bugs_it_teaches():
+    import json
+
+    from kit.runner import run_notebook
+
+    result = run_notebook(SOURCE, timeout=180)
+    assert result.ok, str(result.failure)
+    text = json.dumps([c.get("outputs", []) for c in result.notebook.cells])
+    # The demos print what they claim: duplicated noise, identical ranks, the skewed metric.
+    assert "one process: 0.200   4 ranks, all_reduce of counts: 0.333" in text
+    assert "one process: 0.200   4 ranks, gather_unpadded: 0.200" in text
+    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    draws = [line.split("=", 1)[1] for line in printed.splitlines() if "numpy draw) =" in line]
+    assert len(draws) == 4
+    assert draws[0] == draws[1]  # 2 ranks seeded alike draw alike without seed_worker ...
+    assert draws[2] != draws[3]  # ... and differently with it
+    noise = [eval(line.split(":", 1)[1]) for line in printed.splitlines() if line.startswith("sample, noise:")]
+    assert [n for _, n in noise[0]][0::2] == [n for _, n in noise[0]][1::2]  # workers 0, 1 alike
+    assert len({n for _, n in noise[1]}) == 6  # reseeded from the worker's seed: all different
+    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
+              for o in c.get("outputs", [])]
+    assert checks and '"stderr"' not in json.dumps(checks)
