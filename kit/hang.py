@@ -112,7 +112,7 @@ def parse_dump(rank: int, text: str) -> RankStack:
     return RankStack(rank, main, text)
 
 
-def _ranks(ranks: list[int]) -> str:
+def name_ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
 
 
@@ -123,17 +123,17 @@ def diagnose(stacks: dict[int, RankStack], returned: list[int], world_size: int)
     silent = [r for r in range(world_size) if r not in stacks and r not in returned]
     ops = sorted(set(waiting.values()))
     if len(ops) > 1:
-        listing = "; ".join(f"{_ranks([r])} in {op}" for r, op in sorted(waiting.items()))
+        listing = "; ".join(f"{name_ranks([r])} in {op}" for r, op in sorted(waiting.items()))
         return (f"The ranks are waiting in different collectives ({listing}). Every rank of a "
                 "group must call the same collectives in the same order; look for a collective "
                 "inside an `if rank == ...` branch.")
     if waiting and (returned or busy):
         missing = []
         if returned:
-            missing.append(f"{_ranks(returned)} already returned from the function")
+            missing.append(f"{name_ranks(returned)} already returned from the function")
         if busy:
-            missing.append(f"{_ranks(busy)} never reached it (still running other code)")
-        return (f"{_ranks(list(waiting))} {'is' if len(waiting) == 1 else 'are'} waiting in "
+            missing.append(f"{name_ranks(busy)} never reached it (still running other code)")
+        return (f"{name_ranks(list(waiting))} {'is' if len(waiting) == 1 else 'are'} waiting in "
                 f"{ops[0]}, but {' and '.join(missing)}. A collective completes only when every "
                 "rank of the group calls it: one rank skipped it, or called it fewer times "
                 "(a branch on rank, or a loop with a different length per rank).")
@@ -142,7 +142,7 @@ def diagnose(stacks: dict[int, RankStack], returned: list[int], world_size: int)
                 "its arguments (tensor shape or dtype, src/dst, group), or called it a different "
                 "number of times before. TORCH_DISTRIBUTED_DEBUG=DETAIL checks shapes and order.")
     if silent:
-        return (f"{_ranks(silent)} did not report a stack. If the ranks are only slow, pass a "
+        return (f"{name_ranks(silent)} did not report a stack. If the ranks are only slow, pass a "
                 "larger timeout=.")
     return ("No rank is inside a collective: the code is slow or loops forever. If it is only "
             "slow, pass a larger timeout= to kit.launch (or --timeout to %%distributed).")

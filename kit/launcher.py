@@ -28,6 +28,14 @@ from typing import Any
 import cloudpickle
 
 from kit import _rank, hang
+from kit.failures import (
+    LaunchError,
+    LaunchTimeout,
+    RankFailure,
+    clean_fatal_error,
+    failure_message,
+    timeout_message,
+)
 from kit.output import RankOutput
 
 __all__ = ["LaunchError", "LaunchResult", "LaunchTimeout", "RankFailure", "launch", "run_ranks"]
@@ -47,43 +55,6 @@ class LaunchResult(list):
         self.durations = durations
         self.wall_time = wall_time
         self.start_method = start_method
-
-
-@dataclass
-class RankFailure:
-    """Why one rank did not return."""
-
-    rank: int
-    summary: str  # one line, e.g. "raised ValueError: bad shard"
-    details: str = ""  # traceback, or the last lines the rank printed to stderr
-    after_s: float = 0.0  # seconds after the launch started
-    exception_type: str | None = None
-    exitcode: int | None = None
-    consequence: bool = False  # only reports that a failed peer vanished
-
-
-class LaunchError(RuntimeError):
-    """One or more ranks failed. ``failures`` lists them, first failure first."""
-
-    def __init__(self, message: str, failures: list[RankFailure], outputs: list[str]):
-        super().__init__(message)
-        self.failures = failures
-        self.outputs = outputs
-
-    @property
-    def failed_ranks(self) -> list[int]:
-        return [f.rank for f in self.failures]
-
-    def _render_traceback_(self) -> list[str]:  # IPython shows this instead of launcher internals
-        return [f"{type(self).__name__}: {self}"]
-
-
-class LaunchTimeout(LaunchError, TimeoutError):
-    """The ranks did not finish in time. ``stacks`` maps rank to its Python stack text."""
-
-    def __init__(self, message: str, stacks: dict[int, str], outputs: list[str]):
-        super().__init__(message, [], outputs)
-        self.stacks = stacks
 
 
 def launch(fn: Callable[..., Any], *args: Any, world_size: int = 4, backend: str = "gloo",
@@ -328,14 +299,18 @@ def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = No
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.monotonic() - started
     outputs = [output.text(r) for r in range(world_size)]
+    returned = {r.rank: r.message[2] for r in ranks if r.message and r.message[0] == _rank.OK}
     if stacks is not None:
-        raise LaunchTimeout(_timeout_message(ranks, stacks, timeout, world_size),
+        raise LaunchTimeout(timeout_message(stacks, returned, timeout, world_size),
                             {k: v.raw for k, v in stacks.items()}, outputs)
     if failures:
         for f in failures:  # a signal or a bare exit: the rank's last stderr lines say most
             if not f.details and f.exception_type is None:
                 f.details = crash_reports.get(f.rank) or "\n".join(output.stderr_tails[f.rank][-15:])
-        raise LaunchError(_failure_message(failures, ranks, world_size), failures, outputs)
+        failed = {f.rank for f in failures}
+        stopped = [r.rank for r in ranks if r.killed and r.rank not in failed and r.rank not in returned]
+        raise LaunchError(failure_message(failures, world_size, [r for r in returned if r not in failed],
+                                          stopped), failures, outputs)
     values = [cloudpickle.loads(r.message[1]) for r in ranks]
     durations = [float(r.message[2]) for r in ranks]
     return LaunchResult(values, outputs, durations, wall, method)
@@ -461,93 +436,3 @@ def _size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
-
-
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "Socket closed", "Connection refused")
-
-
-def _is_consequence(f: RankFailure, first: RankFailure) -> bool:
-    """A peer's failure that only reports another one (gloo noticing a vanished peer)."""
-    return f is not first and f.exception_type is not None and any(
-        m in f.summary for m in _PEER_GONE)
-
-
-def _first_line(text: str, limit: int = 160) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _failure_message(failures: list[RankFailure], ranks: list[_Rank], world_size: int) -> str:
-    # The first failure that is not just "my peer vanished" is the root cause.
-    first = next((f for f in failures if not any(m in f.summary for m in _PEER_GONE)), failures[0])
-    for f in failures:
-        f.consequence = _is_consequence(f, first)
-    causes = [f for f in failures if not f.consequence]
-    echoes = [f for f in failures if f.consequence]
-    head = ", ".join(f"rank {f.rank}" for f in causes)
-    if len(causes) == 1:
-        lines = [f"rank {first.rank} of {world_size} failed, {first.after_s:.2f} s after launch."]
-    else:
-        lines = [f"{head} failed ({len(causes)} of {world_size} ranks); rank {first.rank} failed "
-                 f"first, {first.after_s:.2f} s after launch."]
-    for f in causes:
-        lines += ["", f"rank {f.rank} {f.summary}"]
-        if f.details:
-            lines.append(_indent(f.details.rstrip()))
-    if echoes:
-        lines += ["", f"{hang._ranks([f.rank for f in echoes])} then failed because a peer was gone "
-                  f"(a consequence, not a cause): {_first_line(echoes[0].summary)}"]
-    failed = {f.rank for f in failures}
-    stopped = [r.rank for r in ranks if r.killed and r.rank not in failed
-               and not (r.message and r.message[0] == _rank.OK)]
-    returned = [r.rank for r in ranks if r.message and r.message[0] == _rank.OK
-                and r.rank not in failed]
-    if returned:
-        lines += ["", f"{hang._ranks(returned)} had returned normally."]
-    if stopped:
-        lines += ["", f"{hang._ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped "
-                  "by the launcher."]
-    return "\n".join(lines).rstrip()
-
-
-def clean_fatal_error(text: str) -> str:
-    """Trim a faulthandler crash report to the rank's own frames (a forked rank's stack also
-    shows the kernel frames it was forked from, below ``rank_main``)."""
-    kept, skipping = [], False
-    for line in text.splitlines():
-        if line.startswith("Extension modules:"):
-            continue
-        if skipping and line.strip().startswith("File "):
-            continue
-        skipping = False
-        kept.append(line)
-        if "in rank_main" in line:
-            kept.pop()
-            skipping = True
-    return "\n".join(kept).strip()
-
-
-def _timeout_message(ranks: list[_Rank], stacks: dict[int, hang.RankStack], timeout: float,
-                     world_size: int) -> str:
-    returned = [r.rank for r in ranks if r.message and r.message[0] == _rank.OK]
-    lines = [f"Timed out after {timeout:g} s: the ranks did not finish.",
-             hang.diagnose(stacks, returned, world_size), ""]
-    for r in ranks:
-        if r.rank in returned:
-            lines.append(f"  rank {r.rank}: returned from the function after {r.message[2]:.2f} s")
-        elif r.rank in stacks:
-            lines.append(f"  rank {r.rank}: {stacks[r.rank].describe()}")
-        else:
-            lines.append(f"  rank {r.rank}: no stack (it did not answer)")
-    for rank, st in sorted(stacks.items()):
-        lines += ["", f"rank {rank} stack (most recent call last):"]
-        for f in reversed(st.shown_frames()):
-            lines.append(f'  File "{f.file}", line {f.line}, in {f.func}')
-            if f.source:
-                lines.append(f"    {f.source}")
-    return "\n".join(lines)
-
-
-def _indent(text: str, prefix: str = "    ") -> str:
-    return "\n".join(prefix + line for line in text.splitlines())
