@@ -70,9 +70,9 @@ def check_backends() -> list[Finding]:
 
 
 def check_fork() -> Finding:
-    from kit.launcher import _default_start_method
+    from kit.launcher import default_start_method
 
-    method = _default_start_method("gloo")
+    method = default_start_method("gloo")
     if method == "fork":
         return Finding("start method", OK, "fork (fast launches)")
     return Finding("start method", WARN, f"{method} (each launch re-imports torch: seconds, not ms)",

@@ -83,7 +83,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 4, backend: str
 # --------------------------------------------------------------------------- validation
 
 
-def _default_start_method(backend: str) -> str:
+def default_start_method(backend: str) -> str:
     import torch
 
     if sys.platform != "linux" or "fork" not in _mp().get_all_start_methods():
@@ -125,7 +125,7 @@ def _validate(fn: Any, args: tuple, kwargs: dict, world_size: Any, backend: Any,
         raise ValueError(f"backend {backend!r} is not available in this PyTorch build "
                          f"({torch.__version__}); use backend='gloo'.")
     if start_method is None:
-        start_method = _default_start_method(backend)
+        start_method = default_start_method(backend)
     if start_method not in ("fork", "spawn", "forkserver"):
         raise ValueError(f"start_method must be 'fork', 'spawn' or None, got {start_method!r}.")
     if start_method not in _mp().get_all_start_methods():

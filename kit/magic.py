@@ -85,9 +85,9 @@ class DistributedMagics(Magics):
                               (e.filename, e.lineno, e.offset, e.text)) from None
         filename = register_source(cell)
         user_ns = self.shell.user_ns
-        from kit.launcher import _default_start_method
+        from kit.launcher import default_start_method
 
-        method = opts.start_method or _default_start_method(opts.backend)
+        method = opts.start_method or default_start_method(opts.backend)
         namespace = user_ns if method == "fork" else _picklable_namespace(user_ns)
         result = run_ranks(run_cell, (cell, filename, namespace), {}, world_size=opts.nproc,
                            backend=opts.backend, timeout=opts.timeout, start_method=method)

@@ -307,9 +307,9 @@ def test_fork_with_cuda_initialised_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is already initialised.*start_method='spawn'"):
         kit.launch(lambda: None, start_method="fork")
-    from kit.launcher import _default_start_method
+    from kit.launcher import default_start_method
 
-    assert _default_start_method("gloo") == "spawn"
+    assert default_start_method("gloo") == "spawn"
 
 
 # ----------------------------------------------------------------------------- spawn
