@@ -26,6 +26,7 @@ from autograder.registry import CheckFailed, assert_same, task
 from kit import costmodel
 
 RANK_TIMEOUT_S = 30.0  # a deadlocked ring shows the launcher's hang report after this long
+STORE_WAIT_S = 4.0  # how long store_barrier's waits may block before the check calls it stuck
 
 
 def _plain(x: Any) -> Any:
@@ -278,12 +279,23 @@ def _barrier_on_rank(store_barrier: Any, seed: int, host: str, port: int | None,
     else:
         store = dist.TCPStore(host, port, world_size, is_master=False,
                               timeout=timedelta(seconds=10))
+    # A correct barrier waits ~50 ms here; a broken one that waits for a key nobody sets fails
+    # after this long with DistStoreError instead of holding the check up.
+    store.set_timeout(timedelta(seconds=STORE_WAIT_S))
     times = []
     for name, late_rank in zip(names, late):
         if rank == late_rank:
             time.sleep(0.05)  # everyone else must wait for this rank
         arrived = time.perf_counter()
-        store_barrier(store, rank, world_size, name)
+        try:
+            store_barrier(store, rank, world_size, name)
+        except RuntimeError as e:
+            if "timeout" not in str(e).lower():
+                raise
+            raise RuntimeError(
+                f"store_barrier on rank {rank} waited {STORE_WAIT_S:g} s in use {len(times) + 1} of "
+                f"{len(names)} (name {name!r}) for a key nobody set: the ranks disagree about when "
+                "a use of the barrier is complete") from None
         times.append((arrived, time.perf_counter()))
     return times
 
