@@ -55,7 +55,7 @@ def _shard_case(name: str, pairs: list[tuple[int, int]], hint: str = "") -> None
 
 _shard_case("12 items on 4 ranks (an even split)", [(12, 4)])
 _shard_case("10 items on 4 ranks (ranks 0 and 1 get one extra)", [(10, 4)],
-            hint="The remainder goes to the *first* n % world_size ranks, not the last.")
+            hint="The remainder goes to the first n % world_size ranks, not the last ones.")
 _shard_case("3 items on 5 ranks (more ranks than items)", [(3, 5)],
             hint="Ranks past the last item get an empty range.")
 _shard_case("every n from 0 to 40 on 1 to 8 ranks",

@@ -81,7 +81,8 @@ def stub_message(task_id: str | None, source: str) -> str:
 class TaskStubs(NbGraderPreprocessor):
     """Name the task in the stub ``ClearSolutions`` left (configure ``code_stub=CODE_STUB``)."""
 
-    def preprocess_cell(self, cell: NotebookNode, resources: dict[str, Any], cell_index: int):
+    def preprocess_cell(self, cell: NotebookNode, resources: dict[str, Any],
+                        cell_index: int) -> tuple[NotebookNode, dict[str, Any]]:
         if cell.cell_type == "code" and STUB_MARK in cell.source:
             role, task_id = cell_role(Cell(cell_index + 1, cell.cell_type, cell.source, cell.metadata))
             message = stub_message(task_id if role == "task" else None, cell.source)

@@ -10,6 +10,7 @@ whatever can be found, and its :class:`LoadReport` says exactly what could not.
 from __future__ import annotations
 
 import ast
+import getpass
 import hashlib
 import importlib
 import json
@@ -272,7 +273,7 @@ def _setup_chunks(cells: list[Cell], report: LoadReport) -> list[_Chunk]:
 def _modules_dir() -> Path:
     # One folder per user, on sys.path of this process and (through multiprocessing's
     # preparation data) of ranks started with spawn.
-    uid = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    uid = os.getuid() if hasattr(os, "getuid") else getpass.getuser()
     folder = Path(tempfile.gettempdir()) / f"kit-tasks-{uid}"
     folder.mkdir(mode=0o700, exist_ok=True)
     if str(folder) not in sys.path:
