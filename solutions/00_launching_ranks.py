@@ -284,9 +284,10 @@ except LaunchTimeout as err:
 
 # %% [markdown]
 # The report shows the ranks waiting in *different* collectives: the tell-tale sign of a
-# collective inside an `if rank ...` branch. On a real cluster the default timeout is 10
-# minutes or more, so a hang costs real GPU time: every rank must call the same collectives
-# in the same order.
+# collective inside an `if rank ...` branch. Outside this course nobody gives up after 5
+# seconds: `torch.distributed` waits 10 minutes (NCCL) or 30 minutes (gloo) by default before
+# a stuck collective fails, and a whole cluster sits idle meanwhile. Every rank must call the
+# same collectives in the same order.
 
 # %% [markdown]
 # ## Running at scale

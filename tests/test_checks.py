@@ -226,3 +226,15 @@ def test_expected_global_mean_is_the_mean_of_the_concatenation():
     want = torch.cat(blocks).double().mean().item()
     assert _expected_means(3, shapes) == pytest.approx([want] * 3)
     assert blocks[1].numel() == 0
+
+
+def test_global_mean_case_runs_a_loaded_function_on_spawned_ranks():
+    # Where fork is unsafe (macOS, CUDA in the kernel) ranks are spawned: the case's rank
+    # function and the loaded task must then be importable in a fresh interpreter.
+    import kit
+    from autograder.lesson00 import _expected_means, _mean_on_rank
+
+    shapes = [(3,), (0,)]
+    impl = solutions(0).global_mean
+    got = kit.launch(_mean_on_rank, impl, 5, shapes, world_size=2, start_method="spawn", timeout=120)
+    assert [float(x) for x in got] == pytest.approx(_expected_means(5, shapes))
