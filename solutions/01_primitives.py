@@ -512,13 +512,14 @@ def ring_all_reduce(tensor: torch.Tensor) -> None:
         outgoing = chunks[(rank - step) % world_size]
         mine = chunks[(rank - step - 1) % world_size]
         incoming = scratch[: mine.numel()]
-        for handle in (dist.isend(outgoing, right), dist.irecv(incoming, left)):
+        # post the receive first: the data can land straight in its buffer
+        for handle in (dist.irecv(incoming, left), dist.isend(outgoing, right)):
             handle.wait()
         mine.add_(incoming)
     for step in range(world_size - 1):  # all-gather: receive straight into the chunk
         outgoing = chunks[(rank + 1 - step) % world_size]
         mine = chunks[(rank - step) % world_size]
-        for handle in (dist.isend(outgoing, right), dist.irecv(mine, left)):
+        for handle in (dist.irecv(mine, left), dist.isend(outgoing, right)):
             handle.wait()
     ### END SOLUTION
 
