@@ -90,9 +90,11 @@ print("check:", store.check(["greeting"]), store.check(["never-set"]))  # exists
 
 # %%
 def check_in(port):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     arrived = client.add("checked-in", 1)  # atomic: every rank gets a different number
-    client.set(f"address/{dist.get_rank()}", f"process {os.getpid()}")
+    client.set(f"address/{rank}", f"process {os.getpid()}")
+    client.wait([f"address/{r}" for r in range(world_size)])  # until everyone has published
     return arrived
 
 
@@ -104,6 +106,14 @@ print("rank 2 published:", store.get("address/2"))
 # does the same through a file on a shared file system: no port, no host. Handy on a cluster
 # where every node sees the same disk.
 #
+# %%
+with tempfile.TemporaryDirectory() as tmp:
+    file_store = dist.FileStore(os.path.join(tmp, "store"), 1)  # 1: how many processes use it
+    file_store.set("epoch", "3")
+    print("FileStore:", file_store.get("epoch"), file_store.add("steps", 10))
+    del file_store
+
+# %% [markdown]
 # You rarely create a store yourself: `init_process_group` makes one from its `init_method`.
 #
 # | `init_method` | who hosts the store | typical use |
