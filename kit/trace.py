@@ -16,7 +16,10 @@ every rank's events, and ``plot_timeline(result.events)`` draws one lane per ran
 Tracing patches the public functions of ``torch.distributed`` (and ``Work.wait``, to time async
 ops) for the duration of the block and restores them afterwards. A call made by another traced
 call (``all_gather_object`` calls ``all_gather``) is folded into the outer event, so each event
-is one call the user made. Times come from ``time.perf_counter`` (a system-wide monotonic clock
+is one call the user made. Only calls made through ``torch.distributed``'s Python functions are
+seen: torch's C++ DDP reducer and the functional collectives FSDP2 uses talk to the process
+group below Python, so trace those through a DDP communication hook or the course's own Python
+DDP/FSDP. Times come from ``time.perf_counter`` (a system-wide monotonic clock
 on Linux and macOS), so events from different ranks on one machine share a time axis.
 """
 
