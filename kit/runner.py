@@ -134,7 +134,9 @@ def run_notebook(path: str | Path, *, timeout: float = 300, progress: Any = None
         if bar and cell.cell_type == "code":
             bar.update(cell_index + 1, _label(cell), seconds)
 
+    # The kernel's own start-up warnings (e.g. about TCP transport) are noise in a headless run.
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=False,
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
                             resources={"metadata": {"path": str(path.resolve().parent)}},
                             on_cell_start=on_start, on_cell_executed=on_done)
     start = time.perf_counter()
