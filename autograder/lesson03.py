@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import random
+import sys
 from typing import Any
 
 import cloudpickle
@@ -278,8 +279,11 @@ def _draws(seed_worker: Any, seed: int, epochs: int, workers: int) -> list[Any]:
     # Every rank seeds torch identically, as a training script does to start from identical
     # weights; the loader then draws the same base seed on every rank.
     torch.manual_seed(seed)
+    # Forked workers on Linux even in a spawned rank (whose default became spawn): a spawned
+    # worker re-imports torch, seconds per worker and epoch. Elsewhere the platform's default.
     loader = DataLoader(_RandomDraws(4 * workers), batch_size=None, num_workers=workers,
-                        worker_init_fn=_Portable(seed_worker))
+                        worker_init_fn=_Portable(seed_worker),
+                        multiprocessing_context="fork" if sys.platform == "linux" else None)
     out = []
     for _ in range(epochs):
         items = list(loader)
@@ -298,7 +302,7 @@ def _draws(seed_worker: Any, seed: int, epochs: int, workers: int) -> list[Any]:
 def _draws_on_rank(seed_worker: Any, seed: int) -> dict[str, Any]:
     return {"first run": _draws(seed_worker, seed, 2, 2),
             "same seed again": _draws(seed_worker, seed, 2, 2),
-            "another seed": _draws(seed_worker, seed + 1, 2, 2)}
+            "another seed": _draws(seed_worker, seed + 1, 1, 2)}
 
 
 Streams = dict[tuple[int, str, int, int], dict[str, list[float]]]
@@ -312,11 +316,11 @@ def _streams(got: Any) -> Streams:
                 for run, epochs in per_rank.items()
                 for epoch, workers in enumerate(epochs)
                 for worker, stream in enumerate(workers)}
-        assert len(got) == 2 and len(runs) == 2 * 3 * 2 * 2
+        assert len(got) == 2 and len(runs) == 2 * (2 + 2 + 1) * 2
         assert all(sorted(s) == sorted(LIBRARIES) for s in runs.values())
     except (AssertionError, AttributeError, TypeError, ValueError) as e:
         raise CheckFailed("the workers' draws could not be collected",
-                          expected="2 ranks x 3 runs x 2 epochs x 2 workers", got=repr(got)[:200]) from e
+                          expected="2 ranks x 5 epochs x 2 workers", got=repr(got)[:200]) from e
     return runs
 
 
@@ -360,21 +364,32 @@ def _compare_rerun(got: Any, expected: None) -> None:
 
 def _compare_other_seed(got: Any, expected: None) -> None:
     runs = _streams(got)
-    for (rank, run, epoch, worker), stream in runs.items():
-        other = runs[(rank, "another seed", epoch, worker)]
+    for (rank, run, epoch, worker), other in runs.items():
+        stream = runs[(rank, "first run", epoch, worker)]
         for lib in LIBRARIES:
-            if run == "first run" and other[lib] == stream[lib]:
+            if run == "another seed" and other[lib] == stream[lib]:
                 raise CheckFailed(
                     f"rank {rank} worker {worker}, epoch {epoch}: the {lib} stream stayed the same "
                     "when torch.manual_seed changed",
                     expected="a stream derived from torch's per-worker seed", got=stream[lib][:2])
 
 
+# The four cases of task 3.2 read the same draws: one launch serves them all. Keyed by the
+# implementation object itself (kept alive in the value, so its id cannot be reused).
+_DRAWS_CACHE: dict[tuple[int, int], tuple[Any, list[Any]]] = {}
+
+
 def _seeding_run(seed_worker: Any, seed: int) -> list[Any]:
     from kit.launcher import run_ranks
 
-    return list(run_ranks(_draws_on_rank, (seed_worker, seed), world_size=2, timeout=30.0,
-                          echo=False))
+    cached = _DRAWS_CACHE.get((id(seed_worker), seed))
+    if cached is not None and cached[0] is seed_worker:
+        return cached[1]
+    got = list(run_ranks(_draws_on_rank, (seed_worker, seed), world_size=2, timeout=60.0,
+                         echo=False))
+    _DRAWS_CACHE.clear()  # only the latest implementation is worth keeping
+    _DRAWS_CACHE[(id(seed_worker), seed)] = (seed_worker, got)
+    return got
 
 
 for _name, _compare, _weight, _hint in [

@@ -7,6 +7,7 @@ small (length, world size), and kit.data's timing and index streams measure what
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from pathlib import Path
 
@@ -218,9 +219,21 @@ def test_lesson03_runs_headless_with_its_solutions_and_shows_the_bugs_it_teaches
     assert len(draws) == 4
     assert draws[0] == draws[1]  # 2 ranks seeded alike draw alike without seed_worker ...
     assert draws[2] != draws[3]  # ... and differently with it
-    noise = [eval(line.split(":", 1)[1]) for line in printed.splitlines() if line.startswith("sample, noise:")]
+    noise = [ast.literal_eval(line.split(":", 1)[1]) for line in printed.splitlines() if line.startswith("sample, noise:")]
     assert [n for _, n in noise[0]][0::2] == [n for _, n in noise[0]][1::2]  # workers 0, 1 alike
     assert len({n for _, n in noise[1]}) == 6  # reseeded from the worker's seed: all different
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)
+
+
+@pytest.mark.slow
+def test_rank_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
+    import kit.launcher
+
+    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
+    for task_id, prefix in [("3.1", "defaults"), ("3.2", "different streams on every rank"),
+                            ("3.3", "accuracy")]:
+        task = get_task(task_id)
+        case = next(c for c in task.cases if c.name.startswith(prefix))
+        case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
