@@ -741,9 +741,8 @@ plt.show()
 # >
 # > | | gloo | NCCL |
 # > | --- | --- | --- |
-# > | tensors | CPU (CUDA too, staged through host memory) | CUDA only, one GPU per rank |
-# > | send/recv, broadcast, all_reduce, all_gather, reduce_scatter, all_to_all, barrier | yes | yes |
-# > | reduce, gather, scatter | yes | yes |
+# > | tensors | CPU for every op of this lesson; CUDA only for a few (broadcast, all_reduce), slowly | CUDA only, one GPU per rank |
+# > | ops | every op of this lesson | every op of this lesson |
 # > | `ReduceOp.AVG`, `PREMUL_SUM` | no | yes |
 # > | where | CPU jobs, CI, laptops | every GPU cluster |
 # >
