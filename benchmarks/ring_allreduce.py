@@ -12,6 +12,7 @@ bandwidth 2(p-1)/p * bytes / seconds. Timing only: correctness is tests/test_les
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -46,15 +47,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=11)
     args = parser.parse_args()
 
     ring_all_reduce = load_tasks(ROOT / "solutions" / "01_primitives.py").ring_all_reduce
     result = run_ranks(_time_both, (ring_all_reduce, args.sizes_mb, args.repeats), {},
                        world_size=args.world_size, timeout=600, echo=False)
     p = args.world_size
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"ring_all_reduce (Lesson 01 solution) vs gloo dist.all_reduce, {p} ranks, float32, "
-          f"median of {args.repeats}, torch {torch.__version__}")
+          f"median of {args.repeats}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"load average {load} (other work on the CPUs slows both, not always alike)")
     print(f"{'size':>8} {'ring ms':>9} {'gloo ms':>9} {'ring/gloo':>10} {'ring busbw':>11} {'gloo busbw':>11}")
     for mb in args.sizes_mb:
         # a collective ends when its slowest rank is done: take the max over ranks per call
