@@ -528,7 +528,7 @@ print(f"one process: {single:.3f}   4 ranks, gather_unpadded: {launch(exact_accu
 # > sampler = DistributedSampler(train_set, shuffle=True, seed=0, drop_last=True)
 # > cores_per_gpu = os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])
 # > loader = DataLoader(train_set, batch_size=64, sampler=sampler,   # no shuffle= with a sampler
-# >                     num_workers=min(8, cores_per_gpu - 1),      # leave a core for the rank
+# >                     num_workers=max(1, min(8, cores_per_gpu - 1)),  # a core for the rank
 # >                     pin_memory=True, persistent_workers=True, prefetch_factor=4,
 # >                     worker_init_fn=seed_worker)
 # > for epoch in range(epochs):
