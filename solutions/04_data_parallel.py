@@ -207,7 +207,7 @@ def _nothing():
 
 
 def last_step(events):
-    """Only the last step's events: from its forward region on."""
+    """Only the last step's events: from its forward region on, without the broadcasts."""
     out = []
     for lane in events:
         start = max(e.start for e in lane if e.op == "forward")
@@ -215,14 +215,49 @@ def last_step(events):
     return out
 
 
+PHASE_COLOURS = {"forward": "tab:green", "backward": "tab:orange", "synchronise": "tab:red"}
+
+
+def plot_step(traced, title, ax=None):
+    """One lane per rank: forward, backward and synchronise as bars, a tick per all-reduce start.
+
+    The same tracer events as plot_timeline; an async all-reduce is drawn where it was started,
+    since the tracer knows when it was waited for, not when the network finished it.
+    """
+    events = last_step(traced.events)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 1.6))
+    t0 = min(e.start for lane in events for e in lane)
+    for lane in events:
+        for e in lane:
+            if e.kind == "region":
+                ax.barh(e.rank, 1e3 * e.duration, left=1e3 * (e.start - t0), height=0.5,
+                        color=PHASE_COLOURS[e.op], label=e.op if e.rank == 0 else None)
+            elif e.op == "all_reduce":
+                x = 1e3 * (e.start - t0)
+                ax.plot([x, x], [e.rank - 0.4, e.rank + 0.4], color="tab:blue", lw=1,
+                        label="all_reduce starts" if e.rank == 0 and e.index == min(
+                            f.index for f in lane if f.op == "all_reduce") else None)
+    ax.set_yticks(range(len(events)), [f"rank {r}" for r in range(len(events))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
+    return ax
+
+
 naive = launch_traced(train_step, NaiveDDP, world_size=2, echo=False)
 plot_timeline(last_step(naive.events), title="NaiveDDP: every all-reduce waits for backward")
 plt.show()
+plot_step(naive, "NaiveDDP: forward, backward, then one blocking all-reduce per parameter")
+plt.show()
 
 # %% [markdown]
-# All the all-reduces (blue) sit after the backward region: while the network is busy, the
-# processor is idle, and the other way round. One blocking call per parameter also pays the
-# latency of a collective many times over.
+# The first picture is Lesson 01's timeline: every all-reduce (blue) sits after the backward
+# region (hatched). The second draws the same events by phase, with a tick where each
+# all-reduce starts; we use it for the next versions. While the network is busy the processor
+# is idle, and the other way round, and one blocking call per parameter pays the latency of
+# a collective many times over.
 #
 # ## 3. Overlapping communication with backward
 #
@@ -291,16 +326,16 @@ check("4.2", OverlappedDDP)
 
 # %%
 overlapped = launch_traced(train_step, OverlappedDDP, world_size=2, echo=False)
-plot_timeline(last_step(overlapped.events),
-              title="OverlappedDDP: all-reduces start inside backward")
+plot_step(overlapped, "OverlappedDDP: all-reduces start inside backward")
 plt.show()
 
 # %% [markdown]
-# The all-reduces now start inside the backward region, one per parameter. On CPU with gloo,
-# communication and computation share the same cores, so the gain is modest here; on GPUs
-# NCCL runs on its own stream and the overlap hides most of the communication. The price is
-# the number of calls: a transformer has hundreds of small parameters (biases, norms), and
-# each collective pays a fixed latency.
+# The all-reduces now start inside the backward region, one per parameter. On a laptop CPU
+# with gloo, communication and computation compete for the same cores, so the overlap buys
+# little and can even cost time (see the step times in section 7); on GPUs NCCL runs on its
+# own stream and the overlap hides most of the communication. The price is the number of
+# calls: a transformer has many small parameters (biases, norms), and each collective pays
+# a fixed latency.
 #
 # ## 4. Buckets
 #
@@ -433,8 +468,7 @@ check("4.3", BucketedDDP)
 
 # %%
 bucketed = launch_traced(train_step, BucketedDDP, world_size=2, echo=False, bucket_size_mb=0.25)
-plot_timeline(last_step(bucketed.events),
-              title="BucketedDDP (0.25 MiB buckets): few all-reduces, inside backward")
+plot_step(bucketed, "BucketedDDP (0.25 MiB buckets): few all-reduces, inside backward")
 plt.show()
 
 # %% [markdown]
@@ -530,7 +564,7 @@ def torch_ddp(steps=3):
     sampler = DistributedSampler(data, shuffle=True, seed=0)  # this rank's 16 sequences
     loader = DataLoader(data, batch_size=8, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step, (xb, yb) in zip(range(steps), loader):
+    for _, (xb, yb) in zip(range(steps), loader):
         loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
         loss.backward()  # the bucketed all-reduces happen in here
         optimizer.step()
@@ -571,36 +605,54 @@ except LaunchError as e:
 # `model.register_comm_hook(state, hook)` replaces the all-reduce of every bucket with your
 # own function of the bucket. torch ships `fp16_compress_hook` and `bf16_compress_hook`
 # ([docs](https://pytorch.org/docs/stable/ddp_comm_hooks.html)): cast the bucket to 16 bits,
-# all-reduce, cast back. Half the bytes on the wire, for some rounding of the gradients.
-# Measure both on 2 ranks:
+# divide by the world size, all-reduce, cast back. Half the bytes on the wire, for some
+# rounding of the gradients. They are a few lines each (torch's bf16 one insists on NCCL, so
+# here is the same hook for any backend):
 
 # %%
-def with_comm_hook(name, steps=4):
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def compress_hook(dtype):
+    """A DDP communication hook that all-reduces every bucket in `dtype` (the mean over ranks)."""
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()  # (bucket numel,) the bucket's gradients, flat, fp32
+        compressed = buffer.to(dtype).div_(group.size())
+        work = dist.all_reduce(compressed, group=group, async_op=True)
+
+        def decompress(fut):
+            buffer.copy_(fut.value()[0])  # back to fp32, in place
+            return buffer
+
+        return work.get_future().then(decompress)
+
+    return hook
+
+
+def with_comm_hook(dtype, steps=4):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from kit.trace import trace
 
     torch.manual_seed(0)
     model = DDP(TinyTransformer(vocab=64, dim=64, layers=2, heads=4, context=32))
-    if name != "fp32":
-        model.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
+    model.register_comm_hook(None, compress_hook(dtype))
     x, y = token_batch(4, 32, 64, seed=dist.get_rank())
     start = time.perf_counter()
     for _ in range(steps):
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     seconds = (time.perf_counter() - start) / steps
-    grad = model.module.blocks[0].qkv.weight.grad.clone()
     model.zero_grad()
     with trace() as t:  # one more backward, traced: what went over the wire?
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    grad = model.module.blocks[0].qkv.weight.grad.clone()
     return {"bytes": sum(e.nbytes for e in t.events if e.op == "all_reduce"),
             "step_ms": 1e3 * seconds, "grad": grad}
 
 
-hooks = {name: launch(with_comm_hook, name, world_size=2)[0] for name in ["fp32", "fp16", "bf16"]}
+hooks = {str(dtype)[6:]: launch(with_comm_hook, dtype, world_size=2)[0]
+         for dtype in [torch.float32, torch.float16, torch.bfloat16]}
 for name, r in hooks.items():
-    error = (r["grad"] - hooks["fp32"]["grad"]).abs().max().item()
+    error = (r["grad"] - hooks["float32"]["grad"]).abs().max().item()
     print(f"{name}: {r['bytes'] / 1e3:7.1f} kB all-reduced per step, {r['step_ms']:6.1f} ms/step, "
           f"max gradient difference vs fp32 {error:.1e}")
 

@@ -1,0 +1,222 @@
+"""Lesson 04's checks can pass and can fail: solutions pass, stubs and seeded bugs fail.
+
+Also proves the lesson's claims against trusted references independently of the checks: the
+solutions' gradients equal torch's own DistributedDataParallel on a small transformer for
+world sizes 1-4 and several bucket caps (hypothesis), the bucket plan keeps its contract for
+any cap, no_sync accumulation equals one large batch, and the lesson runs headless.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+from autograder.lesson04 import MIB, _bucket_plan
+from autograder.registry import CheckFailed, get_task, lesson_tasks
+from kit.checking import NOT_IMPLEMENTED, run_checks
+from kit.launcher import run_ranks
+from kit.models import AwkwardNet, TinyTransformer, token_batch
+from kit.notebook import load_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("lesson04_bugs", ROOT / "tests" / "bugs" / "lesson04.py")
+_bugs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bugs)
+BUGS = _bugs.BUGS
+SOURCE = ROOT / "solutions" / "04_data_parallel.py"
+STUDENT = ROOT / "lessons" / "04_data_parallel.ipynb"
+TASK_IDS = ["4.1", "4.2", "4.3", "4.4"]
+
+
+@pytest.fixture(scope="module")
+def solution():
+    return load_tasks(SOURCE)
+
+
+def _failures(task_id: str, impl) -> list[str]:
+    """Names of the cases ``impl`` fails (raises in run, or CheckFailed in compare)."""
+    task = get_task(task_id)
+    failed = []
+    for case in task.cases:
+        try:
+            case.compare(case.run(impl, 0), task.expected(case, 0))
+        except CheckFailed:
+            failed.append(case.name)
+        except Exception:  # noqa: BLE001 - a stub or a bug that crashes also fails the case
+            failed.append(case.name)
+    return failed
+
+
+def test_lesson04_registers_tasks_4_1_to_4_4_with_their_points():
+    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(4)}
+    assert tasks == {"4.1": ("NaiveDDP", 3.0), "4.2": ("OverlappedDDP", 3.0),
+                     "4.3": ("BucketedDDP", 4.0), "4.4": ("BucketedDDP", 2.0)}
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_solution_passes_every_case(solution, task_id):
+    assert _failures(task_id, getattr(solution, get_task(task_id).name)) == []
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_student_stub_is_reported_as_not_implemented_naming_its_task(task_id):
+    if not STUDENT.exists():
+        pytest.skip("lessons/04_data_parallel.ipynb is not built yet (kit build)")
+    stub = getattr(load_tasks(STUDENT), get_task(task_id).name)
+    report = run_checks(task_id, stub)
+    assert report.score == 0
+    assert report.status == NOT_IMPLEMENTED, report.to_text()
+    assert f"Task {task_id}:" in report.cases[0].message
+
+
+def test_no_sync_stub_on_a_finished_bucketed_ddp_says_task_4_4(solution):
+    base = solution.BucketedDDP.__mro__[1]  # the Task 4.3 class, before no_sync was added
+
+    class BucketedDDP(base):
+        def no_sync(self):
+            raise NotImplementedError("Task 4.4: Add no_sync()")
+
+    report = run_checks("4.4", BucketedDDP)
+    assert report.status == NOT_IMPLEMENTED
+    assert "Task 4.4: Add no_sync()" in report.cases[0].message
+
+
+@pytest.mark.parametrize("task_id,what,bug", [(t, what, bug) for t, bugs in BUGS.items()
+                                              for what, bug in bugs],
+                         ids=[f"{t}: {what}" for t, bugs in BUGS.items() for what, _ in bugs])
+def test_seeded_bug_fails_at_least_one_case(task_id, what, bug):
+    assert _failures(task_id, bug), f"task {task_id}: the bug '{what}' passes every case"
+
+
+def test_summing_instead_of_averaging_is_named_in_the_feedback():
+    report = run_checks("4.1", dict(BUGS["4.1"])["sums the gradients instead of averaging them"])
+    messages = [c.message for c in report.cases if not c.passed]
+    assert any("the sum over ranks, not the mean" in m for m in messages)
+
+
+def test_tied_weight_reduced_twice_fails_only_the_counting_case():
+    bug = dict(BUGS["4.1"])["reduces the tied weight twice (module by module)"]
+    assert _failures("4.1", bug) == [c.name for c in get_task("4.1").cases if "at most one" in c.name]
+
+
+# --------------------------------------------------------------------------- the bucket plan
+
+
+@settings(max_examples=60, deadline=None)
+@given(cap_bytes=st.integers(1, 4000))
+def test_bucket_plan_covers_parameters_in_reverse_order_under_the_cap(cap_bytes):
+    model = AwkwardNet()
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    plan = _bucket_plan(cap_bytes / MIB)
+    assert [n for b in plan for n in b] == trainable[::-1]  # every trainable one once, reversed
+    for bucket in plan:
+        total = sum(sizes[n] for n in bucket)
+        assert total <= cap_bytes or len(bucket) == 1  # only a lone parameter may exceed the cap
+    for a, b in zip(plan, plan[1:]):  # greedy: the next parameter did not fit
+        assert sum(sizes[n] for n in a) + sizes[b[0]] > cap_bytes
+
+
+def test_solution_buckets_match_the_trusted_plan(solution):
+    def buckets_on_rank(impl, cap_mb):
+        model = AwkwardNet()
+        names = {p: n for n, p in model.named_parameters()}
+        return [[names[p] for p in bucket] for bucket in impl(model, bucket_size_mb=cap_mb).buckets]
+
+    for cap in (600 / MIB, 1500 / MIB, 1.0):
+        got = run_ranks(buckets_on_rank, (solution.BucketedDDP, cap), world_size=1, echo=False)[0]
+        assert got == _bucket_plan(cap)
+
+
+# --------------------------------------------------------------------------- against torch DDP
+
+
+def _grads_after_steps(wrapper, options, steps=2):
+    """Each rank: its own initial weights, wrap, ``steps`` SGD steps; last step's gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    model = TinyTransformer(vocab=32, dim=32, layers=2, heads=2, context=8)
+    wrapper = DistributedDataParallel if wrapper is None else wrapper
+    ddp = wrapper(model, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = token_batch(2 * world_size, 8, 32, seed=step)
+        x, y = x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
+        F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
+        getattr(ddp, "finish_gradient_synchronization", lambda: None)()
+        grads = [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads
+
+
+@settings(max_examples=6, deadline=None)
+@given(world_size=st.integers(1, 4), which=st.sampled_from(["NaiveDDP", "OverlappedDDP", "BucketedDDP"]),
+       cap_kib=st.sampled_from([1, 16, 64, 1024]))
+def test_solutions_give_torch_ddp_gradients_on_a_transformer(solution, world_size, which, cap_kib):
+    options = {"bucket_size_mb": cap_kib / 1024} if which == "BucketedDDP" else {}
+    ours = run_ranks(_grads_after_steps, (getattr(solution, which), options),
+                     world_size=world_size, echo=False)
+    torchs = run_ranks(_grads_after_steps, (None, {}), world_size=world_size, echo=False)
+    for rank in range(world_size):
+        for a, b in zip(ours[rank], torchs[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _accumulated(impl, micro):
+    """Each rank: one step of ``micro`` micro-batches (all but the last under no_sync)."""
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    model = TinyTransformer(vocab=32, dim=32, layers=1, heads=2, context=8)
+    ddp = impl(model, bucket_size_mb=0.01)
+    x, y = token_batch(8, 8, 32, seed=rank)  # this rank's 8 sequences
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+        loss = F.cross_entropy(ddp(xs).flatten(0, 1), ys.flatten()) / micro
+        if i < micro - 1:
+            with ddp.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    ddp.finish_gradient_synchronization()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("micro", [2, 4])
+def test_no_sync_accumulation_equals_one_step_on_the_combined_batch(solution, micro):
+    one = run_ranks(_accumulated, (solution.BucketedDDP, 1), world_size=2, echo=False)
+    accumulated = run_ranks(_accumulated, (solution.BucketedDDP, micro), world_size=2, echo=False)
+    for rank in range(2):
+        for a, b in zip(accumulated[rank], one[rank]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the lesson
+
+
+@pytest.mark.slow
+def test_lesson04_runs_headless_with_its_solutions_and_shows_what_it_claims():
+    import json
+
+    from kit.runner import run_notebook
+
+    result = run_notebook(SOURCE, timeout=180)
+    assert result.ok, str(result.failure)
+    assert result.seconds < 240
+    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    assert "same gradients: True" in printed
+    counts = {line.split()[0]: int(line.split()[1]) for line in printed.splitlines()
+              if line.endswith("all-reduces in one step")}
+    assert counts["NaiveDDP"] == counts["OverlappedDDP"] > counts["BucketedDDP"] >= 1
+    assert "two steps done" in printed and "find_unused_parameters" in printed
+    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
+              for o in c.get("outputs", [])]
+    assert checks and '"stderr"' not in json.dumps(checks)
