@@ -10,12 +10,14 @@ whatever can be found, and its :class:`LoadReport` says exactly what could not.
 from __future__ import annotations
 
 import ast
+import builtins
 import getpass
 import hashlib
 import importlib
 import json
 import os
 import re
+import symtable
 import sys
 import tempfile
 import traceback
@@ -270,6 +272,75 @@ def _setup_chunks(cells: list[Cell], report: LoadReport) -> list[_Chunk]:
     return [_Chunk("imports (no setup cell)", "\n".join(dict.fromkeys(imports)), [])]
 
 
+def _free_names(code: str) -> set[str]:
+    """Global names ``code`` reads but does not define itself (builtins excluded)."""
+    found: set[str] = set()
+
+    def walk(table: symtable.SymbolTable) -> None:
+        for sym in table.get_symbols():
+            if table.get_type() == "module":
+                if sym.is_referenced() and not (sym.is_assigned() or sym.is_imported()):
+                    found.add(sym.get_name())
+            elif sym.is_global() and sym.is_referenced():
+                found.add(sym.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(symtable.symtable(code, "<cell>", "exec"))
+    return found - set(dir(builtins))
+
+
+def _defined_names(code: str) -> set[str]:
+    return {sym.get_name() for sym in symtable.symtable(code, "<cell>", "exec").get_symbols()
+            if sym.is_assigned() or sym.is_imported()}
+
+
+def _side_effect_free(node: ast.stmt) -> bool:
+    """A def, a class, or an assignment of a literal: safe to run when loading."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return True
+    if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+        try:
+            ast.literal_eval(node.value)
+        except ValueError:
+            return False
+        return True
+    return False
+
+
+def _helper_chunks(chunks: list[_Chunk], cells: list[Cell], report: LoadReport) -> list[_Chunk]:
+    """Definitions the tasks use from other cells (a student's helper function or constant).
+
+    Only defs, classes and literal assignments are taken, so no demo code runs.
+    """
+    code = "\n".join(c.code for c in chunks)
+    wanted = _free_names(code) - _defined_names(code)
+    taken: dict[str, _Chunk] = {}
+    loaded = {c.cell for c in chunks}
+    while wanted:
+        name = wanted.pop()
+        for cell in reversed(cells):
+            if cell.index in loaded or cell_role(cell)[0] in {SETUP, "check"}:
+                continue
+            try:
+                source = _as_python(cell.source) or ""
+                tree = ast.parse(source)
+            except SyntaxError:
+                continue
+            lines = source.splitlines()
+            node = next((n for n in reversed(tree.body) if _side_effect_free(n)
+                         and name in _defined_names(ast.unparse(n))), None)
+            if node is None:
+                continue
+            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            helper = "\n".join(lines[start - 1:node.end_lineno])
+            taken[name] = _Chunk(f"cell {cell.index} (helper {name})", helper, [])
+            report.notes.append(f"loaded {name}, which the tasks use, from cell {cell.index}")
+            wanted |= _free_names(helper) - _defined_names(code) - set(taken)
+            break
+    return list(taken.values())
+
+
 def _modules_dir() -> Path:
     # One folder per user, on sys.path of this process and (through multiprocessing's
     # preparation data) of ranks started with spawn.
@@ -309,9 +380,9 @@ def _failing_chunk(exc: BaseException, file: Path, text: str, chunks: list[_Chun
 def load_tasks(path: str | os.PathLike[str], *, lesson: int | None = None) -> ModuleType:
     """Import the graded code of a lesson notebook or source as a module.
 
-    The module holds the setup cell and each task's definition (found by the cell's tag
-    ``task-L.N`` / nbgrader ``grade_id``, else by the task's function or class name); demo
-    cells never run. It is registered in ``sys.modules`` under a name derived from the path and
+    The module holds the setup cell, each task's definition (found by the cell's tag
+    ``task-L.N`` / nbgrader ``grade_id``, else by the task's function or class name) and the
+    helpers those use from other cells (defs, classes, literal constants); demo code never runs. It is registered in ``sys.modules`` under a name derived from the path and
     content, from a file on ``sys.path``, so ranks started with spawn can import it too.
     ``module.__load_report__`` (a :class:`LoadReport`) lists what was found and what is missing.
 
@@ -343,7 +414,9 @@ def load_tasks(path: str | os.PathLike[str], *, lesson: int | None = None) -> Mo
             same.task_ids += chunk.task_ids
         else:
             chunks.append(chunk)
-    return _import(chunks, path, report)
+    helpers = _helper_chunks(chunks, cells, report)
+    setup = [c for c in chunks if not c.task_ids]
+    return _import(setup + helpers + [c for c in chunks if c.task_ids], path, report)
 
 
 def _import(chunks: list[_Chunk], path: Path, report: LoadReport) -> ModuleType:

@@ -170,3 +170,23 @@ def test_unknown_lesson_says_how_to_name_the_file(tmp_path):
         load_tasks(path)
     module = load_tasks(path, lesson=0)
     assert module.__load_report__.complete
+
+
+def test_a_helper_the_student_wrote_in_another_cell_is_loaded_without_running_demos(tmp_path):
+    nb = _solved_notebook()
+    cell = _task_cell(nb, "0.1")
+    cell["source"] = ("def shard_range(n, rank, world_size):\n"
+                      "    return range(*_bounds(n, rank, world_size))\n")
+    helper = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+              "source": "OFFSET = 0\n\ndef _bounds(n, rank, world_size):\n"
+                        "    base, extra = divmod(n, world_size)\n"
+                        "    start = OFFSET + rank * base + min(rank, extra)\n"
+                        "    return start, start + base + (rank < extra)\n\n"
+                        "raise SystemExit('a demo line ran')\n"}
+    nb["cells"].insert(nb["cells"].index(cell), helper)
+    module = load_tasks(_write(tmp_path, nb))
+    report = module.__load_report__
+    assert report.complete, str(report)
+    assert list(module.shard_range(10, 1, 4)) == [3, 4, 5]
+    assert any("_bounds" in note for note in report.notes)
+    assert any("OFFSET" in note for note in report.notes)
