@@ -19,7 +19,8 @@ call (``all_gather_object`` calls ``all_gather``) is folded into the outer event
 is one call the user made. Only calls made through ``torch.distributed``'s Python functions are
 seen: torch's C++ DDP reducer and the functional collectives FSDP2 uses talk to the process
 group below Python, so trace those through a DDP communication hook or the course's own Python
-DDP/FSDP. Times come from ``time.perf_counter`` (a system-wide monotonic clock
+DDP/FSDP. Names bound before the block (``from torch.distributed import all_reduce``) keep
+pointing at the untraced function; call through ``dist.`` to be seen. Times come from ``time.perf_counter`` (a system-wide monotonic clock
 on Linux and macOS), so events from different ranks on one machine share a time axis.
 """
 
