@@ -4,6 +4,15 @@ The registry (:mod:`autograder.registry`) is the single place a task's checks an
 the notebook ``check()``, pytest and the batch grader all run the same cases.
 """
 
-from autograder.registry import TASKS, Case, CheckFailed, Task, assert_same, get_task, lesson_tasks, task
+from autograder.registry import (
+    TASKS,
+    Case,
+    CheckFailed,
+    Task,
+    assert_same,
+    get_task,
+    lesson_tasks,
+    task,
+)
 
 __all__ = ["TASKS", "Case", "CheckFailed", "Task", "assert_same", "get_task", "lesson_tasks", "task"]
