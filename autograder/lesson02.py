@@ -1,0 +1,470 @@
+"""Checks for Lesson 02, "torchrun, elastic restarts and debugging hangs": tasks 2.1 to 2.3.
+
+Task 2.1 ``dist_info_from_env`` is compared with a trusted reader on torchrun's environments
+(one process, one node, the second of two nodes) and on malformed ones, which must raise a
+``ValueError`` naming the variable. Task 2.2 ``resumable_train`` must reproduce, bit for bit,
+an uninterrupted single-process run of the trusted training loop: in this process after a
+simulated crash, and under real ``torchrun --max-restarts=1`` with rank 1 killed (SIGKILL)
+partway through the first attempt. Task 2.3 ``first_mismatch`` is compared with a trusted
+finder on hand-made call sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import tempfile
+import types
+from collections import Counter
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autograder.registry import CheckFailed, assert_same, task
+
+# --------------------------------------------------------------------------- task 2.1
+
+FIELDS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank", "master_addr",
+          "master_port", "is_distributed")
+
+
+def _reference_dist_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Trusted reader: the DistInfo fields as a dict, or ValueError."""
+    env = os.environ if env is None else env
+
+    def number(name: str, default: int, low: int = 0) -> int:
+        if name not in env:
+            return default
+        try:
+            value = int(env[name])
+        except ValueError:
+            raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+        if value < low:
+            raise ValueError(f"{name}={value} must be >= {low}")
+        return value
+
+    world_size = number("WORLD_SIZE", 1, low=1)
+    rank = number("RANK", 0)
+    local_world_size = number("LOCAL_WORLD_SIZE", world_size, low=1)
+    local_rank = number("LOCAL_RANK", rank % local_world_size)
+    node_rank = number("GROUP_RANK", rank // local_world_size)
+    port = number("MASTER_PORT", 29500, low=1)
+    if port > 65535:
+        raise ValueError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
+    if rank >= world_size:
+        raise ValueError(f"RANK={rank} must be < WORLD_SIZE={world_size}")
+    if local_rank >= local_world_size:
+        raise ValueError(f"LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_world_size}")
+    if world_size % local_world_size:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local_world_size} does not divide WORLD_SIZE={world_size}")
+    if rank != node_rank * local_world_size + local_rank:
+        raise ValueError(f"RANK={rank} != GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK "
+                         f"({node_rank} * {local_world_size} + {local_rank})")
+    return {"rank": rank, "local_rank": local_rank, "world_size": world_size,
+            "local_world_size": local_world_size, "node_rank": node_rank,
+            "master_addr": env.get("MASTER_ADDR", "127.0.0.1"), "master_port": port,
+            "is_distributed": "WORLD_SIZE" in env}
+
+
+def _info_as_dict(info: Any) -> Any:
+    """What the student returned, as plain data: the DistInfo fields, or a description."""
+    if dataclasses.is_dataclass(info) and not isinstance(info, type):
+        return {name: getattr(info, name, "<missing>") for name in FIELDS}
+    return f"<a {type(info).__name__}, not a DistInfo>"
+
+
+def _outcome(fn: Callable[..., Any], env: dict[str, str]) -> Any:
+    try:
+        return _info_as_dict(fn(env))
+    except ValueError as e:
+        return ["ValueError", str(e)]
+
+
+INFO = task(
+    "2.1", "dist_info_from_env", points=3,
+    hint="Parse each variable with int(), fall back to the single-process default when it is "
+         "unset, then check the ranks fit the world before returning.",
+)
+
+_TORCHRUN_4 = {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
+               "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+_NODE_1_OF_2 = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
+
+
+def _info_case(name: str, envs: list[dict[str, str]], hint: str = "") -> None:
+    def run(dist_info_from_env: Any, seed: int) -> list[Any]:
+        return [_outcome(dist_info_from_env, dict(env)) for env in envs]
+
+    def expect(seed: int) -> list[Any]:
+        return [_outcome(_reference_dist_info, dict(env)) for env in envs]
+
+    INFO.case(name, compare=_compare_infos, expect=expect, hint=hint)(run)
+
+
+def _compare_infos(got: Any, expected: list[Any]) -> None:
+    if not isinstance(got, list) or len(got) != len(expected):
+        raise CheckFailed("could not collect one result per environment", got=repr(got)[:200])
+    for g, e in zip(got, expected):
+        if isinstance(e, list):  # the reference raised: the student must too, naming the variable
+            variable = e[1].split("=")[0]
+            if not isinstance(g, list):
+                raise CheckFailed(f"accepted a bad environment ({e[1]}) instead of raising ValueError",
+                                  expected=f"ValueError mentioning {variable}", got=g)
+            if variable not in g[1]:
+                raise CheckFailed(f"the ValueError does not name the variable {variable}",
+                                  expected=f"a message mentioning {variable}", got=g[1],
+                                  hint="Say which variable is wrong and what it should be.")
+            continue
+        if isinstance(g, list):
+            raise CheckFailed(f"raised ValueError on a valid environment: {g[1]}", expected=e, got=g[1])
+        assert_same(g, e)
+
+
+_info_case("no torchrun variables: a single process", [{}],
+           hint="Unset variables mean one process: rank 0 of a world of 1, not distributed.")
+_info_case("torchrun --standalone --nproc-per-node=4, rank 2", [_TORCHRUN_4])
+_info_case("torchrun with one worker: WORLD_SIZE=1 is still distributed",
+           [{"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}],
+           hint="is_distributed says whether WORLD_SIZE is set, not whether it is above 1.")
+_info_case("rank 5 of 8 on the second of two nodes", [_NODE_1_OF_2],
+           hint="GROUP_RANK is the node's rank; LOCAL_RANK counts from 0 on every node.")
+_info_case("only RANK and WORLD_SIZE set", [{"RANK": "3", "WORLD_SIZE": "4"}],
+           hint="Without LOCAL_WORLD_SIZE assume one node: local_world_size = world_size.")
+_info_case("malformed values raise ValueError", [
+    {"RANK": "two", "WORLD_SIZE": "4"}, {"RANK": "0", "WORLD_SIZE": "0"},
+    {"RANK": "-1", "WORLD_SIZE": "4"}, {"MASTER_PORT": "70000"}, {"LOCAL_RANK": "1.5"},
+], hint="int() raises on '1.5' and 'two'; catch that and raise ValueError naming the variable.")
+_info_case("inconsistent values raise ValueError", [
+    {"RANK": "4", "WORLD_SIZE": "4"},
+    {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"},
+    {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
+    {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"},
+], hint="rank < world_size, local_rank < local_world_size, local_world_size divides world_size, "
+        "and rank == node_rank * local_world_size + local_rank.")
+
+
+def _read_environ_on_rank(dist_info_from_env: Any) -> Any:
+    info = _info_as_dict(dist_info_from_env())
+    if isinstance(info, dict):
+        info.pop("master_port")  # kit.launch picks a free port: not comparable
+    return info
+
+
+@INFO.case("reads os.environ when env is None (2 ranks under kit.launch)",
+           expect=lambda seed: [{"rank": r, "local_rank": r, "world_size": 2, "local_world_size": 2,
+                                 "node_rank": 0, "master_addr": "127.0.0.1", "is_distributed": True}
+                                for r in range(2)],
+           hint="Default env to os.environ: env = os.environ if env is None else env.")
+def _(dist_info_from_env: Any, seed: int) -> list[Any]:
+    from kit.launcher import run_ranks
+
+    return list(run_ranks(_read_environ_on_rank, (dist_info_from_env,), {}, world_size=2, timeout=30.0))
+
+
+# --------------------------------------------------------------------------- task 2.2
+# Trusted copies of the lesson's model, data and train_step (its setup cell): the expected
+# parameters come from here, never from the student's module.
+
+GLOBAL_BATCH, MICROBATCHES, TOTAL_STEPS, CRASH_STEP = 8, 2, 6, 3
+
+
+def _make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 4, generator=g)  # (B, 4)
+    return x, x.sin().sum(dim=1, keepdim=True)  # (B, 1)
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
+    # One process accumulates both micro-batches, two ranks take one each and all-reduce:
+    # either way each grad is g0 + g1, so the runs agree bit for bit.
+    x, y = _batch_at(step)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    optimizer.zero_grad()
+    loss = torch.zeros(())
+    for micro in range(rank, MICROBATCHES, world_size):
+        xb, yb = x.chunk(MICROBATCHES)[micro], y.chunk(MICROBATCHES)[micro]
+        loss = ((model(xb) - yb) ** 2).sum() / GLOBAL_BATCH
+        loss.backward()
+    if world_size > 1:
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+    optimizer.step()
+    return loss.item()
+
+
+def _expected_params(total_steps: int = TOTAL_STEPS) -> dict[str, torch.Tensor]:
+    """An uninterrupted single-process run of the trusted loop."""
+    model = _make_model()
+    optimizer = _make_optimizer(model)
+    for step in range(total_steps):
+        _train_step(model, optimizer, step)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class SimulatedCrash(Exception):
+    """Raised by the check's train_step to stop a run in this process, like a crash."""
+
+
+def _hooked(impl: Any, hook: Callable[[Any], Any]) -> Any:
+    """``impl`` with ``hook(original_train_step)`` in place of its global ``train_step``."""
+    globs = getattr(impl, "__globals__", None)
+    if not isinstance(impl, types.FunctionType) or globs is None or "train_step" not in globs:
+        return None
+    return types.FunctionType(impl.__code__, {**globs, "train_step": hook(globs["train_step"])},
+                              impl.__name__, impl.__defaults__, impl.__closure__)
+
+
+_NO_TRAIN_STEP = ("resumable_train must be a function that calls the lesson's train_step(model, "
+                  "optimizer, step) once per step (the check watches those calls)")
+
+
+def _plain_params(params: Any) -> Any:
+    if isinstance(params, Mapping) and all(isinstance(v, torch.Tensor) for v in params.values()):
+        return {str(k): v.detach().cpu().clone() for k, v in params.items()}
+    return f"<a {type(params).__name__}, not a dict of tensors>"
+
+
+def _compare_params(got: Any, expected: dict[str, torch.Tensor]) -> None:
+    if isinstance(got, str):
+        raise CheckFailed(got, expected="dict of parameter tensors (model.state_dict())", got=got)
+    assert_same(got, expected, rtol=0.0, atol=0.0, path="final parameters")
+
+
+TRAIN = task(
+    "2.2", "resumable_train", points=4,
+    hint="Save model, optimizer and the next step after every step (rank 0, to a temporary file "
+         "then os.replace), barrier, and on start load the checkpoint if there is one and continue "
+         "from its step: train_step(model, optimizer, step) with the real step number.",
+)
+
+
+@TRAIN.case("an uninterrupted run equals the reference exactly",
+            expect=lambda seed: _expected_params())
+def _(resumable_train: Any, seed: int) -> Any:
+    with tempfile.TemporaryDirectory(prefix="kit-ckpt-") as ckpt_dir:
+        return _plain_params(resumable_train(ckpt_dir, TOTAL_STEPS))
+
+
+def _compare_resumed(got: Any, expected: dict[str, torch.Tensor]) -> None:
+    if isinstance(got, str):
+        raise CheckFailed(got)
+    first, second = got["steps"]
+    if first != list(range(CRASH_STEP + 1)):
+        raise CheckFailed(f"before the crash at step {CRASH_STEP}, train_step ran steps {first}",
+                          expected=list(range(CRASH_STEP + 1)), got=first)
+    if not second or second[0] == 0:
+        raise CheckFailed("after the crash the run started again from step 0 instead of resuming "
+                          "from its checkpoint", expected=f"steps 1..{CRASH_STEP} to {TOTAL_STEPS - 1}",
+                          got=second, hint="Load the checkpoint at the start of resumable_train.")
+    if second != list(range(second[0], TOTAL_STEPS)):
+        raise CheckFailed("after resuming, train_step did not get the steps that were left, in order",
+                          expected=list(range(second[0], TOTAL_STEPS)), got=second,
+                          hint="Pass the real step number to train_step: it picks the batch. "
+                               "Counting from 0 again replays the data from the beginning.")
+    _compare_params(got["params"], expected)
+
+
+@TRAIN.case(f"a crash at step {CRASH_STEP} then a rerun resumes and ends exactly as the reference",
+            compare=_compare_resumed, expect=lambda seed: _expected_params())
+def _(resumable_train: Any, seed: int) -> Any:
+    attempts: list[list[int]] = [[], []]
+    attempt = [0]
+
+    def hook(original: Callable[..., Any]) -> Callable[..., Any]:
+        def train_step(model: Any, optimizer: Any, step: int) -> Any:
+            attempts[attempt[0]].append(int(step))
+            if attempt[0] == 0 and step == CRASH_STEP:
+                raise SimulatedCrash(f"simulated crash at step {step}")
+            return original(model, optimizer, step)
+        return train_step
+
+    run = _hooked(resumable_train, hook)
+    if run is None:
+        return _NO_TRAIN_STEP
+    with tempfile.TemporaryDirectory(prefix="kit-ckpt-") as ckpt_dir:
+        try:
+            run(ckpt_dir, TOTAL_STEPS)
+        except SimulatedCrash:
+            pass
+        else:
+            return f"the run did not reach step {CRASH_STEP}: train_step ran {attempts[0]}"
+        attempt[0] = 1
+        params = _plain_params(run(ckpt_dir, TOTAL_STEPS))
+    return {"steps": attempts, "params": params}
+
+
+# ---- under real torchrun: the worker script, the kill, and the trusted side reading results
+
+_WORKER = '''\
+import sys
+from autograder.lesson02 import torchrun_worker
+torchrun_worker(sys.argv[1])
+'''
+
+
+def torchrun_worker(workdir: str) -> None:
+    """Inside a torchrun worker: run the pickled resumable_train with rank 1 killed at
+    ``CRASH_STEP`` on the first attempt; log every step; save the final parameters."""
+    import cloudpickle
+
+    from kit.torchrun import init_process_group_per_attempt
+
+    work = Path(workdir)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    init_process_group_per_attempt("gloo")
+    rank = dist.get_rank()
+    impl = cloudpickle.loads((work / "impl.pkl").read_bytes())
+    log = work / f"steps-rank{rank}-attempt{restart}.txt"
+
+    def hook(original: Callable[..., Any]) -> Callable[..., Any]:
+        def train_step(model: Any, optimizer: Any, step: int) -> Any:
+            with open(log, "a") as f:
+                f.write(f"{int(step)}\n")
+            if restart == 0 and rank == 1 and step == CRASH_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)  # a hard crash: no Python cleanup at all
+            return original(model, optimizer, step)
+        return train_step
+
+    run = _hooked(impl, hook)
+    if run is None:
+        raise TypeError(_NO_TRAIN_STEP)
+    params = _plain_params(run(str(work / "ckpt"), TOTAL_STEPS))
+    torch.save(params, work / f"params-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _pickle_impl(impl: Any) -> bytes:
+    import cloudpickle
+
+    module = sys.modules.get(getattr(impl, "__module__", "") or "")
+    by_value = module is not None and module.__name__ != "__main__" and not module.__name__.startswith(
+        ("autograder", "kit", "torch"))
+    if by_value:  # a notebook-loaded or test module the worker could not import by name
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(impl)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _steps(work: Path, rank: int, attempt: int) -> list[int]:
+    path = work / f"steps-rank{rank}-attempt{attempt}.txt"
+    return [int(s) for s in path.read_text().split()] if path.exists() else []
+
+
+@TRAIN.case(f"under torchrun --max-restarts=1, rank 1 killed at step {CRASH_STEP}: resumes exactly",
+            compare=_compare_resumed, expect=lambda seed: _expected_params(), weight=2.0)
+def _(resumable_train: Any, seed: int) -> Any:
+    from kit.torchrun import TorchrunError, torchrun
+
+    if _hooked(resumable_train, lambda f: f) is None:
+        return _NO_TRAIN_STEP
+    with tempfile.TemporaryDirectory(prefix="kit-torchrun-") as tmp:
+        work = Path(tmp)
+        (work / "ckpt").mkdir()
+        (work / "impl.pkl").write_bytes(_pickle_impl(resumable_train))
+        script = work / "worker.py"
+        script.write_text(_WORKER)
+        # The worker imports what this process can: the same sys.path (loaded lesson modules too).
+        env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            torchrun(script, str(work), nproc_per_node=2, max_restarts=1, env=env, timeout=120.0,
+                     echo=False)
+        except TorchrunError as e:
+            return "torchrun failed:\n" + (e.summary or e.output[-2000:])
+        per_rank = [torch.load(work / f"params-rank{r}.pt", weights_only=True) for r in range(2)]
+        if any(not isinstance(p, dict) for p in per_rank):
+            return "a rank returned something other than a dict of tensors"
+        steps = [_steps(work, 1, 0), _steps(work, 1, 1)]
+        if not steps[1]:
+            return "torchrun did not restart the workers: rank 1 never ran a second attempt"
+    try:
+        assert_same(per_rank[1], per_rank[0], rtol=0.0, atol=0.0, path="rank 1 vs rank 0")
+    except CheckFailed as e:
+        return f"the ranks ended with different parameters: {e.message}"
+    return {"steps": steps, "params": per_rank[0]}
+
+
+# --------------------------------------------------------------------------- task 2.3
+
+Call = tuple[str, tuple[int, ...]]
+
+
+def _reference_first_mismatch(calls: dict[int, list[Call]]) -> dict[str, Any] | None:
+    """Trusted finder; returns the Mismatch fields as a dict."""
+    ranks = sorted(calls)
+    seqs = {r: [(op, tuple(shape)) for op, shape in calls[r]] for r in ranks}
+    longest = max((len(s) for s in seqs.values()), default=0)
+    for index in range(longest):
+        at = {r: (seqs[r][index] if index < len(seqs[r]) else None) for r in ranks}
+        if len(set(at.values())) == 1:
+            continue
+        counts = Counter(at.values())
+        top = max(counts.values())
+        # Majority call; a tie goes to the call of the lowest rank among the tied.
+        majority = next(at[r] for r in ranks if counts[at[r]] == top)
+        return {"index": index, "ranks": [r for r in ranks if at[r] != majority], "calls": at}
+    return None
+
+
+def _mismatch_as_dict(m: Any) -> Any:
+    if m is None:
+        return None
+    if not (dataclasses.is_dataclass(m) and not isinstance(m, type)):
+        return f"<a {type(m).__name__}, not a Mismatch or None>"
+    try:
+        calls = {int(r): (None if c is None else (str(c[0]), tuple(int(n) for n in c[1])))
+                 for r, c in dict(m.calls).items()}
+        return {"index": int(m.index), "ranks": sorted(int(r) for r in m.ranks), "calls": calls}
+    except (AttributeError, TypeError, ValueError, IndexError) as e:
+        return f"<a Mismatch that could not be read: {e}>"
+
+
+MISMATCH = task(
+    "2.3", "first_mismatch", points=3,
+    hint="Walk the call index from 0 up to the longest sequence; a rank with no call at that "
+         "index counts as None. The first index where the calls are not all equal is the "
+         "mismatch; the odd ranks are those that differ from the most common call.",
+)
+
+
+def _mismatch_case(name: str, calls: dict[int, list[Call]], hint: str = "") -> None:
+    def run(first_mismatch: Any, seed: int) -> Any:
+        return _mismatch_as_dict(first_mismatch({r: list(c) for r, c in calls.items()}))
+
+    MISMATCH.case(name, expect=lambda seed: _reference_first_mismatch(calls), hint=hint)(run)
+
+
+_AR, _BC = "all_reduce", "broadcast"
+_mismatch_case("all ranks call the same sequence: None",
+               {r: [(_AR, (4, 4)), (_BC, (2,)), ("barrier", ())] for r in range(4)})
+_mismatch_case("rank 2 all-reduces a different shape at call 1",
+               {r: [(_AR, (4,)), (_AR, (3,) if r == 2 else (8,)), ("barrier", ())] for r in range(4)},
+               hint="Compare the shape as well as the name: same collective, different size.")
+_mismatch_case("rank 0 broadcasts where the others all-reduce",
+               {r: [(_BC if r == 0 else _AR, (16,))] for r in range(3)})
+_mismatch_case("rank 3 is missing its last call",
+               {r: [(_AR, (2,))] * (2 if r == 3 else 3) for r in range(4)},
+               hint="zip() stops at the shortest sequence; a missing call is a mismatch too.")
+_mismatch_case("two against two: the tie goes to rank 0's call",
+               {r: [("barrier", ()), (_AR if r in (1, 3) else _BC, (5,))] for r in range(4)})
+_mismatch_case("two ranks with empty sequences: None",
+               {0: [], 1: []})

@@ -1,0 +1,337 @@
+"""Run real ``torchrun`` from a notebook cell, with its output streamed into the cell.
+
+Lesson 02 leaves the notebook launcher for the one clusters use. :func:`write_script` writes
+training code (strings, or functions and classes defined in the notebook) to a ``.py`` file;
+:func:`torchrun` starts ``python -m torch.distributed.run`` on it (the kernel's own Python, so
+the same torch) and prints every line the agent and its workers write, as stdout (nbgrader
+zeroes a cell that writes stderr). :func:`torchrun_nodes` starts several agents on this
+machine, each playing one node, joined by one c10d rendezvous on a free loopback port.
+
+A run that fails raises :class:`TorchrunError` quoting torchrun's ``ChildFailedError``
+summary (which rank, exit code, signal, error file). On failure, timeout or a kernel
+interrupt every agent and every worker it started is stopped: workers live in their own
+sessions, so they are found through ``/proc`` and killed by pid, never by name.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import linecache
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["TorchrunError", "TorchrunResult", "TorchrunTimeout", "free_port",
+           "init_process_group_per_attempt", "torchrun", "torchrun_command", "torchrun_nodes", "write_script"]
+
+_SUMMARY_RE = re.compile(r"ChildFailedError:?\s*\n(=+\n.*?\n=+)", re.S)
+
+
+class TorchrunError(RuntimeError):
+    """torchrun exited with an error. ``summary`` is its ChildFailedError report, if any."""
+
+    def __init__(self, message: str, *, returncodes: list[int], output: str, summary: str):
+        super().__init__(message)
+        self.returncodes = returncodes
+        self.output = output
+        self.summary = summary
+
+
+class TorchrunTimeout(TorchrunError):
+    """torchrun did not finish in time; every process it started has been stopped."""
+
+
+@dataclass
+class TorchrunResult:
+    """A finished run: each agent's exit code, everything printed, and the wall time."""
+
+    returncodes: list[int]
+    output: str
+    wall_time: float
+    commands: list[list[str]] = field(default_factory=list)
+
+    @property
+    def lines(self) -> list[str]:
+        return self.output.splitlines()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free on ``host`` now (for a rendezvous endpoint)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def write_script(path: str | os.PathLike[str], *parts: Any) -> Path:
+    """Write a Python script made of ``parts`` (source strings, or functions and classes whose
+    source is copied, e.g. from the notebook) and return its path.
+
+    Strings are dedented, so a triple-quoted block can be indented like the cell around it.
+    """
+    if not parts:
+        raise ValueError("write_script needs at least one part: a string of code or a function")
+    chunks = []
+    for part in parts:
+        if isinstance(part, str):
+            chunks.append(textwrap.dedent(part).strip("\n"))
+        elif inspect.isfunction(part) or inspect.isclass(part):
+            chunks.append(textwrap.dedent(_source_of(part)).rstrip())
+        else:
+            raise TypeError(f"write_script: cannot write a {type(part).__name__}; pass source code "
+                            "as a string, or a function or class defined in the notebook")
+    path = Path(path)
+    path.write_text("\n\n\n".join(chunks) + "\n", encoding="utf-8")
+    return path
+
+
+def _source_of(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        if not inspect.isclass(obj):
+            raise
+    # A class defined in a notebook cell: Python < 3.13 cannot find its source, but the kernel
+    # keeps every cell in linecache. The most recent cell defining it wins.
+    for filename in reversed(list(linecache.cache)):
+        text = "".join(linecache.getlines(filename))
+        if f"class {obj.__name__}" not in text:
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == obj.__name__:
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                return "".join(text.splitlines(keepends=True)[first - 1:node.end_lineno])
+    raise OSError(f"write_script: cannot find the source of class {obj.__name__}; pass it as a string")
+
+
+def init_process_group_per_attempt(backend: str = "gloo") -> None:
+    """``dist.init_process_group(backend)`` for a worker torchrun may restart: the group's keys in
+    the agent's store are namespaced by ``TORCHELASTIC_RESTART_COUNT``.
+
+    Here (torch 2.13) the restarted workers get the same agent store (same ``MASTER_PORT``) that
+    still holds the first attempt's gloo addresses; a new worker can read a dead peer's address
+    and fail ("connectFullMesh failed ... Connection refused"). Self-contained, so
+    :func:`write_script` can copy it into a script.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)  # not under torchrun's agent: the usual env:// path
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                world_size, is_master=False)  # the agent hosts it
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", agent_store),
+                            rank=rank, world_size=world_size)
+
+
+def torchrun_command(script: str | os.PathLike[str], *args: Any, nproc_per_node: int = 2,
+                     nnodes: int = 1, node_rank: int | None = None, max_restarts: int = 0,
+                     rdzv_endpoint: str | None = None, rdzv_id: str = "kit",
+                     extra: Sequence[str] = ()) -> list[str]:
+    """The argument list that runs ``script`` under torchrun with this Python.
+
+    One node without an endpoint is ``--standalone`` (torchrun picks its own rendezvous port);
+    otherwise a c10d rendezvous at ``rdzv_endpoint`` (``HOST:PORT``) joins ``nnodes`` agents.
+    """
+    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be a positive int, got {nproc_per_node!r}")
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes must be a positive int, got {nnodes!r}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+           f"--max-restarts={max_restarts}"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError(f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT' where the agents meet "
+                             "(use torchrun_nodes to run several nodes on this machine)")
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                f"--rdzv-id={rdzv_id}"]
+        if node_rank is not None:
+            cmd.append(f"--node-rank={node_rank}")
+    return [*cmd, *extra, str(script), *map(str, args)]
+
+
+def torchrun(script: str | os.PathLike[str], *args: Any, nproc_per_node: int = 2,
+             max_restarts: int = 0, env: Mapping[str, str] | None = None, timeout: float = 120.0,
+             echo: bool = True, extra: Sequence[str] = ()) -> TorchrunResult:
+    """Run ``torchrun --standalone --nproc-per-node=N script args...`` and stream its output.
+
+    Args:
+        script: the training script (see :func:`write_script`).
+        nproc_per_node: worker processes to start (one per GPU on a real node).
+        max_restarts: how many times the agent restarts all workers after one fails.
+        env: extra environment variables for the agent and its workers.
+        timeout: seconds before everything is stopped and :class:`TorchrunTimeout` raised.
+        echo: print the output into the cell as it arrives.
+
+    Raises:
+        TorchrunError: torchrun exited non-zero; the message quotes its failure summary.
+    """
+    cmd = torchrun_command(script, *args, nproc_per_node=nproc_per_node,
+                           max_restarts=max_restarts, extra=extra)
+    return _run([cmd], [""], env, timeout, echo)
+
+
+def torchrun_nodes(script: str | os.PathLike[str], *args: Any, nnodes: int = 2,
+                   nproc_per_node: int = 1, max_restarts: int = 0,
+                   env: Mapping[str, str] | None = None, timeout: float = 120.0, echo: bool = True,
+                   extra: Sequence[str] = ()) -> TorchrunResult:
+    """Play ``nnodes`` machines on this one: one torchrun agent per "node", each with its own
+    ``--node-rank``, all meeting at one c10d rendezvous endpoint on a free loopback port.
+
+    Each output line is labelled ``[node N]``. Same errors as :func:`torchrun`.
+    """
+    endpoint = f"127.0.0.1:{free_port()}"
+    run_id = f"kit-{os.getpid()}-{time.monotonic_ns()}"
+    commands = [torchrun_command(script, *args, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                                 node_rank=n, max_restarts=max_restarts, rdzv_endpoint=endpoint,
+                                 rdzv_id=run_id, extra=extra) for n in range(nnodes)]
+    return _run(commands, [f"[node {n}] " for n in range(nnodes)], env, timeout, echo)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _run(commands: list[list[str]], labels: list[str], env: Mapping[str, str] | None,
+         timeout: float, echo: bool, stdout: TextIO | None = None) -> TorchrunResult:
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    out = stdout or sys.stdout
+    procs: list[subprocess.Popen] = []
+    lines: list[str] = []
+    start = time.monotonic()
+    sel = selectors.DefaultSelector()
+    try:
+        for cmd, label in zip(commands, labels):
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=full_env, start_new_session=True)
+            procs.append(proc)
+            sel.register(proc.stdout, selectors.EVENT_READ, (label, bytearray()))
+        open_streams = len(procs)
+        while open_streams:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                raise TorchrunTimeout(
+                    f"torchrun did not finish within {timeout:g} s; every agent and worker was "
+                    "stopped. A hang usually means ranks wait in different collectives (see the "
+                    "output above) or a node never joined the rendezvous.",
+                    returncodes=[p.poll() for p in procs], output="\n".join(lines),
+                    summary="")
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                label, buf = key.data
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    open_streams -= 1
+                    chunk = b"\n" if buf else b""
+                buf += chunk
+                *complete, rest = buf.split(b"\n")
+                buf[:] = rest
+                for raw in complete:
+                    line = label + raw.decode("utf-8", "replace").rstrip("\r")
+                    lines.append(line)
+                    if echo:
+                        print(line, file=out, flush=True)
+        codes = [p.wait() for p in procs]
+    except BaseException:  # timeout, KeyboardInterrupt (kernel interrupt), anything: stop them all
+        _stop_all(procs)
+        raise
+    finally:
+        sel.close()
+        for p in procs:
+            if p.stdout:
+                p.stdout.close()
+    output = "\n".join(lines)
+    if any(codes):
+        summary = _failure_summary(output)
+        failed = ", ".join(f"{lab.strip() or 'torchrun'} exited with {c}"
+                           for lab, c in zip(labels, codes) if c)
+        message = f"torchrun failed ({failed})."
+        message += f"\n{summary}" if summary else "\n" + "\n".join(lines[-15:])
+        raise TorchrunError(message, returncodes=codes, output=output, summary=summary)
+    return TorchrunResult(codes, output, time.monotonic() - start, commands)
+
+
+def _failure_summary(output: str) -> str:
+    """The ChildFailedError block torchrun prints (``==== script FAILED ... Root Cause ... ====``)."""
+    # Agents of several nodes each print one; labels ("[node 1] ") are stripped to match.
+    plain = re.sub(r"^\[node \d+\] ", "", output, flags=re.M)
+    blocks = _SUMMARY_RE.findall(plain)
+    return "\n\n".join(blocks)
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, start time) of a live process, from /proc; None if gone or not Linux."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[19]  # ppid, starttime (clock ticks since boot)
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every descendant of ``pid`` with its start time (workers run in their own sessions)."""
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return {}
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in entries:
+        if (st := _stat(entry)) is not None:
+            children.setdefault(st[0], []).append((entry, st[1]))
+    found, todo = {}, [pid]
+    while todo:
+        for child, started in children.get(todo.pop(), []):
+            found[child] = started
+            todo.append(child)
+    return found
+
+
+def _kill_if_same(pid: int, started: str) -> None:
+    # The start time guards against a pid reused by an unrelated process meanwhile.
+    st = _stat(pid)
+    if st is not None and st[1] == started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _stop_all(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM each agent (it stops its workers), then SIGKILL whatever is left, by pid."""
+    workers: dict[int, str] = {}
+    for p in procs:
+        if p.poll() is None:
+            workers.update(_descendants(p.pid))
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            workers.update(_descendants(p.pid))
+            p.kill()
+            p.wait()
+    for pid, started in workers.items():
+        _kill_if_same(pid, started)
