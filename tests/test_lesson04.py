@@ -216,7 +216,9 @@ def test_lesson04_runs_headless_with_its_solutions_and_shows_what_it_claims():
     counts = {line.split()[0]: int(line.split()[1]) for line in printed.splitlines()
               if line.endswith("all-reduces in one step")}
     assert counts["NaiveDDP"] == counts["OverlappedDDP"] > counts["BucketedDDP"] >= 1
-    assert "two steps done" in printed and "find_unused_parameters" in printed
+    assert "find_unused_parameters=True: ['two steps done', 'two steps done']" in printed
+    assert "static_graph=True:           ['two steps done', 'two steps done']" in printed
+    assert "DDP: You can enable unused parameter detection" in printed  # and without: the error
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)
