@@ -79,9 +79,9 @@ def _info_as_dict(info: Any) -> Any:
     return f"<a {type(info).__name__}, not a DistInfo>"
 
 
-def _outcome(fn: Callable[..., Any], env: dict[str, str]) -> Any:
+def _outcome(fn: Callable[..., Any], env: dict[str, str], as_dict: Callable[[Any], Any] = _info_as_dict) -> Any:
     try:
-        return _info_as_dict(fn(env))
+        return as_dict(fn(env))
     except ValueError as e:
         return ["ValueError", str(e)]
 
@@ -103,7 +103,7 @@ def _info_case(name: str, envs: list[dict[str, str]], hint: str = "") -> None:
         return [_outcome(dist_info_from_env, dict(env)) for env in envs]
 
     def expect(seed: int) -> list[Any]:
-        return [_outcome(_reference_dist_info, dict(env)) for env in envs]
+        return [_outcome(_reference_dist_info, dict(env), dict) for env in envs]
 
     INFO.case(name, compare=_compare_infos, expect=expect, hint=hint)(run)
 

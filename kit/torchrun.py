@@ -155,8 +155,10 @@ def torchrun_command(script: str | os.PathLike[str], *args: Any, nproc_per_node:
         raise ValueError(f"nproc_per_node must be a positive int, got {nproc_per_node!r}")
     if not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"nnodes must be a positive int, got {nnodes!r}")
+    # --tee=3: the agent copies each worker's stdout and stderr to the console line by line,
+    # labelled "[default0]:" (role and local rank), so lines of different workers never mix.
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
-           f"--max-restarts={max_restarts}"]
+           f"--max-restarts={max_restarts}", "--tee=3"]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
@@ -215,7 +217,7 @@ def _run(commands: list[list[str]], labels: list[str], env: Mapping[str, str] | 
          timeout: float, echo: bool, stdout: TextIO | None = None) -> TorchrunResult:
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}  # workers' lines arrive live
     out = stdout or sys.stdout
     procs: list[subprocess.Popen] = []
     lines: list[str] = []
