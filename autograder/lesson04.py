@@ -85,6 +85,14 @@ def _module_of(ddp: Any, model: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+FINISH = "in finish_gradient_synchronization()"
+
+
+def _backward_phase(i: int, micro: int) -> str:
+    """The name of micro-batch ``i``'s backward in the all-reduce counts."""
+    return "during backward()" if micro == 1 else f"during backward() {i + 1} of {micro}"
+
+
 def _count(events: list[Any], start: float, end: float) -> int:
     return sum(1 for e in events if e.op == "all_reduce" and start <= e.start < end)
 
@@ -128,10 +136,10 @@ def _train_on_rank(impl: Any, seed: int, steps: int, extra: list[int], cap_mb: f
                         loss.backward()
                 else:
                     loss.backward()
-                phases[f"backward {i}"] = (start, time.perf_counter())
+                phases[_backward_phase(i, micro)] = (start, time.perf_counter())
             start = time.perf_counter()
             ddp.finish_gradient_synchronization()
-            phases["finish"] = (start, time.perf_counter())
+            phases[FINISH] = (start, time.perf_counter())
         calls.append({phase: _count(t.events, a, b) for phase, (a, b) in phases.items()})
         grads.append(_grads(module))
         optimizer.step()
@@ -254,9 +262,9 @@ def _expected_calls(cap_mb: float, steps: int, extra: list[int], micro: int) -> 
         idle = NEVER_USED + (() if step in extra else SOMETIMES_USED)
         buckets = _bucket_plan(cap_mb)
         late = sum(any(n.startswith(idle) for n in b) for b in buckets)
-        calls = {f"backward {i}": 0 for i in range(micro)}
-        calls[f"backward {micro - 1}"] = len(buckets) - late
-        calls["finish"] = late
+        calls = {_backward_phase(i, micro): 0 for i in range(micro)}
+        calls[_backward_phase(micro - 1, micro)] = len(buckets) - late
+        calls[FINISH] = late
         out.append(calls)
     return out
 
@@ -355,12 +363,12 @@ def _(impl: Any, seed: int) -> list[Any]:
 def _compare_one_per_grad_in_backward(got: Any, expected: list[int]) -> None:
     for rank, run in enumerate(got):
         for step, (calls, n) in enumerate(zip(run["calls"], expected)):
-            want = {"backward 0": n, "finish": 0}
+            want = {_backward_phase(0, 1): n, FINISH: 0}
             if calls != want:
                 raise CheckFailed(
-                    f"rank {rank}, step {step}: all-reduces started during backward and in "
-                    f"finish_gradient_synchronization() (one per parameter with a gradient, "
-                    f"each as soon as it is ready)", expected=want, got=calls)
+                    f"rank {rank}, step {step}: all-reduces started during backward() and in "
+                    "finish_gradient_synchronization(): expected one per parameter with a "
+                    "gradient, each started as soon as it is ready", expected=want, got=calls)
 
 
 @OVERLAPPED.case("one async all-reduce per parameter with a gradient, each started during "
@@ -416,10 +424,10 @@ def _compare_bucket_calls(got: Any, expected: dict[str, Any]) -> None:
         for step, (calls, want) in enumerate(zip(run["calls"], expected["calls"])):
             if calls != want:
                 raise CheckFailed(
-                    f"rank {rank}, step {step}: all-reduces started during backward and in "
-                    f"finish_gradient_synchronization() for {len(plan)} buckets {plan}: "
-                    "exactly one per bucket, during backward unless a parameter of the bucket "
-                    "got no gradient", expected=want, got=calls)
+                    f"rank {rank}, step {step}: all-reduces started during backward() and in "
+                    f"finish_gradient_synchronization(), for {len(plan)} buckets {plan}: "
+                    "expected exactly one per bucket, during the last backward() unless a "
+                    "parameter of the bucket got no gradient", expected=want, got=calls)
 
 
 @BUCKETED.case("exactly one all-reduce per bucket per step, started when the bucket is ready "
