@@ -444,24 +444,26 @@ print("two nodes == one process:", all(torch.equal(on_two_nodes[k], reference[k]
 # Note the warning that `node_rank` is ignored: with the c10d rendezvous the agents receive
 # their `GROUP_RANK` in the order they arrive, so do not derive anything from `--node-rank`.
 #
-# On SLURM the same thing is one `sbatch` file (kept in this course as `slurm/train.sbatch`):
-# `srun` starts one task per node, and each task runs `torchrun` with the first node of the
-# allocation as the rendezvous endpoint.
+# On SLURM the same thing is one `sbatch` file, kept in this course as `slurm/train.sbatch`
+# (`sbatch slurm/train.sbatch train.py /shared/ckpt 1000`): `srun` starts one task per node,
+# and each task runs one torchrun agent with the first node of the allocation as the
+# rendezvous endpoint. Its heart:
 #
 # ```bash
-# #!/bin/bash
-# #SBATCH --job-name=torchdist-train
 # #SBATCH --nodes=2
-# #SBATCH --ntasks-per-node=1          # one torchrun agent per node
+# #SBATCH --ntasks-per-node=1          # one torchrun agent per node; it starts the workers
 # #SBATCH --gpus-per-node=4
-# #SBATCH --cpus-per-task=32
-# #SBATCH --time=01:00:00
-# #SBATCH --requeue                    # preempted jobs come back and resume from the checkpoint
+# #SBATCH --requeue                    # a preempted job comes back and resumes from its checkpoint
 #
 # head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-# srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=4 --max-restarts=3 \
-#     --rdzv-backend=c10d --rdzv-endpoint="$head_node:29500" --rdzv-id="$SLURM_JOB_ID" \
-#     train.py "$CKPT_DIR" 1000
+# srun --kill-on-bad-exit=1 torchrun \
+#     --nnodes="$SLURM_NNODES" \
+#     --nproc-per-node="$gpus_per_node" \
+#     --max-restarts=3 \
+#     --rdzv-backend=c10d \
+#     --rdzv-endpoint="$head_node:$rdzv_port" \
+#     --rdzv-id="$SLURM_JOB_ID" \
+#     "$@"
 # ```
 
 # %% [markdown]
@@ -488,7 +490,8 @@ except LaunchError as err:
 
 # %% [markdown]
 # **`monitored_barrier`** (gloo) is a barrier that names the ranks that did not arrive,
-# where a plain barrier just waits. Put one after a suspicious phase while debugging:
+# where a plain barrier just waits: rank 0 collects everybody's arrival and reports the
+# missing. Put one after a suspicious phase while debugging:
 
 # %%
 def one_slow_rank():
@@ -500,8 +503,7 @@ def one_slow_rank():
 try:
     launch(one_slow_rank, world_size=3, timeout=20)
 except LaunchError as err:
-    print(f"{type(err).__name__}: {err}".splitlines()[0])
-    print(err.failures[0].summary)
+    print(next(f.summary for f in err.failures if f.rank == 0))  # rank 0 runs the check
 
 # %% [markdown]
 # **Mismatched collectives.** Worse than a hang is a collective that "works" with the wrong

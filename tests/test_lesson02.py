@@ -1,0 +1,211 @@
+"""Lesson 02 proves what it teaches, beyond the generic checks of tests/test_checks.py.
+
+The solution's dist_info_from_env agrees with the trusted reader on every valid torchrun layout
+(hypothesis); first_mismatch finds exactly the call a single rank changed; train_step in one
+process equals two ranks bit for bit (what makes an exact resume possible); the collective
+recorder never communicates; and the lesson runs headless showing each failure it discusses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autograder import lesson02 as checks
+from autograder.registry import CheckFailed, lesson_tasks
+from kit.debugging import RECORDED, _run_recorded, record_collectives
+from kit.launcher import run_ranks
+from kit.notebook import load_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "solutions" / "02_torchrun.py"
+
+
+@pytest.fixture(scope="module")
+def lesson():
+    return load_tasks(SOURCE)
+
+
+def test_lesson02_registers_tasks_2_1_to_2_3_with_their_points():
+    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(2)}
+    assert tasks == {"2.1": ("dist_info_from_env", 3.0), "2.2": ("resumable_train", 4.0),
+                     "2.3": ("first_mismatch", 3.0)}
+
+
+# --------------------------------------------------------------------------- 2.1
+
+
+@st.composite
+def torchrun_layouts(draw):
+    nnodes = draw(st.integers(1, 4))
+    local_world_size = draw(st.integers(1, 8))
+    node, local = draw(st.integers(0, nnodes - 1)), draw(st.integers(0, local_world_size - 1))
+    return {"RANK": str(node * local_world_size + local), "LOCAL_RANK": str(local),
+            "WORLD_SIZE": str(nnodes * local_world_size), "LOCAL_WORLD_SIZE": str(local_world_size),
+            "GROUP_RANK": str(node), "MASTER_ADDR": "node0", "MASTER_PORT": str(draw(st.integers(1, 65535)))}
+
+
+@settings(max_examples=150, deadline=None)
+@given(env=torchrun_layouts())
+def test_dist_info_matches_the_trusted_reader_on_every_torchrun_layout(lesson, env):
+    info = lesson.dist_info_from_env(env)
+    assert checks._info_as_dict(info) == checks._reference_dist_info(env)
+    assert info.rank == info.node_rank * info.local_world_size + info.local_rank
+
+
+@settings(max_examples=100, deadline=None)
+@given(env=torchrun_layouts(), extra=st.integers(0, 5))
+def test_dist_info_rejects_a_rank_outside_the_world_naming_rank(lesson, env, extra):
+    env = {"RANK": str(int(env["WORLD_SIZE"]) + extra), "WORLD_SIZE": env["WORLD_SIZE"]}
+    with pytest.raises(ValueError, match="RANK"):
+        lesson.dist_info_from_env(env)
+
+
+def test_dist_info_reads_os_environ_by_default(lesson, monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "2")
+    info = lesson.dist_info_from_env()
+    assert (info.rank, info.world_size, info.local_rank, info.is_distributed) == (2, 3, 2, True)
+
+
+# --------------------------------------------------------------------------- 2.2
+
+
+def _train(steps: int) -> dict[str, torch.Tensor]:
+    model = checks._make_model()
+    optimizer = checks._make_optimizer(model)
+    for step in range(steps):
+        checks._train_step(model, optimizer, step)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_two_ranks_all_reducing_equal_one_process_accumulating_bit_for_bit():
+    # The foundation of "resume exactly": the 2-rank run and the 1-process reference agree.
+    on_ranks = run_ranks(_train, (4,), {}, world_size=2, timeout=30)
+    alone = _train(4)
+    for params in on_ranks:
+        assert all(torch.equal(params[k], alone[k]) for k in alone)
+    assert not torch.equal(alone["0.weight"], checks._make_model().state_dict()["0.weight"])
+
+
+def test_lesson_setup_trains_exactly_like_the_trusted_copy(lesson):
+    model, optimizer = lesson.make_model(), None
+    optimizer = lesson.make_optimizer(model)
+    for step in range(checks.TOTAL_STEPS):
+        lesson.train_step(model, optimizer, step)
+    expected = checks._expected_params()
+    assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("steps,says", [
+    ([[0, 1, 2, 3], [0, 1, 2, 3, 4, 5]], "started again from step 0"),
+    ([[0, 1, 2, 3], [3, 3, 4, 5]], "in order"),
+    ([[0, 1, 2, 3], [2, 3, 5]], "in order"),
+])
+def test_resume_check_explains_what_went_wrong_with_the_steps(steps, says):
+    expected = checks._expected_params()
+    with pytest.raises(CheckFailed, match=says):
+        checks._compare_resumed({"steps": steps, "params": expected}, expected)
+
+
+def test_resume_check_accepts_an_exact_resume_and_rejects_one_ulp_of_drift():
+    expected = checks._expected_params()
+    good = {"steps": [[0, 1, 2, 3], [3, 4, 5]], "params": expected}
+    checks._compare_resumed(good, expected)
+    drifted = {k: v.clone() for k, v in expected.items()}
+    drifted["2.bias"] = torch.nextafter(drifted["2.bias"], torch.full_like(drifted["2.bias"], 9.0))
+    with pytest.raises(CheckFailed, match="values differ"):
+        checks._compare_resumed({**good, "params": drifted}, expected)
+
+
+# --------------------------------------------------------------------------- 2.3
+
+
+@st.composite
+def sequences_with_one_odd_rank(draw):
+    world_size = draw(st.integers(3, 6))
+    calls = draw(st.lists(st.tuples(st.sampled_from(["all_reduce", "broadcast", "barrier"]),
+                                    st.lists(st.integers(1, 5), max_size=2).map(tuple)),
+                          min_size=1, max_size=8))
+    odd, index = draw(st.integers(0, world_size - 1)), draw(st.integers(0, len(calls) - 1))
+    how = draw(st.sampled_from(["shape", "op", "truncate"]))
+    seqs = {r: list(calls) for r in range(world_size)}
+    op, shape = calls[index]
+    if how == "shape":
+        seqs[odd][index] = (op, (*shape, 7))
+    elif how == "op":
+        seqs[odd][index] = ("all_gather", shape)
+    else:
+        seqs[odd] = seqs[odd][:index]
+    return seqs, odd, index
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=sequences_with_one_odd_rank())
+def test_first_mismatch_finds_the_one_rank_that_changed_a_call(lesson, case):
+    seqs, odd, index = case
+    found = lesson.first_mismatch(seqs)
+    assert (found.index, found.ranks) == (index, [odd])
+    assert found.calls[odd] == (seqs[odd][index] if index < len(seqs[odd]) else None)
+    assert lesson.first_mismatch({r: list(seqs[(odd + 1) % len(seqs)]) for r in seqs}) is None
+
+
+# --------------------------------------------------------------------------- the recorder
+
+
+def test_recorder_notes_calls_without_communicating_and_restores_torch():
+    originals = {name: getattr(dist, name) for name in RECORDED}
+
+    def would_need_peers():  # no process group here: a real call would raise
+        dist.all_reduce(torch.zeros(2, 3))
+        dist.barrier()
+        dist.all_gather([torch.zeros(4)] * 2, torch.zeros(4))
+
+    assert _run_recorded(would_need_peers, (), {}) == [("all_reduce", (2, 3)), ("barrier", ()),
+                                                      ("all_gather", (4,))]
+    assert {name: getattr(dist, name) for name in RECORDED} == originals
+
+
+def _skips_on_rank_1():
+    if dist.get_rank() != 1:
+        dist.all_reduce(torch.ones(3))  # would hang for real: rank 1 never joins
+    dist.barrier()
+
+
+def test_recorded_hang_is_located_by_first_mismatch(lesson):
+    calls = record_collectives(_skips_on_rank_1, world_size=3, timeout=30)
+    found = lesson.first_mismatch(calls)
+    assert (found.index, found.ranks) == (0, [1])
+    assert found.calls[1] == ("barrier", ())
+
+
+# --------------------------------------------------------------------------- the lesson
+
+
+def test_lesson02_runs_headless_and_shows_each_failure_it_discusses():
+    from kit.runner import run_notebook
+
+    result = run_notebook(SOURCE, timeout=240)
+    assert result.ok, str(result.failure)
+    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    assert "rank 1: killed at step 3" in printed and "resuming at step 3" in printed
+    assert "identical to the uninterrupted run: True" in printed
+    assert "two nodes == one process: True" in printed
+    assert "Timed out waiting 2000ms" in printed
+    assert "Rank 2 failed to pass monitoredBarrier" in printed
+    assert "Detected mismatch between collectives" in printed and "Root Cause" in printed
+    results = json.dumps([c.get("outputs", []) for c in result.notebook.cells])
+    assert "Mismatch(index=3, ranks=[2]" in results
+    checks_out = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
+                  for o in c.get("outputs", [])]
+    assert checks_out and '"stderr"' not in json.dumps(checks_out)
+    scores = [o["data"]["text/plain"] for o in checks_out if o.get("output_type") == "execute_result"]
+    assert scores == ["3.0", "4.0", "3.0"]
