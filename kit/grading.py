@@ -1,7 +1,14 @@
-"""``kit grade NOTEBOOK``: grade one notebook's tasks with the same checks students run.
+"""``kit grade``: grade notebooks with the same checks students run.
 
-    kit grade lessons/00_launching_ranks.ipynb              lesson taken from the file name
+    kit grade lessons/00_launching_ranks.ipynb              one notebook, checked in this process
     kit grade alice.ipynb --lessons 00,01 --json alice.json
+    kit grade course/submitted --out grades --workers 2     a batch, each submission sandboxed
+    kit grade submissions/ --out grades --gradescope --timeout 30
+
+With ``--out`` (or several submissions) grading is the isolated batch of :mod:`kit.batch`: it
+writes ``grades.csv``, ``records/<student>.json``, ``feedback/<student>.txt`` and, with
+``--gradescope``, ``gradescope/<student>/results.json``; a killed run resumes when re-run.
+Without it, one notebook is checked in this process, which trusts it: use that on your own work.
 
 The graded code is loaded with :func:`kit.notebook.load_tasks` (setup and solution cells only,
 found by tag or by name, demos never run) and every task of the lesson is checked with
@@ -112,16 +119,31 @@ def grade_notebook(path: str | Path, *, lessons: list[int] | None = None, seed: 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kit grade", description="Grade a notebook's tasks.")
-    parser.add_argument("notebook", help="a student's .ipynb (or a solutions/NN_slug.py source)")
-    parser.add_argument("--lessons", help="lessons to grade, e.g. 00,01 (default: from the file name)")
+    parser = argparse.ArgumentParser(prog="kit grade", description="Grade notebooks or submission folders.")
+    parser.add_argument("submissions", nargs="+", metavar="SUBMISSION",
+                        help="a notebook, a folder of notebooks, an nbgrader course or submitted/ "
+                             "folder, or a Gradescope export")
+    parser.add_argument("--lessons", help="lessons to grade, e.g. 00,01 (default: from the file name; "
+                        "in a batch: every lesson with checks)")
+    parser.add_argument("--out", help="batch: the output folder (grades.csv, records/, feedback/)")
+    parser.add_argument("--workers", type=int, default=2, help="batch: submissions graded at once")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="batch: seconds one case may run before its task is marked timeout")
+    parser.add_argument("--gradescope", action="store_true",
+                        help="batch: also write gradescope/<student>/results.json")
     parser.add_argument("--json", dest="json_path",
-                        help="where to write the JSON report (default: grading-out/<name>.json; - for stdout)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the checks' data (default 0)")
+                        help="one notebook: where to write the JSON report "
+                             "(default: grading-out/<name>.json; - for stdout)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the checks' data (one notebook: default 0; batch: the run's secret)")
     args = parser.parse_args(argv)
     from kit.build import BuildError, parse_lessons
 
-    path = Path(args.notebook)
+    if args.out or len(args.submissions) > 1 or Path(args.submissions[0]).is_dir():
+        from kit.gradebook import main_batch
+
+        return main_batch(args)
+    path = Path(args.submissions[0])
     out = Path(args.json_path) if args.json_path and args.json_path != "-" else \
         Path("grading-out") / f"{path.stem}.json"
     if args.json_path != "-" and out.resolve() == path.resolve():
@@ -129,7 +151,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         lessons = parse_lessons(args.lessons) if args.lessons else None
-        report = grade_notebook(path, lessons=lessons, seed=args.seed)
+        report = grade_notebook(path, lessons=lessons, seed=args.seed or 0)
     except (NotebookError, BuildError) as e:
         print(f"kit grade: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,386 @@
+"""Batch grading: every submission checked in its own sandbox, scored in this trusted process.
+
+``kit grade SUBMISSION... --out DIR`` (see :mod:`kit.grading`) calls :func:`grade_batch`. For each
+submission a :mod:`kit.sandbox` worker runs the untrusted half of every case on the student's
+code; what comes back is read with ``torch.load(weights_only=True)``, checked to be plain data,
+and compared here with the expectation computed from the trusted references with the run's
+secret seed. A worker that dies, hangs, prints too much or forks too much costs only the task
+it was running: the worker restarts for the remaining tasks.
+
+Each submission's result is written to ``DIR/records/<student>.json`` atomically as soon as it is
+graded, with an HMAC under the run's secret key; a run that is killed resumes by keeping every
+record that still matches its submission (same notebooks, same lessons, same seed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Queue
+from typing import Any, Callable
+
+import torch
+
+from autograder.registry import CheckFailed, Task, lesson_tasks
+from kit.sandbox import Limits, WorkerExit, make_workdir, remove_workdir, run_worker
+from kit.submissions import Submission, safe_name
+
+__all__ = ["TASK_STATUSES", "BatchConfig", "grade_batch", "load_records", "task_status"]
+
+PASSED, FAILED, ERROR, TIMEOUT, MISSING, BLOCKED = "passed", "failed", "error", "timeout", "missing", "blocked"
+TASK_STATUSES = (PASSED, FAILED, ERROR, TIMEOUT, MISSING, BLOCKED)
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+@dataclass
+class BatchConfig:
+    out: Path
+    lessons: list[int]
+    workers: int = 2
+    limits: Limits = Limits()
+    seed: int | None = None  # None: the run's secret seed (kept in DIR/.kit-grade/secret.json)
+
+
+# --------------------------------------------------------------------------- secrets and records
+
+
+def run_secret(out: Path, seed: int | None) -> dict[str, Any]:
+    """The run's seed and HMAC key, created once per output folder (mode 0600) and reused on resume."""
+    folder = out / ".kit-grade"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    path = folder / "secret.json"
+    if path.exists():
+        secret = json.loads(path.read_text())
+    else:
+        secret = {"seed": secrets.randbelow(2**31), "key": secrets.token_hex(32)}
+        _write_atomic(path, json.dumps(secret), mode=0o600)
+    if seed is not None:
+        secret["seed"] = seed
+    return secret
+
+
+def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # a reader sees the old record or the new one, never half of one
+
+
+def _sign(record: dict[str, Any], key: str) -> str:
+    body = json.dumps({k: v for k, v in record.items() if k != "hmac"}, sort_keys=True)
+    return hmac.new(bytes.fromhex(key), body.encode(), hashlib.sha256).hexdigest()
+
+
+def load_records(out: Path, key: str) -> dict[str, dict[str, Any]]:
+    """Signed records in ``out/records``, by student; unsigned or altered ones are left out."""
+    records = {}
+    for path in sorted((out / "records").glob("*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and hmac.compare_digest(str(record.get("hmac", "")), _sign(record, key)):
+            records[record["student"]] = record
+    return records
+
+
+# --------------------------------------------------------------------------- trusted expectations
+
+
+def expectations(tasks: list[Task], seed: int) -> dict[str, Any]:
+    """``{case key: expected data or ("raised", message)}`` for every case, computed here."""
+    expected: dict[str, Any] = {}
+    for task in tasks:
+        for index, case in enumerate(task.cases):
+            if case.needs == "cuda" and not torch.cuda.is_available():
+                continue
+            try:
+                expected[case_key(task, index)] = ("ok", task.expected(case, seed))
+            except Exception as e:  # a broken reference must not be blamed on students
+                expected[case_key(task, index)] = ("raised", f"{type(e).__name__}: {e}")
+    return expected
+
+
+def case_key(task: Task, index: int) -> str:
+    return f"{task.id.replace('.', '-')}-{index}"
+
+
+def _check_plain(x: Any, depth: int = 0) -> None:
+    if depth > 50:
+        raise TypeError("nested too deeply")
+    if type(x) is torch.Tensor:
+        if x.layout != torch.strided or x.device.type != "cpu":
+            raise TypeError(f"a {x.layout} tensor on {x.device}")
+        return
+    if type(x) in _PLAIN:
+        return
+    if type(x) in (list, tuple):
+        for item in x:
+            _check_plain(item, depth + 1)
+        return
+    if type(x) is dict:
+        for k, v in x.items():
+            _check_plain(k, depth + 1)
+            _check_plain(v, depth + 1)
+        return
+    raise TypeError(f"a {type(x).__module__}.{type(x).__name__}")
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """A case's result file, as plain data only; anything else is an error record."""
+    try:
+        record = torch.load(path, weights_only=True, map_location="cpu")
+        _check_plain(record)
+    except Exception as e:
+        return {"status": ERROR, "message": "the case returned something that is not plain data "
+                f"(tensors, numbers, strings, lists, dicts): {type(e).__name__}: {str(e)[:300]}"}
+    if not isinstance(record, dict) or record.get("status") not in ("ok", "not implemented", ERROR, TIMEOUT):
+        return {"status": ERROR, "message": "the grading worker sent back a malformed result"}
+    return record
+
+
+# --------------------------------------------------------------------------- one submission
+
+
+def _case(name: str, status: str, points: float, max_points: float, message: str = "", **extra: Any) -> dict:
+    return {"name": name, "status": status, "points": points, "max_points": max_points,
+            "message": message, **extra}
+
+
+def task_status(cases: list[dict[str, Any]]) -> str:
+    statuses = {c["status"] for c in cases}
+    if statuses <= {PASSED}:
+        return PASSED
+    for status in (MISSING, BLOCKED, TIMEOUT, ERROR):
+        if status in statuses:
+            return status
+    return FAILED
+
+
+def _judge(task: Task, index: int, raw: dict[str, Any] | None, expected: Any) -> dict[str, Any]:
+    case = task.cases[index]
+    points = task.case_points(case)
+    if raw is None:
+        return _case(case.name, ERROR, 0.0, points, "the case did not run")
+    status = raw.get("status")
+    if status == "not implemented":
+        return _case(case.name, FAILED, 0.0, points, f"not implemented: {raw.get('message', '')}")
+    if status in (ERROR, TIMEOUT):
+        return _case(case.name, status, 0.0, points, str(raw.get("message", ""))[:2000],
+                     hint=case.hint, details=str(raw.get("details", ""))[-2000:])
+    kind, want = expected
+    if kind != "ok":
+        return _case(case.name, ERROR, 0.0, points, f"the grader's reference failed ({want}); "
+                     "this is not your fault: tell your instructor")
+    try:
+        case.compare(raw.get("data"), want)
+    except CheckFailed as e:
+        return _case(case.name, FAILED, 0.0, points, e.message,
+                     expected=None if e.expected is None else str(e.expected)[:500],
+                     got=None if e.got is None else str(e.got)[:500], hint=e.hint or case.hint)
+    except Exception as e:  # compare met data of a shape it did not expect
+        return _case(case.name, FAILED, 0.0, points, f"the result has the wrong form "
+                     f"({type(e).__name__}: {str(e)[:200]})", hint=case.hint)
+    return _case(case.name, PASSED, points, points)
+
+
+_KILLED = {
+    "timeout": (TIMEOUT, "did not finish within {wall:g} s (an infinite loop, or ranks waiting "
+                "for each other?)"),
+    "wall": (TIMEOUT, "the submission ran out of its total time"),
+    "output": (ERROR, "printed more than {output} bytes; print less"),
+    "processes": (ERROR, "started more than {procs} processes at once"),
+}
+
+
+def _death(exit: WorkerExit, limits: Limits) -> tuple[str, str]:
+    if exit.reason in _KILLED:
+        status, text = _KILLED[exit.reason]
+        return status, text.format(wall=limits.case_wall_s, output=limits.output, procs=limits.processes)
+    code = exit.returncode
+    if code is not None and code < 0:
+        return ERROR, f"the process was killed by signal {-code} (out of memory or CPU time?)"
+    return ERROR, (f"the code ended the grading process (exit code {code}): "
+                   "do not call sys.exit() or os._exit() in graded code")
+
+
+def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], expected: dict[str, Any],
+                     seed: int, limits: Limits, slot: int) -> dict[str, Any]:
+    """Grade one submission in sandbox workers; returns its record (not yet signed)."""
+    start = time.monotonic()
+    results: dict[str, dict[str, Any]] = {}  # case key -> judged case
+    loads: dict[int, dict[str, Any]] = {}
+    pending = []  # (task, index) still to run
+    for task in tasks:
+        if task.lesson not in lessons:
+            continue
+        nb = sub.notebook_for(task.lesson)
+        for index, case in enumerate(task.cases):
+            key = case_key(task, index)
+            if nb is None:
+                results[key] = _case(case.name, MISSING, 0.0, task.case_points(case),
+                                     f"no notebook for lesson {task.lesson:02d} in this submission")
+            elif key not in expected:
+                results[key] = _case(case.name, BLOCKED, 0.0, task.case_points(case),
+                                     f"needs {case.needs}, which this grading machine lacks")
+            else:
+                pending.append((task, index))
+    output: list[str] = []
+    attempts = 0
+    while pending and attempts < len(tasks) + 3:
+        attempts += 1
+        work = make_workdir()
+        try:
+            notebooks = []
+            for lesson in sorted({t.lesson for t, _ in pending}):
+                src = sub.notebook_for(lesson)
+                copy = work / f"lesson{lesson:02d}{src.suffix}"
+                shutil.copyfile(src, copy)  # the worker reads a copy; the submission stays untouched
+                os.chmod(copy, 0o444)
+                notebooks.append([lesson, str(copy)])
+            job = {"seed": seed, "notebooks": notebooks,
+                   "cases": [[t.id, i, case_key(t, i)] for t, i in pending]}
+            (work / "job.json").write_text(json.dumps(job))
+            exit = run_worker(work, limits, slot=slot, cases=len(pending))
+            output.append(exit.output)
+            for lesson, _ in notebooks:
+                loads[lesson] = _read_load(work / f"load-{lesson}.json")
+            raws = {case_key(t, i): read_result(work / "results" / f"{case_key(t, i)}.pt")
+                    for t, i in pending if (work / "results" / f"{case_key(t, i)}.pt").is_file()}
+        finally:
+            remove_workdir(work)
+        still = []
+        for task, index in pending:
+            key = case_key(task, index)
+            load = loads.get(task.lesson)
+            if load and ("error" in load or task.id in load.get("missing", {})):
+                why = load.get("error") or load["missing"][task.id]
+                status = ERROR if "error" in load else MISSING
+                results[key] = _case(task.cases[index].name, status, 0.0, task.case_points(task.cases[index]),
+                                     f"could not load it from the notebook: {why}"[:2000])
+            elif key in raws:
+                results[key] = _judge(task, index, raws[key], expected[key])
+            else:
+                still.append((task, index))
+        pending = still
+        if not still:
+            break
+        # The worker stopped early: blame the case it was running (or loading) and its whole task.
+        culprit = _culprit(exit, still)
+        status, why = _death(exit, limits)
+        for task, index in still:
+            if task.id == culprit.id or (exit.last or "").startswith("load") and task.lesson == culprit.lesson:
+                results[case_key(task, index)] = _case(task.cases[index].name, status, 0.0,
+                                                       task.case_points(task.cases[index]), why)
+        pending = [(t, i) for t, i in pending if case_key(t, i) not in results]
+    for task, index in pending:  # out of attempts
+        results[case_key(task, index)] = _case(task.cases[index].name, ERROR, 0.0,
+                                                task.case_points(task.cases[index]), "the case did not run")
+    return _record(sub, lessons, tasks, results, loads, "\n".join(output), time.monotonic() - start)
+
+
+def _read_load(path: Path) -> dict[str, Any]:
+    # Written by the worker after the notebook's code ran: untrusted, so only its shape is used.
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if k in ("missing", "notes", "error")
+            and isinstance(v, (dict, list, str))}
+
+
+def _culprit(exit: WorkerExit, still: list[tuple[Task, int]]) -> Task:
+    last = exit.last or ""
+    if last.startswith("case "):
+        for task, index in still:
+            if case_key(task, index) == last[5:]:
+                return task
+    if last.startswith("load "):
+        lesson = last[5:]
+        for task, _ in still:
+            if str(task.lesson) == lesson:
+                return task
+    return still[0][0]
+
+
+def _record(sub: Submission, lessons: list[int], tasks: list[Task], results: dict[str, dict[str, Any]],
+            loads: dict[int, dict[str, Any]], output: str, seconds: float) -> dict[str, Any]:
+    rows = []
+    for task in tasks:
+        if task.lesson not in lessons:
+            continue
+        cases = [results[case_key(task, i)] for i in range(len(task.cases))]
+        rows.append({"task": task.id, "name": task.name, "status": task_status(cases),
+                     "score": round(sum(c["points"] for c in cases), 6),
+                     "max_score": round(sum(c["max_points"] for c in cases), 6), "cases": cases})
+    notes = list(sub.notes)
+    for lesson, load in sorted(loads.items()):
+        notes += [f"lesson {lesson:02d}: {n}" for n in load.get("notes", []) if isinstance(n, str)][:20]
+    return {"student": sub.student, "score": round(sum(r["score"] for r in rows), 6),
+            "max_score": round(sum(r["max_score"] for r in rows), 6), "tasks": rows,
+            "notes": notes, "output": output[-8000:], "seconds": round(seconds, 2)}
+
+
+# --------------------------------------------------------------------------- the batch
+
+
+def grade_batch(subs: list[Submission], config: BatchConfig,
+                progress: Callable[[int, int, float], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Grade every submission not already recorded in ``config.out``; returns all records by student."""
+    secret = run_secret(config.out, config.seed)
+    (config.out / "records").mkdir(parents=True, exist_ok=True)
+    tasks = [t for lesson in config.lessons for t in lesson_tasks(lesson)]
+    done = load_records(config.out, secret["key"])
+    stamp = {sub.student: {"digest": sub.digest(config.lessons), "lessons": config.lessons,
+                           "seed": secret["seed"]} for sub in subs}
+    records = {s: r for s, r in done.items() if s in stamp and all(r.get(k) == v for k, v in stamp[s].items())}
+    todo = [sub for sub in subs if sub.student not in records]
+    if not todo:
+        return records
+    expected = expectations(tasks, secret["seed"])  # before any thread: references may fork ranks
+    slots: Queue[int] = Queue()
+    for slot in range(config.workers):
+        slots.put(slot)
+    lock = threading.Lock()
+    started = time.monotonic()
+    finished = [0]
+
+    def one(sub: Submission) -> None:
+        slot = slots.get()
+        try:
+            record = grade_submission(sub, config.lessons, tasks, expected, secret["seed"],
+                                      config.limits, slot)
+        finally:
+            slots.put(slot)
+        record.update(stamp[sub.student])
+        record["hmac"] = _sign(record, secret["key"])
+        _write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json", json.dumps(record, indent=1))
+        with lock:
+            records[sub.student] = record
+            finished[0] += 1
+            if progress:
+                progress(finished[0], len(todo), time.monotonic() - started)
+
+    with ThreadPoolExecutor(max_workers=config.workers) as pool:
+        for future in [pool.submit(one, sub) for sub in todo]:
+            future.result()
+    # Rewrite every record from memory: a submission that wrote into records/ meanwhile loses.
+    for sub in subs:
+        _write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json",
+                      json.dumps(records[sub.student], indent=1))
+    return records

@@ -1,0 +1,166 @@
+"""What a batch grading run writes: ``grades.csv``, feedback, Gradescope and nbgrader files.
+
+Used by ``kit grade SUBMISSION... --out DIR`` (:mod:`kit.grading`); the grading itself is
+:mod:`kit.batch`. Every file here is rebuilt from the signed per-submission records, so a
+resumed run writes exactly one row per submission.
+
+* ``grades.csv``: one row per student: total, then one column per task (its score);
+* ``feedback/<student>.txt``: each task's status and, for every case that lost points, why;
+* ``gradescope/<student>/results.json`` (``--gradescope``): Gradescope's autograder format;
+* ``nbgrader-grades.csv``: one row per student and lesson with the columns of nbgrader's own
+  ``nbgrader export`` (``assignment, student_id, score, max_score``), for a gradebook import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kit.batch import BatchConfig, _write_atomic, grade_batch
+from kit.notebook import NotebookError
+from kit.sandbox import Limits
+from kit.submissions import Submission, discover, safe_name
+
+__all__ = ["feedback_text", "gradescope_results", "main_batch", "write_outputs"]
+
+
+def feedback_text(record: dict[str, Any]) -> str:
+    """A student's readable feedback: every task's status and score, and why points were lost."""
+    lines = [f"Feedback for {record['student']}: {record['score']:.4g}/{record['max_score']:.4g} points", ""]
+    for task in record["tasks"]:
+        lines.append(f"Task {task['task']} {task['name']}: {task['status']} "
+                     f"({task['score']:.4g}/{task['max_score']:.4g})")
+        for case in task["cases"]:
+            if case["status"] == "passed":
+                continue
+            lines.append(f"  - {case['name']}: {case['status']}. {case['message']}".rstrip())
+            if case.get("expected") is not None or case.get("got") is not None:
+                lines.append(f"      expected: {case.get('expected')}\n      got:      {case.get('got')}")
+            if case.get("hint"):
+                lines.append(f"      hint: {case['hint']}")
+    if record.get("notes"):
+        lines += ["", "Notes:"] + [f"  {n}" for n in record["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def gradescope_results(record: dict[str, Any]) -> dict[str, Any]:
+    """Gradescope's ``results.json``: one test per task, its score and feedback as output."""
+    tests = []
+    for task in record["tasks"]:
+        lost = [f"{c['name']}: {c['status']}. {c['message']}" for c in task["cases"] if c["status"] != "passed"]
+        tests.append({"name": f"Task {task['task']} {task['name']}", "number": task["task"],
+                      "score": task["score"], "max_score": task["max_score"],
+                      "status": "passed" if task["status"] == "passed" else "failed",
+                      "output": "\n".join(lost)[:8000]})
+    return {"score": record["score"], "execution_time": record.get("seconds", 0),
+            "output": "\n".join(record.get("notes", []))[:8000], "tests": tests}
+
+
+def write_outputs(out: Path, subs: list[Submission], records: dict[str, dict[str, Any]], *,
+                  gradescope: bool = False) -> Path:
+    """Rebuild every output file from ``records``; one CSV row per submission, in input order."""
+    task_ids = [t["task"] for t in records[subs[0].student]["tasks"]] if subs else []
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["student", "score", "max_score", *task_ids, "statuses"])
+    by_lesson = io.StringIO()
+    nb = csv.writer(by_lesson, lineterminator="\n")
+    nb.writerow(["assignment", "student_id", "score", "max_score"])
+    (out / "feedback").mkdir(exist_ok=True)
+    for sub in subs:
+        record = records[sub.student]
+        scores = {t["task"]: t["score"] for t in record["tasks"]}
+        statuses = " ".join(f"{t['task']}={t['status']}" for t in record["tasks"])
+        writer.writerow([sub.student, record["score"], record["max_score"],
+                         *[scores.get(tid, "") for tid in task_ids], statuses])
+        lessons: dict[str, list[float]] = {}
+        for t in record["tasks"]:
+            total = lessons.setdefault(t["task"].split(".")[0].zfill(2), [0.0, 0.0])
+            total[0] += t["score"]
+            total[1] += t["max_score"]
+        for lesson, (score, max_score) in lessons.items():
+            nb.writerow([f"lesson{lesson}", sub.student, round(score, 6), round(max_score, 6)])
+        name = safe_name(sub.student)
+        _write_atomic(out / "feedback" / f"{name}.txt", feedback_text(record))
+        if gradescope:
+            (out / "gradescope" / name).mkdir(parents=True, exist_ok=True)
+            _write_atomic(out / "gradescope" / name / "results.json",
+                          json.dumps(gradescope_results(record), indent=1))
+    _write_atomic(out / "nbgrader-grades.csv", by_lesson.getvalue())
+    _write_atomic(out / "grades.csv", buffer.getvalue())
+    return out / "grades.csv"
+
+
+class _Progress:
+    """``[#####.....] 37/100 graded, 2:31 left`` on a terminal; a line per submission otherwise."""
+
+    def __init__(self, stream: Any = sys.stderr):
+        self.stream = stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        left = seconds / done * (total - done)
+        bar = "#" * (20 * done // total) + "." * (20 - 20 * done // total)
+        text = f"[{bar}] {done}/{total} graded, {int(left // 60)}:{int(left % 60):02d} left"
+        if self.tty:
+            self.stream.write("\r" + text + ("\n" if done == total else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def main_batch(args: argparse.Namespace) -> int:
+    from autograder.registry import lesson_tasks
+    from kit.build import BuildError, parse_lessons
+
+    out = Path(args.out or "grading-out")
+    try:
+        lessons = parse_lessons(args.lessons) if args.lessons else \
+            sorted(int(p.stem[6:]) for p in (Path(__file__).resolve().parents[1] / "autograder")
+                   .glob("lesson[0-9][0-9].py"))
+        unknown = [n for n in lessons if not lesson_tasks(n)]
+        if unknown:
+            raise BuildError(f"lesson {unknown[0]:02d} has no checks (autograder/lesson{unknown[0]:02d}.py)")
+        if args.workers < 1 or args.timeout <= 0:
+            raise BuildError("--workers must be at least 1 and --timeout positive")
+        subs = discover(args.submissions)
+        for sub in subs:
+            src = sub.source
+            if src is not None and ((src.is_dir() and _inside(out, src)) or _inside(src, out)):
+                raise BuildError(f"--out {out} and the submission {src} overlap: give the results a "
+                                 "folder of their own, so no submission is ever written to")
+    except (NotebookError, BuildError) as e:
+        print(f"kit grade: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"kit grade: {len(subs)} submission(s), lessons {','.join(f'{n:02d}' for n in lessons)}, "
+          f"{args.workers} worker(s), results in {out}")
+    for sub in subs:
+        for note in sub.notes:
+            print(f"  {sub.student}: {note}")
+    from kit.sandbox import isolation_note
+
+    if (note := isolation_note()) is not None:
+        print(f"kit grade: note: {note}")
+    config = BatchConfig(out, lessons, args.workers, Limits(case_wall_s=args.timeout), args.seed)
+    start = time.monotonic()
+    records = grade_batch(subs, config, _Progress())
+    path = write_outputs(out, subs, records, gradescope=args.gradescope)
+    scores = [records[s.student]["score"] for s in subs]
+    print(f"graded {len(subs)} submission(s) in {time.monotonic() - start:.1f} s; "
+          f"mean score {sum(scores) / max(1, len(scores)):.3g}; wrote {path}")
+    return 0

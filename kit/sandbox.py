@@ -1,0 +1,351 @@
+"""The isolated process in which ``kit grade`` runs a submission's code (the batch grader only).
+
+The grading parent never imports a submission. It writes a job (notebook copies, seed, the cases
+to run) into a fresh folder and starts ``python -m kit.sandbox JOB`` in a new session. The worker
+loads the notebooks with :func:`kit.notebook.load_tasks`, runs each case's untrusted half
+``run(impl, seed)`` and saves the plain data it returns with ``torch.save``; the parent reads it
+back with ``torch.load(weights_only=True)`` and compares it with the trusted expectation.
+
+Limits, and who enforces them:
+
+* the worker sets its own ``RLIMIT_AS`` (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and
+  ``RLIMIT_NPROC`` before any submission code runs; ranks it forks inherit them;
+* the parent enforces wall time per case, total output size and the number of processes (it
+  counts them in ``/proc``: ``RLIMIT_NPROC`` is per user and not enforced for root), and kills
+  the whole group when one is exceeded;
+* run as root, the worker runs as an unprivileged uid of its own (``UID_BASE + slot``): the kernel
+  then enforces ``RLIMIT_NPROC``, the submission cannot write to the output folder or read the
+  run's secret, and every process of that uid is killed afterwards, even ones that left the
+  session. Run as another user, the worker keeps that user (documented in CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Limits", "WorkerExit", "isolation_note", "run_worker", "sandbox_uid"]
+
+UID_BASE = 61000  # unprivileged uids used for sandboxes when grading as root: UID_BASE + slot
+CONTROL_FD_ENV = "KIT_SANDBOX_CONTROL_FD"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one submission's worker. Sizes in bytes, times in seconds."""
+
+    case_wall_s: float = 60.0  # one case (a hang or infinite loop ends its task)
+    memory: int = 6 << 30  # address space per process: torch alone maps ~1.5 GiB
+    processes: int = 48  # processes (not threads) alive at once: the worker and its ranks
+    threads: int = 1024  # RLIMIT_NPROC counts threads; gloo and torch start many per rank
+    file_size: int = 64 << 20
+    output: int = 2 << 20  # bytes printed in all
+
+
+@dataclass
+class WorkerExit:
+    """How a worker ended: ``reason`` is None for a normal exit, else what the parent killed it for."""
+
+    returncode: int | None
+    reason: str | None  # None | "timeout" | "output" | "processes" | "wall"
+    last: str | None  # the last control message: "load 0", "case 3", "done"
+    output: str
+    output_bytes: int
+    seconds: float
+    messages: list[str] = field(default_factory=list)
+
+
+_DROP: list[bool] = []  # whether an unprivileged uid can run this Python: probed once
+
+
+def sandbox_uid(slot: int) -> int | None:
+    """The uid a worker in ``slot`` runs as: its own unprivileged uid when grading as root.
+
+    None (the grader's own uid) when not root, or when that uid cannot run this interpreter
+    (e.g. Python installed under a private ``/root``): see :func:`isolation_note`.
+    """
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        return None
+    if not _DROP:
+        try:
+            probe = subprocess.run([sys.executable, "-I", "-c", "import torch, kit.sandbox"],
+                                   user=UID_BASE, group=UID_BASE, extra_groups=[], cwd="/",
+                                   capture_output=True, timeout=120)
+            _DROP.append(probe.returncode == 0)
+        except (OSError, subprocess.SubprocessError):
+            _DROP.append(False)
+    return UID_BASE + slot if _DROP[0] else None
+
+
+def isolation_note() -> str | None:
+    """A warning when submissions run as the grader's own user, else None."""
+    if sandbox_uid(0) is not None:
+        return None
+    who = "root" if hasattr(os, "geteuid") and os.geteuid() == 0 else "your user"
+    why = (f" (uid {UID_BASE} cannot run {sys.executable}: install Python where other users can "
+           "read it)") if who == "root" else ""
+    return (f"submissions run as {who}{why}: limits and the process cap apply, but their code "
+            "could read or write your files. Grade as root with a world-readable Python for a "
+            "separate uid per worker.")
+
+
+def _set_subreaper() -> None:
+    # Orphans of a worker (a fork bomb's children) are re-parented here, not to an init that may
+    # never reap them; we kill and reap them after each worker.
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+        except (OSError, AttributeError):
+            pass
+
+
+def _proc_stat(pid: str) -> tuple[int, str, int] | None:
+    """(session id, state, parent pid) of a process, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name may contain spaces
+    return int(fields[3]), fields[0], int(fields[1])
+
+
+def _members(pid: int, uid: int | None) -> list[int]:
+    """Live processes of a worker: every process of its uid, else of its session."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            owner = os.stat(f"/proc/{name}").st_uid
+        except OSError:
+            continue
+        stat = _proc_stat(name)
+        if stat is None or stat[1] == "Z":
+            continue
+        if (uid is not None and owner == uid) or (uid is None and stat[0] == pid):
+            found.append(int(name))
+    return found
+
+
+def _kill_all(pid: int, uid: int | None) -> None:
+    with _suppress():
+        os.killpg(pid, signal.SIGKILL)
+    for _ in range(200):  # a fork bomb may fork between the scan and the kill: repeat
+        members = [p for p in _members(pid, uid) if p != os.getpid()]
+        if not members:
+            break
+        for p in members:
+            with _suppress():
+                os.kill(p, signal.SIGKILL)
+        time.sleep(0.01)
+    _reap_orphans(pid)
+
+
+def _reap_orphans(worker: int) -> None:
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != worker:
+            stat = _proc_stat(name)
+            if stat and stat[1] == "Z" and stat[2] == me:
+                with _suppress():
+                    os.waitpid(int(name), os.WNOHANG)
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], (OSError, ChildProcessError))
+
+
+def _read_output(stream: Any, head: bytearray, tail: deque, count: list[int], keep: int) -> None:
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        count[0] += len(chunk)
+        if len(head) < keep:
+            head += chunk[: keep - len(head)]
+        tail.append(chunk)
+        while sum(map(len, tail)) > keep * 2 and len(tail) > 1:
+            tail.popleft()
+
+
+def _read_control(fd: int, messages: list[tuple[float, str]]) -> None:
+    with os.fdopen(fd, "rb") as f:
+        for line in f:
+            messages.append((time.monotonic(), line.decode(errors="replace").strip()[:200]))
+
+
+def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
+               keep_output: int = 4000) -> WorkerExit:
+    """Run ``python -m kit.sandbox workdir/job.json`` under ``limits`` and wait for it.
+
+    ``workdir`` holds the job and receives the results; it is handed to the worker's uid.
+    ``cases`` bounds the total wall time (``case_wall_s`` per case, plus start-up).
+    """
+    _set_subreaper()
+    uid = sandbox_uid(slot)
+    if uid is not None:
+        for path in [workdir, *workdir.rglob("*")]:
+            os.chown(path, uid, uid) if path.is_dir() else None
+    read_fd, write_fd = os.pipe()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir),
+           "TMPDIR": str(workdir), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONHASHSEED": "0", CONTROL_FD_ENV: str(write_fd),
+           "KIT_SANDBOX_LIMITS": json.dumps(limits.__dict__)}
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-m", "kit.sandbox", str(workdir / "job.json")], cwd=workdir, env=env,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True, pass_fds=(write_fd,),
+        **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}))
+    os.close(write_fd)
+    head, tail, count = bytearray(), deque(), [0]
+    messages: list[tuple[float, str]] = []
+    readers = [threading.Thread(target=_read_output, args=(proc.stdout, head, tail, count, keep_output),
+                                daemon=True),
+               threading.Thread(target=_read_control, args=(read_fd, messages), daemon=True)]
+    for t in readers:
+        t.start()
+    total_wall = 60.0 + limits.case_wall_s * cases
+    reason = None
+    polls = 0
+    while proc.poll() is None:
+        time.sleep(0.02)
+        polls += 1
+        now = time.monotonic()
+        since = messages[-1][0] if messages else start
+        if now - since > limits.case_wall_s + (30.0 if not messages else 0.0):
+            reason = "timeout"
+        elif now - start > total_wall:
+            reason = "wall"
+        elif count[0] > limits.output:
+            reason = "output"
+        elif polls % 3 == 0 and len(_members(proc.pid, uid)) > limits.processes:
+            reason = "processes"
+        if reason:
+            break
+    _kill_all(proc.pid, uid)
+    proc.wait()
+    for t in readers:
+        t.join(timeout=2.0)
+    text = bytes(head).decode(errors="replace")
+    rest = b"".join(tail).decode(errors="replace")
+    if count[0] > len(head):
+        text += "\n...\n" + rest[-keep_output:]
+    return WorkerExit(proc.returncode, reason, messages[-1][1] if messages else None, text,
+                      count[0], time.monotonic() - start, [m for _, m in messages])
+
+
+def make_workdir() -> Path:
+    """A fresh private folder for one worker run (removed with :func:`remove_workdir`)."""
+    path = Path(tempfile.mkdtemp(prefix="kit-grade-"))
+    os.chmod(path, 0o711 if sandbox_uid(0) is not None else 0o700)
+    return path
+
+
+def remove_workdir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the worker side
+
+
+def _limit_self(limits: dict[str, Any], cases: int) -> None:
+    cpu = int(60 + limits["case_wall_s"] * cases)
+    for which, value in [(resource.RLIMIT_AS, limits["memory"]), (resource.RLIMIT_CPU, cpu),
+                         (resource.RLIMIT_FSIZE, limits["file_size"]), (resource.RLIMIT_CORE, 0),
+                         (resource.RLIMIT_NPROC, limits["threads"])]:
+        try:
+            resource.setrlimit(which, (value, value))
+        except (ValueError, OSError):
+            pass
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker(job_path: str) -> int:
+    os.dup2(1, 2)  # one stream: the parent caps its size
+    job = json.loads(Path(job_path).read_text())
+    _limit_self(json.loads(os.environ["KIT_SANDBOX_LIMITS"]), len(job["cases"]))
+    control = os.fdopen(int(os.environ.pop(CONTROL_FD_ENV)), "w", buffering=1)
+    out = Path(job_path).parent / "results"
+    out.mkdir(exist_ok=True)
+
+    import torch
+
+    from autograder.registry import get_task
+    from kit.checking import _error_result, _not_implemented
+    from kit.launcher import LaunchTimeout
+
+    def save(key: str, record: dict[str, Any]) -> None:
+        tmp = out / f".{key}.tmp"
+        try:
+            torch.save(record, tmp)
+        except Exception as e:  # the data holds something torch cannot serialise
+            torch.save({"status": "error", "message": "the result could not be sent back as plain "
+                        f"data ({type(e).__name__}: {e})"}, tmp)
+        os.replace(tmp, out / f"{key}.pt")
+
+    from kit.notebook import load_tasks
+
+    modules: dict[int, Any] = {}
+    skip: dict[str, str] = {}  # task id -> status given to its remaining cases
+    for lesson, notebook in job["notebooks"]:
+        control.write(f"load {lesson}\n")
+        try:
+            module = load_tasks(notebook, lesson=lesson)
+            report = module.__load_report__
+            info = {"missing": report.missing, "notes": report.notes}
+        except BaseException as e:  # noqa: BLE001 - a submission may raise SystemExit at import
+            module, info = None, {"error": f"{type(e).__name__}: {e}"}
+        (Path(job_path).parent / f"load-{lesson}.json").write_text(json.dumps(info))
+        modules[lesson] = module
+    for task_id, index, key in job["cases"]:
+        task = get_task(task_id)
+        case = task.cases[index]
+        module = modules.get(task.lesson)
+        if module is None:
+            continue
+        if task_id in skip:  # a stub only raises again
+            save(key, {"status": "not implemented", "message": skip[task_id]})
+            continue
+        control.write(f"case {key}\n")
+        impl = getattr(module, task.name, None)
+        start = time.perf_counter()
+        try:
+            record = {"status": "ok", "data": case.run(impl, job["seed"])}
+        except BaseException as e:  # noqa: BLE001 - SystemExit too: it ends this case only
+            seconds = time.perf_counter() - start
+            if (message := _not_implemented(e)) is not None:
+                record = {"status": "not implemented", "message": message}
+                skip[task_id] = message
+            else:
+                result = _error_result(case, task.case_points(case), e if isinstance(e, Exception)
+                                       else RuntimeError(f"{type(e).__name__}: {e}"), seconds)
+                status = "timeout" if isinstance(e, LaunchTimeout) else "error"
+                record = {"status": status, "message": result.message, "details": result.details[-4000:]}
+        record["seconds"] = time.perf_counter() - start
+        save(key, record)
+    control.write("done\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1]))
