@@ -602,9 +602,32 @@ first_mismatch(calls)
 
 # %% [markdown]
 # **The kit's hang report.** When a `launch` times out, the kit dumps every rank's Python
-# stack and says which collective each is waiting in (Lesson 00, section 7). On a cluster,
-# `py-spy dump --pid PID` on each worker gives the same picture, and for NCCL the *flight
-# recorder* keeps the last collectives of every rank in a ring buffer.
+# stack and says which collective each one waits in. Here two ranks call the same two
+# collectives in opposite orders, a deadlock no single rank's log reveals:
+
+# %%
+from kit import LaunchTimeout
+
+
+def opposite_orders():
+    t = torch.ones(1)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+        dist.barrier()
+    else:
+        dist.barrier()
+        dist.all_reduce(t)
+
+
+try:
+    launch(opposite_orders, world_size=2, timeout=5)
+except LaunchTimeout as err:
+    print("\n".join(str(err).splitlines()[:5]))
+
+# %% [markdown]
+# On a cluster, `py-spy dump --pid PID` on each worker gives the same picture, and for NCCL
+# the *flight recorder* keeps the last collectives of every rank in a ring buffer and dumps
+# them when the watchdog fires.
 #
 # The environment variables that matter when a job misbehaves:
 #

@@ -201,6 +201,7 @@ def test_lesson02_runs_headless_and_shows_each_failure_it_discusses():
     assert "two nodes == one process: True" in printed
     assert "Timed out waiting 2000ms" in printed
     assert "Rank 2 failed to pass monitoredBarrier" in printed
+    assert "rank 0 in all_reduce; rank 1 in barrier" in printed  # the kit's hang report
     assert "Detected mismatch between collectives" in printed and "Root Cause" in printed
     results = json.dumps([c.get("outputs", []) for c in result.notebook.cells])
     assert "Mismatch(index=3, ranks=[2]" in results
