@@ -49,7 +49,7 @@ from torch.nn import functional as F
 
 from kit import LaunchError, check, launch
 from kit.models import AwkwardNet, TinyTransformer, token_batch
-from kit.trace import launch_traced, plot_timeline, region
+from kit.trace import launch_traced, plot_timeline, region, trace
 
 # %% [markdown]
 # ## 1. Why averaging gradients works
@@ -532,6 +532,27 @@ class BucketedDDP(BucketedDDP):
 
 # %% tags=["check-4.4"]
 check("4.4", BucketedDDP)
+
+# %% [markdown]
+# Count the all-reduces of each backward in a step of 4 micro-batches: the first three stay
+# silent and the last one sends every bucket once.
+
+# %%
+def accumulate(micro=4):
+    torch.manual_seed(dist.get_rank())
+    model = BucketedDDP(TinyTransformer(vocab=64, dim=64, layers=2, heads=4, context=32),
+                        bucket_size_mb=0.25)
+    x, y = token_batch(8, 32, 64, seed=dist.get_rank())  # this rank's 8 sequences
+    calls = []
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):  # 2 sequences each
+        with trace() as t, model.no_sync() if i < micro - 1 else _nothing():
+            (F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()) / micro).backward()
+        calls.append(t.collectives().count("all_reduce"))
+    model.finish_gradient_synchronization()
+    return calls
+
+
+print("all-reduces in each micro-batch's backward:", launch(accumulate, world_size=2)[0])
 
 # %% [markdown]
 # ## 6. torch's `DistributedDataParallel`

@@ -216,6 +216,9 @@ def test_lesson04_runs_headless_with_its_solutions_and_shows_what_it_claims():
     counts = {line.split()[0]: int(line.split()[1]) for line in printed.splitlines()
               if line.endswith("all-reduces in one step")}
     assert counts["NaiveDDP"] == counts["OverlappedDDP"] > counts["BucketedDDP"] >= 1
+    accumulated = next(line for line in printed.splitlines() if "each micro-batch's backward" in line)
+    silent, last = accumulated.split(": [")[1].rstrip("]").rsplit(", ", 1)
+    assert silent == "0, 0, 0" and int(last) >= 1  # no_sync: only the last backward communicates
     assert "find_unused_parameters=True: ['two steps done', 'two steps done']" in printed
     assert "static_graph=True:           ['two steps done', 'two steps done']" in printed
     assert "DDP: You can enable unused parameter detection" in printed  # and without: the error
