@@ -116,7 +116,8 @@ print("batch norm, 1 process vs 4 slices: max difference",
 # Three kinds of parameter need care, and the checks include all of them
 # ([`kit.models.AwkwardNet`](../kit/models.py)):
 #
-# - **frozen** parameters (`requires_grad=False`) never get a gradient: skip them;
+# - **frozen** parameters (`requires_grad=False`) never get a gradient: skip them when
+#   reducing (but broadcast them with the rest: they shape the forward pass too);
 # - **unused** parameters (a branch that did not run this step) keep `p.grad is None`: skip
 #   them too (every rank skips the same ones here, because every rank runs the same branches);
 # - **tied** parameters, such as an embedding reused as the output layer, are *one*
@@ -374,10 +375,10 @@ for i, names in enumerate(bucket_plan(AwkwardNet(), bucket_size_mb=600 / 2**20))
 # ### Task 4.3: `BucketedDDP`
 #
 # Write `BucketedDDP(module, bucket_size_mb)`. In `__init__`: broadcast, then group the
-# parameters that require grad into buckets as above (a parameter larger than the cap gets a
-# bucket of its own), and register a hook on each. In the hook: do nothing while
-# `self.require_backward_grad_sync` is False (Task 4.4 uses it), else count the parameter as
-# ready in its bucket; when the whole bucket is ready, flatten its gradients into one tensor
+# parameters that require grad into buckets with the walk of `bucket_plan` above (a parameter
+# larger than the cap gets a bucket of its own), and register a hook on each. In the hook
+# (its first two lines, given, skip everything inside `no_sync()` for Task 4.4), count the
+# parameter as ready in its bucket; when the whole bucket is ready, flatten its gradients into one tensor
 # (`torch.cat` of `g.reshape(-1)`, zeros for a gradient that is None), divide by the world
 # size and start one async all-reduce. In `finish_gradient_synchronization()`: start the
 # buckets that never became ready, wait for every bucket, copy each slice back into its
