@@ -1,0 +1,318 @@
+"""The course as a student sees it: JupyterLab in Chromium, cells run through the UI.
+
+One JupyterLab (started with ``kit lab``'s own command) serves copies of every lesson with
+the tasks solved; Playwright drives Debian's Chromium. Lessons 00 and 01 run end to end with
+Run All Cells; the slower later lessons are opened and run their setup, first task and its
+check. Each test asserts what the page shows (labelled rank output, the launcher's errors,
+``check()`` feedback, live widgets) and saves a screenshot under ``artifacts/screenshots/``
+(``KIT_UPDATE_SCREENSHOTS=1`` also refreshes ``docs/screenshots/``). The sabotage tests break
+a widget and swallow rank output on purpose and prove the same assertions then fail.
+
+Outside CI these tests skip when Chromium or Playwright is missing; with ``CI=true`` they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from browser_support import (
+    CHROMIUM_FLAGS,
+    ROOT,
+    WIDGET_EXTENSION,
+    LabServer,
+    all_outputs,
+    assert_rank_output,
+    assert_widgets_rendered,
+    browser_unavailable_reason,
+    cell_index,
+    cell_outputs,
+    code_prompts,
+    copy_lessons,
+    open_notebook,
+    run_all_cells,
+    run_cell,
+    saved_widget_count,
+    screenshot,
+    wait_until_done,
+    widget_report,
+)
+
+from kit import lab
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
+RUN_ALL = {"00_launching_ranks", "01_primitives"}  # fast enough to run end to end here
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    reason = browser_unavailable_reason()
+    if reason:
+        if IN_CI:
+            pytest.fail(f"CI must run the browser tests, but {reason}")
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=shutil.which("chromium"),
+                                     args=CHROMIUM_FLAGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("course")
+    copy_lessons(folder)
+    nbformat.write(sabotage_notebook(), folder / "sabotage.ipynb")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(browser: Any, course: Path) -> Iterator[LabServer]:
+    with LabServer(course) as srv:
+        yield srv
+
+
+@pytest.fixture
+def page(browser: Any, server: LabServer) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    yield context.new_page()
+    context.close()
+    server.shutdown_kernels()
+
+
+def cell_with(notebook: Path, text: str) -> int:
+    """Index of the first code cell whose source contains ``text``."""
+    nb = nbformat.read(notebook, as_version=4)
+    return next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and text in c.source)
+
+
+def code_cell_count(notebook: Path) -> int:
+    return sum(c.cell_type == "code" for c in nbformat.read(notebook, as_version=4).cells)
+
+
+def check_cells(notebook: Path) -> list[int]:
+    nb = nbformat.read(notebook, as_version=4)
+    return [i for i, c in enumerate(nb.cells)
+            if any(t.startswith("check-") for t in c.metadata.get("tags", []))]
+
+
+def assert_every_check_passed(page: Any, notebook: Path, indices: list[int]) -> None:
+    assert indices, f"{notebook.name} has no check cell"
+    for i in indices:
+        text = cell_outputs(page, i)
+        assert re.search(r"Task \d+\.\d+ .*all \d+ checks? passed", text), (
+            f"cell {i} of {notebook.name} does not show passing check() feedback:\n{text[:1500]}")
+
+
+def run_everything(page: Any, server: LabServer, course: Path, stem: str) -> Path:
+    notebook = course / f"{stem}.ipynb"
+    open_notebook(page, server, notebook.name)
+    run_all_cells(page)
+    wait_until_done(page, timeout=420)
+    prompts = code_prompts(page)
+    never_run = [p for p in prompts if not re.fullmatch(r"\[\d+\]:", p)]
+    assert len(prompts) == code_cell_count(notebook) and not never_run, (
+        f"Run All stopped early in {stem}: prompts {prompts}\n"
+        f"last outputs: {all_outputs(page)[-2:]}")
+    return notebook
+
+
+@pytest.mark.browser
+def test_lesson00_in_the_browser_shows_labelled_rank_output_errors_and_check_feedback(
+        page: Any, server: LabServer, course: Path) -> None:
+    notebook = run_everything(page, server, course, "00_launching_ranks")
+    hello = cell_with(notebook, "def hello")
+    assert_rank_output(cell_outputs(page, hello), world_size=4)
+    assert_rank_output(cell_outputs(page, cell_with(notebook, "%%distributed -n 4")), world_size=4)
+
+    crash = cell_outputs(page, cell_with(notebook, "def crash_on_rank_2"))
+    assert "LaunchError" in crash and "rank 2" in crash and "corrupt batch" in crash, crash[:2000]
+    hang = cell_outputs(page, cell_with(notebook, "def skip_a_collective_on_rank_0"))
+    assert "LaunchTimeout" in hang and "Timed out after 5 s" in hang, hang[:2000]
+    assert "all_reduce" in hang and "barrier" in hang, f"the hang report names no collective:\n{hang}"
+
+    assert_every_check_passed(page, notebook, check_cells(notebook))
+    assert_widgets_rendered(widget_report(page), expected=0)
+    screenshot(page, "00_launching_ranks", focus_index=hello - 1)
+
+
+@pytest.mark.browser
+def test_lesson01_ring_stepper_renders_and_answers_the_slider(
+        page: Any, server: LabServer, course: Path) -> None:
+    notebook = run_everything(page, server, course, "01_primitives")
+    assert_every_check_passed(page, notebook, check_cells(notebook))
+    produced = saved_widget_count(page, server, notebook.name)
+    assert produced >= 1, "Lesson 01 displayed no widget: the ring stepper cell did not run"
+    assert_widgets_rendered(widget_report(page), expected=produced)
+
+    # The slider's observer runs in the kernel: a new step in the view proves the round trip.
+    stepper = cell_with(notebook, "ring_stepper(world_size=4)")
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(stepper)
+    cell.scroll_into_view_if_needed()
+    assert "start: every rank holds its own data" in cell.inner_text()
+    cell.locator(".widget-slider .noUi-handle, .widget-slider [role='slider']").first.focus()
+    page.keyboard.press("ArrowRight")
+    page.wait_for_function(
+        "el => el.innerText.includes('reduce-scatter, step 1 of 3')",
+        arg=cell.element_handle(), timeout=15_000)
+    screenshot(page, "01_primitives", focus_index=stepper - 1)
+
+
+@pytest.mark.parametrize("stem", [s for s in LESSONS if s not in RUN_ALL])
+@pytest.mark.browser
+def test_later_lesson_opens_and_its_first_check_passes_in_the_browser(
+        page: Any, server: LabServer, course: Path, stem: str) -> None:
+    notebook = course / f"{stem}.ipynb"
+    open_notebook(page, server, notebook.name)
+    setup = cell_index(notebook, "setup")
+    first_check = check_cells(notebook)[0]
+    tag = next(t for t in nbformat.read(notebook, as_version=4).cells[first_check].metadata["tags"]
+               if t.startswith("check-"))
+    task = cell_index(notebook, tag.replace("check-", "task-"))
+    for i in (setup, task, first_check):
+        run_cell(page, i)
+        wait_until_done(page, timeout=300)
+    assert_every_check_passed(page, notebook, [first_check])
+    assert_widgets_rendered(widget_report(page), expected=0)
+    screenshot(page, stem, focus_index=task)
+
+
+# ---- the assertions fail when what the student sees is broken -------------------------------
+
+SABOTAGE_CELLS = [
+    # 0: a live widget, the control
+    "import ipywidgets\nipywidgets.IntSlider(value=3, description='fine')",
+    # 1: a widget view whose model the kernel never created
+    "from IPython.display import display\n"
+    "display({'application/vnd.jupyter.widget-view+json': {'model_id': 'no-such-model', "
+    "'version_major': 2, 'version_minor': 0}, 'text/plain': 'IntSlider()'}, raw=True)",
+    # 2: rank output as launch prints it, the control
+    "from kit import launch\nfrom kit.launcher import run_ranks\n"
+    "def hello():\n    import torch.distributed as dist\n"
+    "    print(f'hello from rank {dist.get_rank()}')\n"
+    "launch(hello, world_size=4);",
+    # 3: the same ranks with their output kept off the cell
+    "run_ranks(hello, (), {}, world_size=4, echo=False);",
+    # 4: one rank silent
+    "def quiet_rank_3():\n    import torch.distributed as dist\n"
+    "    if dist.get_rank() != 3:\n        print('still here')\n"
+    "launch(quiet_rank_3, world_size=4);",
+]
+
+
+def sabotage_notebook() -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in SABOTAGE_CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+@pytest.mark.browser
+def test_a_widget_without_a_model_or_rank_output_kept_off_the_cell_fails_the_assertions(
+        page: Any, server: LabServer) -> None:
+    open_notebook(page, server, "sabotage.ipynb")
+    run_all_cells(page)
+    wait_until_done(page, timeout=120)
+    page.wait_for_timeout(1000)  # let the widget manager finish with the broken view
+    screenshot(page, "sabotage_widget_and_rank_output")
+    assert_widgets_rendered(widget_report(page, 0), expected=1)
+    with pytest.raises(AssertionError, match="widget placeholders or errors"):
+        assert_widgets_rendered(widget_report(page, 1), expected=1)
+    with pytest.raises(AssertionError, match="widget placeholders or errors"):
+        assert_widgets_rendered(widget_report(page), expected=2)
+
+    assert_rank_output(cell_outputs(page, 2), world_size=4)
+    with pytest.raises(AssertionError, match=r"no '\[rank N\] \.\.\.' line"):
+        assert_rank_output(cell_outputs(page, 3), world_size=4)
+    with pytest.raises(AssertionError, match=r"got ranks \[0, 1, 2\]"):
+        assert_rank_output(cell_outputs(page, 4), world_size=4)
+
+
+@pytest.mark.browser
+def test_a_lab_without_the_widget_extension_fails_the_widget_assertion(
+        browser: Any, course: Path) -> None:
+    with LabServer(course, disabled_extensions=[WIDGET_EXTENSION]) as srv:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        try:
+            open_notebook(page, srv, "sabotage.ipynb")
+            run_cell(page, 0)
+            wait_until_done(page, timeout=120)
+            text = cell_outputs(page, 0)
+            assert "IntSlider(" in text, f"expected the text fallback of the widget, got {text!r}"
+            with pytest.raises(AssertionError, match="falls back to the text repr"):
+                assert_widgets_rendered(widget_report(page, 0), expected=1)
+            screenshot(page, "sabotage_no_widget_extension")
+        finally:
+            context.close()
+
+
+@pytest.mark.browser
+def test_kit_lab_opens_the_first_lesson_in_the_browser(
+        browser: Any, course: Path, tmp_path: Path) -> None:
+    # kit lab's own command with a stand-in BROWSER that records the page Jupyter opens.
+    opened = tmp_path / "opened.txt"
+    recorder = tmp_path / "browser.sh"
+    recorder.write_text(f'#!/bin/sh\necho "$1" > {opened}\n')
+    recorder.chmod(0o755)
+    (course / "lessons").mkdir(exist_ok=True)
+    first = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))[0]
+    shutil.copy(course / first.name, course / "lessons" / first.name)
+    with LabServer(course, open_first=True, browser_command=str(recorder)) as srv:
+        deadline = time.monotonic() + 30
+        while not opened.exists() and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert opened.exists(), f"kit lab's JupyterLab opened no browser page:\n{srv.log()}"
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        try:
+            page.goto(opened.read_text().strip())
+            page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+            title = page.locator("#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel")
+            assert title.inner_text().strip() == first.name
+            heading = page.locator(".jp-Notebook .jp-Cell").first.locator("h1")
+            heading.wait_for(timeout=30_000)
+            assert heading.inner_text().startswith("Lesson 00")
+        finally:
+            context.close()
+
+
+# ---- kit lab without a browser ----------------------------------------------------------------
+
+def test_kit_lab_command_serves_the_course_root_and_opens_the_first_lesson() -> None:
+    cmd = lab.lab_command(ROOT, ["--port", "8890"])
+    assert cmd[:3] == [sys.executable, "-m", "jupyterlab"]
+    assert f"--ServerApp.root_dir={ROOT}" in cmd
+    assert cmd[-3:] == [str(Path("lessons") / f"{LESSONS[0]}.ipynb"), "--port", "8890"]
+
+
+CHECK = [sys.executable, "-c", "import sys; from kit.cli import main; sys.exit(main())", "lab",
+         "--check"]
+
+
+def test_kit_lab_check_reports_a_disabled_widget_extension(tmp_path: Path) -> None:
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path))
+    ready = subprocess.run(CHECK, cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert ready.returncode == 0, ready.stderr
+    assert "widgets and jupytext are ready" in ready.stdout
+    (tmp_path / "labconfig").mkdir()
+    (tmp_path / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {WIDGET_EXTENSION: True}}))
+    broken = subprocess.run(CHECK, cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert broken.returncode == 1
+    assert f"jupyter labextension enable {WIDGET_EXTENSION}" in broken.stderr
