@@ -22,11 +22,12 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Queue
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -268,7 +269,8 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
             load = loads.get(task.lesson)
             if load and ("error" in load or task.id in load.get("missing", {})):
                 why = load.get("error") or load["missing"][task.id]
-                status = ERROR if "error" in load else MISSING
+                # A definition that cannot run (syntax error, raised at import) is an error, not absent.
+                status = ERROR if "error" in load or "SyntaxError" in why or " raised " in why else MISSING
                 results[key] = _case(task.cases[index].name, status, 0.0, task.case_points(task.cases[index]),
                                      f"could not load it from the notebook: {why}"[:2000])
             elif key in raws:

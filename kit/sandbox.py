@@ -141,11 +141,11 @@ def _members(pid: int, uid: int | None) -> list[int]:
     return found
 
 
-def _kill_all(pid: int, uid: int | None) -> None:
+def _kill_all(pid: int, uid: int | None, cgroups: _Cgroups) -> None:
     with _suppress():
         os.killpg(pid, signal.SIGKILL)
     for _ in range(200):  # a fork bomb may fork between the scan and the kill: repeat
-        members = [p for p in _members(pid, uid) if p != os.getpid()]
+        members = {p for p in _members(pid, uid) + cgroups.members() if p != os.getpid()}
         if not members:
             break
         for p in members:
@@ -171,6 +171,62 @@ class _suppress:
 
     def __exit__(self, *exc: Any) -> bool:
         return exc[0] is not None and issubclass(exc[0], (OSError, ChildProcessError))
+
+
+class _Cgroups:
+    """Per-worker cgroups (v1 ``pids`` and ``memory``) where this process may create them (root).
+
+    ``pids.max`` caps processes and threads of the worker and everything it starts, even as root
+    (which ``RLIMIT_NPROC`` does not); ``memory.limit_in_bytes`` caps their memory together.
+    Each controller is optional: without it, the rlimits and the parent's process count remain.
+    """
+
+    def __init__(self, name: str, limits: Limits):
+        self.paths: list[Path] = []
+        own = {}
+        try:
+            for line in Path("/proc/self/cgroup").read_text().splitlines():
+                _, controllers, where = line.split(":", 2)
+                for c in controllers.split(","):
+                    own[c] = where
+        except OSError:
+            return
+        for controller, setting, value in [("pids", "pids.max", limits.threads),
+                                           ("memory", "memory.limit_in_bytes", limits.memory)]:
+            path = Path("/sys/fs/cgroup") / controller / own.get(controller, "/").lstrip("/") / name
+            try:
+                path.mkdir()
+                (path / setting).write_text(str(value))
+                self.paths.append(path)
+            except OSError:
+                with _suppress():
+                    path.rmdir()
+
+    def add(self, pid: int) -> None:
+        for path in self.paths:
+            with _suppress():
+                (path / "cgroup.procs").write_text(str(pid))
+
+    def members(self) -> list[int]:
+        found: set[int] = set()
+        for path in self.paths:
+            with _suppress():
+                found |= {int(p) for p in (path / "cgroup.procs").read_text().split()}
+        return sorted(found)
+
+    def remove(self) -> None:
+        for path in self.paths:
+            for _ in range(100):
+                pids = [int(p) for p in (path / "cgroup.procs").read_text().split()] \
+                    if (path / "cgroup.procs").exists() else []
+                for pid in pids:
+                    with _suppress():
+                        os.kill(pid, signal.SIGKILL)
+                try:
+                    path.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.02)
 
 
 def _read_output(stream: Any, head: bytearray, tail: deque, count: list[int], keep: int) -> None:
@@ -213,6 +269,8 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
         start_new_session=True, pass_fds=(write_fd,),
         **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}))
     os.close(write_fd)
+    cgroups = _Cgroups(f"kit-grade-{os.getpid()}-{slot}-{proc.pid}", limits)
+    cgroups.add(proc.pid)  # before any submission code: the worker first imports torch
     head, tail, count = bytearray(), deque(), [0]
     messages: list[tuple[float, str]] = []
     readers = [threading.Thread(target=_read_output, args=(proc.stdout, head, tail, count, keep_output),
@@ -238,8 +296,9 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
             reason = "processes"
         if reason:
             break
-    _kill_all(proc.pid, uid)
+    _kill_all(proc.pid, uid, cgroups)
     proc.wait()
+    cgroups.remove()
     for t in readers:
         t.join(timeout=2.0)
     text = bytes(head).decode(errors="replace")
@@ -279,6 +338,13 @@ def _limit_self(limits: dict[str, Any], cases: int) -> None:
         pass
 
 
+def _exhausted(e: BaseException) -> bool:
+    """Out of memory or of processes: running the task's next case would only exhaust them again."""
+    text = str(e)
+    return isinstance(e, (MemoryError, BlockingIOError)) or "can't allocate memory" in text \
+        or "Cannot allocate memory" in text or "Resource temporarily unavailable" in text
+
+
 def _worker(job_path: str) -> int:
     os.dup2(1, 2)  # one stream: the parent caps its size
     job = json.loads(Path(job_path).read_text())
@@ -304,8 +370,9 @@ def _worker(job_path: str) -> int:
 
     from kit.notebook import load_tasks
 
+    worker = os.getpid()
     modules: dict[int, Any] = {}
-    skip: dict[str, str] = {}  # task id -> status given to its remaining cases
+    skip: dict[str, dict[str, Any]] = {}  # task id -> the record its remaining cases get
     for lesson, notebook in job["notebooks"]:
         control.write(f"load {lesson}\n")
         try:
@@ -313,6 +380,8 @@ def _worker(job_path: str) -> int:
             report = module.__load_report__
             info = {"missing": report.missing, "notes": report.notes}
         except BaseException as e:  # noqa: BLE001 - a submission may raise SystemExit at import
+            if os.getpid() != worker:
+                os._exit(1)
             module, info = None, {"error": f"{type(e).__name__}: {e}"}
         (Path(job_path).parent / f"load-{lesson}.json").write_text(json.dumps(info))
         modules[lesson] = module
@@ -322,8 +391,8 @@ def _worker(job_path: str) -> int:
         module = modules.get(task.lesson)
         if module is None:
             continue
-        if task_id in skip:  # a stub only raises again
-            save(key, {"status": "not implemented", "message": skip[task_id]})
+        if task_id in skip:  # a stub only raises again; a memory or fork bomb only explodes again
+            save(key, skip[task_id])
             continue
         control.write(f"case {key}\n")
         impl = getattr(module, task.name, None)
@@ -334,12 +403,17 @@ def _worker(job_path: str) -> int:
             seconds = time.perf_counter() - start
             if (message := _not_implemented(e)) is not None:
                 record = {"status": "not implemented", "message": message}
-                skip[task_id] = message
+                skip[task_id] = record
             else:
                 result = _error_result(case, task.case_points(case), e if isinstance(e, Exception)
                                        else RuntimeError(f"{type(e).__name__}: {e}"), seconds)
                 status = "timeout" if isinstance(e, LaunchTimeout) else "error"
                 record = {"status": status, "message": result.message, "details": result.details[-4000:]}
+                if _exhausted(e):
+                    skip[task_id] = {"status": "error", "message": "not run: an earlier case of this "
+                                     f"task ran out of resources ({result.message[:300]})"}
+        if os.getpid() != worker:  # a child the submission forked got back here: it must not report
+            os._exit(1)
         record["seconds"] = time.perf_counter() - start
         save(key, record)
     control.write("done\n")

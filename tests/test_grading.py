@@ -1,0 +1,136 @@
+"""kit grade on a batch: the adversarial corpus gets exactly the statuses and scores it should.
+
+The corpus (tests/grading_corpus) edits the released Lesson 00 notebook: damaged JSON and
+metadata, renamed or missing functions, syntax errors, hangs, memory and fork bombs, exits at
+import, fake "passed" output, monkeypatched torch and checks, always-equal objects, writes into
+the output folder and floods of output. The whole corpus is graded once, with 2 workers.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+import torch
+from grading_corpus import CORPUS, write_corpus
+
+from autograder.registry import Task
+from kit.batch import BLOCKED, BatchConfig, grade_batch, grade_submission, load_records, read_result
+from kit.gradebook import write_outputs
+from kit.sandbox import Limits
+from kit.submissions import Submission, discover
+
+LIMITS = Limits(case_wall_s=12.0, memory=2 << 30, output=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    out = root / "out"
+    expected = write_corpus(root / "submissions", out)
+    before = {p.name: p.read_bytes() for p in (root / "submissions").iterdir()}
+    subs = discover([root / "submissions"])
+    records = grade_batch(subs, BatchConfig(out, [0], workers=2, limits=LIMITS, seed=1234))
+    write_outputs(out, subs, records, gradescope=True)
+    return root, out, expected, records, before
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_adversarial_submission_gets_its_expected_status_and_score(corpus, name):
+    _, _, expected, records, _ = corpus
+    got = {t["task"]: (t["status"], t["score"]) for t in records[name]["tasks"]}
+    want = {task: (status, pytest.approx(score)) for task, (status, score) in expected[name].items()}
+    assert got == want, json.dumps(records[name]["tasks"], indent=1)[:3000]
+
+
+def test_every_submission_has_exactly_one_row_and_the_files_are_untouched(corpus):
+    root, out, expected, records, before = corpus
+    rows = list(csv.DictReader((out / "grades.csv").open()))
+    assert sorted(r["student"] for r in rows) == sorted(expected)
+    for row in rows:
+        assert float(row["score"]) == pytest.approx(sum(s for _, s in expected[row["student"]].values()))
+    assert {p.name: p.read_bytes() for p in (root / "submissions").iterdir()} == before
+
+
+def test_a_submission_writing_into_the_output_folder_changes_no_grade(corpus):
+    _, out, _, records, _ = corpus
+    on_disk = json.loads((out / "records" / "correct.json").read_text())
+    assert on_disk["score"] == records["correct"]["score"] == 5
+    assert "writer" not in load_records(out, json.loads((out / ".kit-grade" / "secret.json").read_text())["key"])
+
+
+def test_feedback_and_gradescope_results_say_why_points_were_lost(corpus):
+    _, out, _, _, _ = corpus
+    text = (out / "feedback" / "infinite_loop.txt").read_text()
+    assert "Task 0.1 shard_range: timeout (0/2)" in text and "did not finish within 12 s" in text
+    results = json.loads((out / "gradescope" / "fork_bomb" / "results.json").read_text())
+    assert results["score"] == 3 and [t["score"] for t in results["tests"]] == [0, 3]
+    assert "processes" in results["tests"][0]["output"] or "signal" in results["tests"][0]["output"]
+
+
+def test_a_resumed_run_keeps_signed_records_and_regrades_a_changed_submission(corpus, tmp_path):
+    root, out, _, records, _ = corpus
+    subs = discover([root / "submissions"])
+    again = grade_batch(subs, BatchConfig(out, [0], workers=2, limits=LIMITS, seed=1234))
+    assert again == {k: v for k, v in records.items()}  # nothing regraded: same records
+    (out / "records" / "stub.json").write_text(json.dumps({**records["stub"], "score": 5}))
+    assert "stub" not in load_records(out, json.loads((out / ".kit-grade" / "secret.json").read_text())["key"])
+
+
+class Rigged(int):
+    """A result whose comparison always succeeds: it must never reach a comparison."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+def test_results_that_are_not_plain_data_are_never_unpickled(tmp_path):
+    import pickle
+
+    torch.save({"status": "ok", "data": [torch.tensor([1.0]), {"a": (1, "x", None)}]}, tmp_path / "ok.pt")
+    assert read_result(tmp_path / "ok.pt")["data"][1] == {"a": (1, "x", None)}
+    for name, data in [("rigged", [Rigged(3)]), ("parameter", torch.nn.Parameter(torch.ones(2)))]:
+        with open(tmp_path / f"{name}.pt", "wb") as f:
+            pickle.dump({"status": "ok", "data": data}, f)
+        torch.save({"status": "ok", "data": data}, tmp_path / f"{name}2.pt")
+        for path in (tmp_path / f"{name}.pt", tmp_path / f"{name}2.pt"):
+            bad = read_result(path)
+            assert bad["status"] == "error" and "not plain data" in bad["message"], (name, bad)
+
+
+def test_a_case_that_needs_missing_hardware_is_blocked_and_runs_nothing(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    nb = tmp_path / "99_gpu.ipynb"
+    nb.write_text("{}")
+    gpu = Task("99.1", "fused_kernel", 2.0)
+    gpu.case("runs on a GPU", needs="cuda")(lambda impl, seed: 1)
+    record = grade_submission(Submission("alice", {99: nb}), [99], [gpu], {}, 0, LIMITS, 0)
+    assert record["tasks"][0]["status"] == BLOCKED and record["score"] == 0
+    assert "needs cuda" in record["tasks"][0]["cases"][0]["message"]
+
+
+def test_submission_forms_are_discovered(tmp_path):
+    nbgrader = tmp_path / "course" / "submitted"
+    for student in ("alice", "bob"):
+        (nbgrader / student / "lesson00").mkdir(parents=True)
+        (nbgrader / student / "lesson00" / "00_launching_ranks.ipynb").write_text("{}")
+    assert [s.student for s in discover([tmp_path / "course"])] == ["alice", "bob"]
+    gs = tmp_path / "export"
+    (gs / "submission_1").mkdir(parents=True)
+    (gs / "submission_1" / "00_launching_ranks.ipynb").write_text("{}")
+    (gs / "submission_metadata.yml").write_text("submission_1:\n  :submitters:\n  - :email: carol@uni.edu\n")
+    [carol] = discover([gs])
+    assert carol.student == "carol@uni.edu" and carol.notebook_for(0).name == "00_launching_ranks.ipynb"
+    many = tmp_path / "many"
+    many.mkdir()
+    for name in ("dan", "eve"):
+        (many / f"{name}.ipynb").write_text("{}")
+    assert [s.student for s in discover([many])] == ["dan", "eve"]
+    with pytest.raises(ValueError, match="two submissions are named"):
+        discover([many / "dan.ipynb", many / "dan.ipynb"])
+    assert os.path.exists(many / "dan.ipynb")
