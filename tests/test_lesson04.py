@@ -236,3 +236,42 @@ def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
         task = get_task(task_id)
         case = task.cases[-1]
         case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
+
+
+@pytest.mark.slow
+def test_nbgrader_autograde_gives_lesson04_full_marks_solved_and_zero_untouched(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from nbgrader.api import Gradebook
+
+    from kit.build import main_course, source_notebook
+
+    name = SOURCE.stem
+    course = tmp_path / "course"
+    assert main_course([str(course), "--root", str(ROOT), "--lessons", "04"]) == 0
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+    def nbgrader(*args):
+        done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course,
+                              env={**os.environ, "PATH": path}, capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, f"nbgrader {args} failed:\n{done.stdout}\n{done.stderr}"
+
+    nbgrader("generate_assignment", name, "--force")
+    release = json.loads((course / "release" / name / f"{name}.ipynb").read_text())
+    solutions = {c.id: c.source for c in source_notebook(SOURCE).cells}
+    solved = json.loads(json.dumps(release))
+    for cell in solved["cells"]:
+        if cell["id"].startswith("task-"):
+            cell["source"] = solutions[cell["id"]]
+    for student, nb in (("solved", solved), ("untouched", release)):
+        folder = course / "submitted" / student / name
+        folder.mkdir(parents=True)
+        (folder / f"{name}.ipynb").write_text(json.dumps(nb, indent=1))
+    nbgrader("autograde", name, "--force")
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        scores = {s: gb.find_submission(name, s).score for s in ("solved", "untouched")}
+    assert scores == {"solved": sum(t.points for t in lesson_tasks(4)), "untouched": 0}
