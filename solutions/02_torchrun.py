@@ -328,8 +328,10 @@ print(f"torchrun finished in {result.wall_time:.1f} s")
 
 # %% tags=["task-2.2"]
 def resumable_train(ckpt_dir: str, total_steps: int) -> dict[str, torch.Tensor]:
-    """Train make_model() for total_steps steps of train_step, resuming from ckpt_dir if a
-    checkpoint is there, so that the final state_dict equals an uninterrupted run's exactly.
+    """Train make_model() with train_step for total_steps steps, resuming from ckpt_dir exactly.
+
+    If ckpt_dir holds a checkpoint, continue from it, so that the final state_dict equals that
+    of an uninterrupted run bit for bit.
     """
     ### BEGIN SOLUTION
     model = make_model()
@@ -575,8 +577,9 @@ for rank, seq in calls.items():
 
 # %% tags=["task-2.3"]
 def first_mismatch(calls: dict[int, list[tuple[str, tuple[int, ...]]]]) -> Mismatch | None:
-    """Return the first call index where the ranks' (collective, shape) sequences differ, with
-    the odd ranks and every rank's call there (None: no call), or None if all agree.
+    """Return where the ranks' (collective, shape) sequences first differ, or None if they agree.
+
+    The Mismatch holds the call index, the odd ranks and every rank's call there (None: no call).
     """
     ### BEGIN SOLUTION
     ranks = sorted(calls)
