@@ -35,7 +35,11 @@ from autograder.registry import CheckFailed, Task, lesson_tasks
 from kit.sandbox import Limits, WorkerExit, make_workdir, remove_workdir, run_worker
 from kit.submissions import Submission, safe_name
 
-__all__ = ["TASK_STATUSES", "BatchConfig", "grade_batch", "load_records", "task_status"]
+__all__ = ["TASK_STATUSES", "BatchConfig", "GraderFault", "grade_batch", "load_records", "task_status"]
+
+
+class GraderFault(RuntimeError):
+    """The grader itself failed (not the submission): nothing is recorded, a re-run retries it."""
 
 PASSED, FAILED, ERROR, TIMEOUT, MISSING, BLOCKED = "passed", "failed", "error", "timeout", "missing", "blocked"
 TASK_STATUSES = (PASSED, FAILED, ERROR, TIMEOUT, MISSING, BLOCKED)
@@ -256,6 +260,10 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
                    "cases": [[t.id, i, case_key(t, i)] for t, i in pending]}
             (work / "job.json").write_text(json.dumps(job))
             exit = run_worker(work, limits, slot=slot, cases=len(pending))
+            if exit.last is None and exit.reason is None:
+                # It died before reading the submission: the grader's installation is at fault.
+                raise GraderFault(f"the grading worker failed before loading {sub.student}'s "
+                                  f"notebooks (exit code {exit.returncode}):\n{exit.output[-3000:]}")
             output.append(exit.output)
             for lesson, _ in notebooks:
                 loads[lesson] = _read_load(work / f"load-{lesson}.json")
@@ -352,6 +360,8 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
                            "seed": secret["seed"]} for sub in subs}
     records = {s: r for s, r in done.items() if s in stamp and all(r.get(k) == v for k, v in stamp[s].items())}
     todo = [sub for sub in subs if sub.student not in records]
+    if progress and records:
+        print(f"kit grade: resuming: {len(records)} of {len(subs)} submission(s) already graded")
     if not todo:
         return records
     expected = expectations(tasks, secret["seed"])  # before any thread: references may fork ranks

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kit.batch import BatchConfig, _write_atomic, grade_batch
+from kit.batch import BatchConfig, GraderFault, _write_atomic, grade_batch
 from kit.notebook import NotebookError
 from kit.sandbox import Limits
 from kit.submissions import Submission, discover, safe_name
@@ -158,7 +158,12 @@ def main_batch(args: argparse.Namespace) -> int:
         print(f"kit grade: note: {note}")
     config = BatchConfig(out, lessons, args.workers, Limits(case_wall_s=args.timeout), args.seed)
     start = time.monotonic()
-    records = grade_batch(subs, config, _Progress())
+    try:
+        records = grade_batch(subs, config, _Progress())
+    except GraderFault as e:
+        print(f"kit grade: {e}\nThe submissions graded so far are recorded; fix the grader and "
+              "re-run the same command to finish.", file=sys.stderr)
+        return 3
     path = write_outputs(out, subs, records, gradescope=args.gradescope)
     scores = [records[s.student]["score"] for s in subs]
     print(f"graded {len(subs)} submission(s) in {time.monotonic() - start:.1f} s; "

@@ -194,6 +194,7 @@ class _Cgroups:
         for controller, setting, value in [("pids", "pids.max", limits.threads),
                                            ("memory", "memory.limit_in_bytes", limits.memory)]:
             path = Path("/sys/fs/cgroup") / controller / own.get(controller, "/").lstrip("/") / name
+            _remove_stale(path.parent)
             try:
                 path.mkdir()
                 (path / setting).write_text(str(value))
@@ -217,8 +218,10 @@ class _Cgroups:
     def remove(self) -> None:
         for path in self.paths:
             for _ in range(100):
-                pids = [int(p) for p in (path / "cgroup.procs").read_text().split()] \
-                    if (path / "cgroup.procs").exists() else []
+                try:
+                    pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+                except OSError:
+                    pids = []
                 for pid in pids:
                     with _suppress():
                         os.kill(pid, signal.SIGKILL)
@@ -227,6 +230,20 @@ class _Cgroups:
                     break
                 except OSError:
                     time.sleep(0.02)
+
+
+def _remove_stale(parent: Path) -> None:
+    """Empty the cgroups of grading runs that were killed (their grader pid is gone)."""
+    for old in parent.glob("kit-grade-*-*-*"):
+        try:
+            grader = int(old.name.split("-")[2])
+            os.kill(grader, 0)
+        except (ValueError, ProcessLookupError):
+            stale = _Cgroups.__new__(_Cgroups)
+            stale.paths = [old]
+            stale.remove()
+        except OSError:
+            continue
 
 
 def _read_output(stream: Any, head: bytearray, tail: deque, count: list[int], keep: int) -> None:
