@@ -184,9 +184,10 @@ def _rank_env(rank: int, world_size: int, addr: str, port: int) -> dict[str, str
 
 
 def _kill(r: _Rank) -> None:
-    if r.process.exitcode is not None:
-        return
-    r.killed = True
+    """SIGKILL the rank's whole process group: the rank and anything it started (DataLoader
+    workers), which may outlive a rank that already died."""
+    if r.process.exitcode is None:
+        r.killed = True
     for target in (lambda: os.killpg(r.process.pid, signal.SIGKILL),
                    lambda: os.kill(r.process.pid, signal.SIGKILL)):
         try:
@@ -339,11 +340,18 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
         now = time.monotonic()
         if stop_at is not None and now >= stop_at:
             for r in ranks:
-                _kill(r)
+                if r.exitcode is None:
+                    _kill(r)
         if stop_at is None and now >= deadline:
             return failures, _collect_stacks(ranks, output)
         wait = (stop_at if stop_at is not None else deadline) - now
-        for key, _ in sel.select(max(0.0, min(wait, 1.0))):
+        # The sentinel fires only once every holder of it has exited, and a rank's children
+        # (DataLoader workers) hold it too: poll the exit status as well.
+        events = sel.select(min(max(wait, 0.0), 0.2) if stop_at is None else 0.05)
+        exited = [r for r in ranks if r.exitcode is None and r.process.exitcode is not None]
+        events += [(_ExitKey(r), None) for r in exited if not any(
+            k.data == (r, "exit") for k, _ in events)]
+        for key, _ in events:
             r, what = key.data
             if what in ("out", "err"):
                 try:
@@ -357,7 +365,10 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
             elif what == "result":
                 _receive(r, sel)
             else:  # the process exited
-                sel.unregister(key.fd)
+                if r.exitcode is not None:
+                    continue
+                if key.fd in sel.get_map():
+                    sel.unregister(key.fd)
                 r.process.join()
                 r.exitcode = r.process.exitcode
                 _receive(r, sel)
@@ -382,6 +393,14 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
                         pass
             deadline = max(deadline, time.monotonic() + EXIT_WAIT_S)
     return failures, None
+
+
+class _ExitKey:
+    """A selector-like key for an exit found by polling rather than by the sentinel."""
+
+    def __init__(self, r: _Rank):
+        self.data = (r, "exit")
+        self.fd = r.process.sentinel
 
 
 def _receive(r: _Rank, sel: selectors.BaseSelector) -> None:

@@ -398,3 +398,26 @@ def test_kernel_death_takes_the_ranks_with_it(tmp_path):
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.05)
     assert not [p for p in pids if psutil.pid_exists(p)]
+
+
+def _rank_with_a_worker_then_fail(pid_file):
+    import multiprocessing
+
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+    worker.start()  # like a DataLoader worker: a child of the rank, holding its pipes
+    with open(pid_file + str(dist.get_rank()), "w") as f:
+        f.write(str(worker.pid))
+    if dist.get_rank() == 1:
+        os._exit(3)  # the rank dies; its worker lives on unless the launcher kills the group
+    time.sleep(120)
+
+
+def test_rank_children_do_not_keep_the_launch_alive_or_outlive_it(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 of 2 failed"):
+        kit.launch(_rank_with_a_worker_then_fail, str(tmp_path / "worker"), world_size=2)
+    assert time.monotonic() - start < 10
+    pids = [int(p.read_text()) for p in tmp_path.glob("worker*")]
+    assert len(pids) == 2
+    time.sleep(0.2)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
