@@ -206,6 +206,11 @@ def open_notebook(page: Any, server: LabServer, name: str, timeout: float = 120.
             raise AssertionError(f"the kernel for {name} did not start within {timeout:.0f} s")
         time.sleep(0.3)
     wait_kernel_idle(page, timeout)
+    # Fold the file browser away (Ctrl+B): a wider notebook reads better in screenshots.
+    if page.locator("#jp-left-stack").is_visible():
+        page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
+        page.keyboard.press("Escape")
+        page.keyboard.press("Control+b")
 
 
 def wait_kernel_idle(page: Any, timeout: float) -> None:
@@ -336,6 +341,7 @@ def screenshot(page: Any, name: str, focus_index: int | None = None) -> Path:
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path))
     if os.environ.get("KIT_UPDATE_SCREENSHOTS") == "1" and re.fullmatch(r"\d\d_\w+", name):
+        (ROOT / "docs" / "screenshots").mkdir(parents=True, exist_ok=True)
         shutil.copy(path, ROOT / "docs" / "screenshots" / path.name)
     return path
 
@@ -365,7 +371,12 @@ def assert_rank_output(text: str, world_size: int) -> None:
         f"got ranks {sorted(ranks)}:\n{text[:2000]}")
     assert all(body.strip() for bodies in ranks.values() for body in bodies), (
         f"a '[rank N]' label with nothing after it:\n{text[:2000]}")
-    garbage = [line for line in lines if GARBAGE.search(line)]
+    assert_readable(text)
+
+
+def assert_readable(text: str) -> None:
+    """No terminal colour codes or carriage returns: they show as litter in a page."""
+    garbage = [line for line in text.splitlines() if GARBAGE.search(line)]
     assert not garbage, f"terminal escape codes in the page: {garbage[:3]}"
 
 

@@ -33,6 +33,7 @@ from browser_support import (
     LabServer,
     all_outputs,
     assert_rank_output,
+    assert_readable,
     assert_widgets_rendered,
     browser_unavailable_reason,
     cell_index,
@@ -143,6 +144,8 @@ def test_lesson00_in_the_browser_shows_labelled_rank_output_errors_and_check_fee
     hang = cell_outputs(page, cell_with(notebook, "def skip_a_collective_on_rank_0"))
     assert "LaunchTimeout" in hang and "Timed out after 5 s" in hang, hang[:2000]
     assert "all_reduce" in hang and "barrier" in hang, f"the hang report names no collective:\n{hang}"
+    assert_readable(crash)
+    assert_readable(hang)
 
     assert_every_check_passed(page, notebook, check_cells(notebook))
     assert_widgets_rendered(widget_report(page), expected=0)
@@ -187,7 +190,7 @@ def test_later_lesson_opens_and_its_first_check_passes_in_the_browser(
         wait_until_done(page, timeout=300)
     assert_every_check_passed(page, notebook, [first_check])
     assert_widgets_rendered(widget_report(page), expected=0)
-    screenshot(page, stem, focus_index=task)
+    screenshot(page, stem, focus_index=first_check)
 
 
 # ---- the assertions fail when what the student sees is broken -------------------------------
