@@ -389,8 +389,14 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
                 progress(finished[0], len(todo), time.monotonic() - started)
 
     with ThreadPoolExecutor(max_workers=config.workers) as pool:
-        for future in [pool.submit(one, sub) for sub in todo]:
-            future.result()
+        futures = [pool.submit(one, sub) for sub in todo]
+        try:
+            for future in futures:
+                future.result()
+        except GraderFault:
+            for future in futures:
+                future.cancel()
+            raise
     # Rewrite every record from memory: a submission that wrote into records/ meanwhile loses.
     for sub in subs:
         _write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json",

@@ -138,9 +138,8 @@ def main_batch(args: argparse.Namespace) -> int:
         if args.workers < 1 or args.timeout <= 0:
             raise BuildError("--workers must be at least 1 and --timeout positive")
         subs = discover(args.submissions)
-        for sub in subs:
-            src = sub.source
-            if src is not None and ((src.is_dir() and _inside(out, src)) or _inside(src, out)):
+        for src in [Path(p) for p in args.submissions] + [s.source for s in subs if s.source]:
+            if (src.is_dir() and _inside(out, src)) or _inside(src, out):
                 raise BuildError(f"--out {out} and the submission {src} overlap: give the results a "
                                  "folder of their own, so no submission is ever written to")
     except (NotebookError, BuildError) as e:

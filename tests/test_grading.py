@@ -134,3 +134,29 @@ def test_submission_forms_are_discovered(tmp_path):
     with pytest.raises(ValueError, match="two submissions are named"):
         discover([many / "dan.ipynb", many / "dan.ipynb"])
     assert os.path.exists(many / "dan.ipynb")
+
+
+def test_a_grader_that_cannot_start_records_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    import kit.batch
+    from kit.grading import main
+    from kit.sandbox import WorkerExit
+
+    write_corpus(tmp_path / "subs", tmp_path / "out", ["correct"])
+    broken = WorkerExit(1, None, None, "IndentationError: expected an indented block", 50, 0.1)
+    monkeypatch.setattr(kit.batch, "run_worker", lambda *a, **k: broken)
+    assert main([str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00"]) == 3
+    err = capsys.readouterr().err
+    assert "failed before loading correct's notebooks" in err and "IndentationError" in err
+    assert not list((tmp_path / "out" / "records").glob("*.json"))
+    assert not (tmp_path / "out" / "grades.csv").exists()
+
+
+def test_out_folder_overlapping_a_submission_is_refused(tmp_path, capsys):
+    from kit.grading import main
+
+    write_corpus(tmp_path / "subs", tmp_path / "out", ["stub"])
+    before = (tmp_path / "subs" / "stub.ipynb").read_bytes()
+    assert main([str(tmp_path / "subs"), "--out", str(tmp_path / "subs" / "grades")]) == 2
+    assert "overlap" in capsys.readouterr().err
+    assert (tmp_path / "subs" / "stub.ipynb").read_bytes() == before
+    assert not (tmp_path / "subs" / "grades").exists()
