@@ -190,6 +190,7 @@ def test_recorded_hang_is_located_by_first_mismatch(lesson):
 # --------------------------------------------------------------------------- the lesson
 
 
+@pytest.mark.slow
 def test_lesson02_runs_headless_and_shows_each_failure_it_discusses():
     from kit.runner import run_notebook
 
