@@ -188,6 +188,7 @@ def torchrun(script: str | os.PathLike[str], *args: Any, nproc_per_node: int = 2
     Raises:
         TorchrunError: torchrun exited non-zero; the message quotes its failure summary.
     """
+    _require_script(script)
     cmd = torchrun_command(script, *args, nproc_per_node=nproc_per_node,
                            max_restarts=max_restarts, extra=extra)
     return _run([cmd], [""], env, timeout, echo)
@@ -202,6 +203,7 @@ def torchrun_nodes(script: str | os.PathLike[str], *args: Any, nnodes: int = 2,
 
     Each output line is labelled ``[node N]``. Same errors as :func:`torchrun`.
     """
+    _require_script(script)
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = f"kit-{os.getpid()}-{time.monotonic_ns()}"
     commands = [torchrun_command(script, *args, nproc_per_node=nproc_per_node, nnodes=nnodes,
@@ -211,6 +213,12 @@ def torchrun_nodes(script: str | os.PathLike[str], *args: Any, nnodes: int = 2,
 
 
 # --------------------------------------------------------------------------- processes
+
+
+def _require_script(script: str | os.PathLike[str]) -> None:
+    if not Path(script).is_file():
+        raise FileNotFoundError(f"no script at {script}: write one first, e.g. "
+                                f"write_script({str(script)!r}, train_fn, 'train_fn()')")
 
 
 def _run(commands: list[list[str]], labels: list[str], env: Mapping[str, str] | None,

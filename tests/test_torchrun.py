@@ -182,6 +182,13 @@ def test_bad_arguments_name_the_problem(kwargs, problem):
         torchrun_command("train.py", **kwargs)
 
 
+def test_a_missing_script_is_reported_before_starting_torchrun(tmp_path):
+    with pytest.raises(FileNotFoundError, match="write_script"):
+        torchrun(tmp_path / "nope.py")
+    with pytest.raises(FileNotFoundError, match="no script"):
+        torchrun_nodes(tmp_path / "nope.py")
+
+
 def test_failure_summary_is_found_in_every_nodes_labelled_output():
     block = "=" * 20 + "\ntrain.py FAILED\n---\nRoot Cause (first observed failure):\n  rank : 3\n" + "=" * 20
     output = "\n".join(["[node 0] noise", *(f"[node 1] {line}" for line in
