@@ -64,6 +64,22 @@ def browser_unavailable_reason() -> str | None:
     return None
 
 
+def in_ci() -> bool:
+    """True under CI (``CI=true``, as GitHub Actions, GitLab and most runners set it)."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_browser(ci: bool | None = None) -> None:
+    """Skip the calling test when the browser tests cannot run here; under CI, fail it."""
+    import pytest
+
+    reason = browser_unavailable_reason()
+    if reason:
+        if in_ci() if ci is None else ci:
+            pytest.fail(f"CI must run the browser tests, but {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,12 +35,12 @@ from browser_support import (
     assert_rank_output,
     assert_readable,
     assert_widgets_rendered,
-    browser_unavailable_reason,
     cell_index,
     cell_outputs,
     code_prompts,
     copy_lessons,
     open_notebook,
+    require_browser,
     run_all_cells,
     run_cell,
     saved_widget_count,
@@ -51,18 +51,13 @@ from browser_support import (
 
 from kit import lab
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
 RUN_ALL = {"00_launching_ranks", "01_primitives"}  # fast enough to run end to end here
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    reason = browser_unavailable_reason()
-    if reason:
-        if IN_CI:
-            pytest.fail(f"CI must run the browser tests, but {reason}")
-        pytest.skip(reason)
+    require_browser()
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -264,17 +259,20 @@ def test_a_lab_without_the_widget_extension_fails_the_widget_assertion(
 
 
 @pytest.mark.browser
-def test_kit_lab_opens_the_first_lesson_in_the_browser(
-        browser: Any, course: Path, tmp_path: Path) -> None:
-    # kit lab's own command with a stand-in BROWSER that records the page Jupyter opens.
+def test_kit_lab_opens_the_first_lesson_and_the_sources_open_as_notebooks(
+        browser: Any, tmp_path: Path) -> None:
+    # A course folder laid out like the repository: lessons/ and solutions/.
+    root = tmp_path / "course"
+    first = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))[0]
+    for folder, name in (("lessons", first.name), ("solutions", first.stem + ".py")):
+        (root / folder).mkdir(parents=True)
+        shutil.copy(ROOT / folder / name, root / folder / name)
+    # kit lab's own command with a stand-in browser that records the page Jupyter opens.
     opened = tmp_path / "opened.txt"
     recorder = tmp_path / "browser.sh"
     recorder.write_text(f'#!/bin/sh\necho "$1" > {opened}\n')
     recorder.chmod(0o755)
-    (course / "lessons").mkdir(exist_ok=True)
-    first = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))[0]
-    shutil.copy(course / first.name, course / "lessons" / first.name)
-    with LabServer(course, open_first=True, browser_command=str(recorder)) as srv:
+    with LabServer(root, open_first=True, browser_command=str(recorder)) as srv:
         deadline = time.monotonic() + 30
         while not opened.exists() and time.monotonic() < deadline:
             time.sleep(0.3)
@@ -284,11 +282,25 @@ def test_kit_lab_opens_the_first_lesson_in_the_browser(
         try:
             page.goto(opened.read_text().strip())
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
-            title = page.locator("#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel")
-            assert title.inner_text().strip() == first.name
-            heading = page.locator(".jp-Notebook .jp-Cell").first.locator("h1")
+            current = "#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel"
+            assert page.locator(current).inner_text().strip() == first.name
+            heading = page.locator(".jp-NotebookPanel .jp-Cell").first.locator("h1")
             heading.wait_for(timeout=30_000)
             assert heading.inner_text().startswith("Lesson 00")
+
+            # The lesson source, solutions/00_*.py, opens as a notebook with jupytext.
+            listing = page.locator(".jp-DirListing-content")
+            page.locator(".jp-BreadCrumbs-home").click()  # it shows lessons/ at first
+            listing.locator(".jp-DirListing-item", has_text="solutions").dblclick()
+            listing.locator(".jp-DirListing-item", has_text=first.stem + ".py").click(
+                button="right")
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Open With$")).hover()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Jupytext Notebook$")).click()
+            page.locator(current, has_text=first.stem + ".py").wait_for(timeout=30_000)
+            source_heading = page.locator(
+                ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.locator("h1")
+            source_heading.wait_for(timeout=30_000)
+            assert source_heading.inner_text().startswith("Lesson 00")
         finally:
             context.close()
 
@@ -319,3 +331,14 @@ def test_kit_lab_check_reports_a_disabled_widget_extension(tmp_path: Path) -> No
                             env=env, capture_output=True, text=True, timeout=60)
     assert broken.returncode == 1
     assert f"jupyter labextension enable {WIDGET_EXTENSION}" in broken.stderr
+
+
+def test_without_chromium_the_browser_tests_skip_with_the_fix_but_fail_under_ci(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import browser_support
+
+    monkeypatch.setattr(browser_support.shutil, "which", lambda name: None)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium"):
+        require_browser(ci=False)
+    with pytest.raises(pytest.fail.Exception, match="CI must run the browser tests"):
+        require_browser(ci=True)
