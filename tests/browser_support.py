@@ -33,8 +33,9 @@ from kit.lab import lab_command
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts" / "screenshots"
+# --disable-dev-shm-usage: containers often give /dev/shm 64 MB, too little for a Lab page.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update"]
+                  "--disable-component-update", "--disable-dev-shm-usage"]
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 WIDGET_EXTENSION = "@jupyter-widgets/jupyterlab-manager"
 # What JupyterLab's widget manager writes in place of a widget it cannot show.
