@@ -72,6 +72,8 @@ def course(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("course")
     copy_lessons(folder)
     nbformat.write(sabotage_notebook(), folder / "sabotage.ipynb")
+    # the lesson as handed out, tasks still stubs
+    shutil.copy(ROOT / "lessons" / f"{LESSONS[0]}.ipynb", folder / "student_00.ipynb")
     return folder
 
 
@@ -186,6 +188,40 @@ def test_later_lesson_opens_and_its_first_check_passes_in_the_browser(
     assert_every_check_passed(page, notebook, [first_check])
     assert_widgets_rendered(widget_report(page), expected=0)
     screenshot(page, stem, focus_index=first_check)
+
+
+STUDENT_BUG = (  # the typical mistake of task 0.1: the remainder n % world_size is dropped
+    "def shard_range(n, rank, world_size):\n"
+    "    base = n // world_size\n"
+    "    return range(rank * base, (rank + 1) * base)\n")
+
+
+@pytest.mark.browser
+def test_check_feedback_in_the_browser_for_a_stub_and_for_a_typed_in_bug(
+        page: Any, server: LabServer, course: Path) -> None:
+    notebook = course / "student_00.ipynb"
+    open_notebook(page, server, notebook.name)
+    setup, task, check = (cell_index(notebook, tag) for tag in ("setup", "task-0.1", "check-0.1"))
+    for i in (setup, task, check):
+        run_cell(page, i)
+        wait_until_done(page, timeout=120)
+    feedback = cell_outputs(page, check)
+    assert "not implemented yet (0/2 points)" in feedback, feedback[:1500]
+
+    # Type an answer into the task cell as a student would, then run it and its check again.
+    editor = page.locator(".jp-Notebook .jp-Cell").nth(task).locator(".cm-content")
+    editor.click()
+    page.keyboard.press("Control+a")
+    page.keyboard.insert_text(STUDENT_BUG)
+    run_cell(page, task)
+    wait_until_done(page, timeout=60)
+    run_cell(page, check)
+    wait_until_done(page, timeout=120)
+    feedback = cell_outputs(page, check)
+    assert re.search(r"\d+ of \d+ checks failed, [\d.]+/2 points", feedback), feedback[:1500]
+    assert "expected" in feedback.lower() and "got" in feedback.lower(), feedback[:1500]
+    assert_readable(feedback)
+    screenshot(page, "check_feedback_for_a_bug", focus_index=task)
 
 
 # ---- the assertions fail when what the student sees is broken -------------------------------
