@@ -45,10 +45,11 @@ def _full_submission(folder: Path) -> list[int]:
     return lessons
 
 
-def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int) -> float:
+def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int) -> tuple[float, float]:
+    """(seconds, total score of all submissions)."""
     start = time.perf_counter()
-    grade_batch(discover(paths), BatchConfig(out, lessons, workers, Limits(), seed=0))
-    return time.perf_counter() - start
+    records = grade_batch(discover(paths), BatchConfig(out, lessons, workers, Limits(), seed=0))
+    return time.perf_counter() - start, sum(r["score"] for r in records.values())
 
 
 def main() -> None:
@@ -64,16 +65,17 @@ def main() -> None:
         in_process = time.perf_counter()
         scores = [grade_notebook(nb, lessons=[lesson_of(nb)]).score for nb in sorted((tmp / "alice").glob("*.ipynb"))]
         in_process = time.perf_counter() - in_process
-        sandboxed = _batch([tmp / "alice"], tmp / "out-full", lessons, 1)
-        print(f"one full submission (lessons {','.join(f'{n:02d}' for n in lessons)}, {sum(scores):g} points): "
-              f"sandboxed {sandboxed:.1f} s, in-process {in_process:.1f} s, ratio {sandboxed / in_process:.2f}")
+        sandboxed, points = _batch([tmp / "alice"], tmp / "out-full", lessons, 1)
+        print(f"one full submission (lessons {','.join(f'{n:02d}' for n in lessons)}): sandboxed "
+              f"{sandboxed:.1f} s ({points:g} points), in-process {in_process:.1f} s ({sum(scores):g} points), "
+              f"ratio {sandboxed / in_process:.2f}")
 
         copies = tmp / "copies"
         copies.mkdir()
         for i in range(args.copies):
             shutil.copy(tmp / "alice" / "00_launching_ranks.ipynb", copies / f"student{i:02d}.ipynb")
-        one = _batch([copies], tmp / "out-1", [0], 1)
-        two = _batch([copies], tmp / "out-2", [0], 2)
+        one, _ = _batch([copies], tmp / "out-1", [0], 1)
+        two, _ = _batch([copies], tmp / "out-2", [0], 2)
         print(f"{args.copies} Lesson 00 submissions: 1 worker {one:.1f} s ({60 * args.copies / one:.1f}/min), "
               f"2 workers {two:.1f} s ({60 * args.copies / two:.1f}/min), speed-up {one / two:.2f}x; "
               f"load average now {os.getloadavg()[0]:.1f}")

@@ -309,7 +309,7 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
             reason = "wall"
         elif count[0] > limits.output:
             reason = "output"
-        elif polls % 3 == 0 and len(_members(proc.pid, uid)) > limits.processes:
+        elif polls % 3 == 0 and len(set(_members(proc.pid, uid)) | set(cgroups.members())) > limits.processes:
             reason = "processes"
         if reason:
             break

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from grading_corpus import CORPUS, write_corpus
 
 from autograder.registry import Task
 from kit.batch import BLOCKED, BatchConfig, grade_batch, grade_submission, load_records, read_result
-from kit.gradebook import write_outputs
+from kit.gradebook import feedback_text, write_outputs
 from kit.sandbox import Limits
 from kit.submissions import Submission, discover
 
@@ -160,3 +161,23 @@ def test_out_folder_overlapping_a_submission_is_refused(tmp_path, capsys):
     assert "overlap" in capsys.readouterr().err
     assert (tmp_path / "subs" / "stub.ipynb").read_bytes() == before
     assert not (tmp_path / "subs" / "grades").exists()
+
+
+@pytest.mark.slow
+def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
+    """Every lesson's cases run in the worker as they do in a notebook (ranks, spawn, torchrun)."""
+    from kit.build import render, source_notebook
+    from kit.notebook import lesson_of
+
+    root = Path(__file__).resolve().parents[1]
+    student = tmp_path / "alice"
+    student.mkdir()
+    lessons = []
+    for source in sorted((root / "solutions").glob("[0-9][0-9]_*.py")):
+        (student / f"{source.stem}.ipynb").write_text(render(source_notebook(source)))
+        lessons.append(lesson_of(source))
+    records = grade_batch(discover([student]), BatchConfig(tmp_path / "out", lessons, workers=1, seed=3))
+    record = records["alice"]
+    assert [t["status"] for t in record["tasks"]] == ["passed"] * len(record["tasks"]), \
+        feedback_text(record)
+    assert record["score"] == record["max_score"] > 0
