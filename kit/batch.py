@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from autograder.registry import CheckFailed, Task, lesson_tasks
-from kit.sandbox import Limits, WorkerExit, make_workdir, remove_workdir, run_worker
+from kit.sandbox import (
+    Limits,
+    WorkerExit,
+    make_workdir,
+    remove_stale_workdirs,
+    remove_workdir,
+    run_worker,
+)
 from kit.submissions import Submission, safe_name
 
 __all__ = ["TASK_STATUSES", "BatchConfig", "GraderFault", "grade_batch", "load_records", "task_status"]
@@ -364,6 +371,7 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
         print(f"kit grade: resuming: {len(records)} of {len(subs)} submission(s) already graded")
     if not todo:
         return records
+    remove_stale_workdirs()
     expected = expectations(tasks, secret["seed"])  # before any thread: references may fork ranks
     slots: Queue[int] = Queue()
     for slot in range(config.workers):

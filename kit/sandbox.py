@@ -328,13 +328,26 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
 
 def make_workdir() -> Path:
     """A fresh private folder for one worker run (removed with :func:`remove_workdir`)."""
-    path = Path(tempfile.mkdtemp(prefix="kit-grade-"))
+    path = Path(tempfile.mkdtemp(prefix=f"kit-grade-{os.getpid()}-"))
     os.chmod(path, 0o711 if sandbox_uid(0) is not None else 0o700)
     return path
 
 
 def remove_workdir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_workdirs() -> None:
+    """Remove the worker folders of grading runs that were killed (their grader pid is gone)."""
+    for old in Path(tempfile.gettempdir()).glob("kit-grade-*-*"):
+        try:
+            os.kill(int(old.name.split("-")[2]), 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            remove_workdir(old)
+        except OSError:
+            continue
 
 
 # --------------------------------------------------------------------------- the worker side

@@ -89,6 +89,7 @@ class Rigged(int):
     __hash__ = int.__hash__
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_results_that_are_not_plain_data_are_never_unpickled(tmp_path):
     import pickle
 
