@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -224,7 +225,9 @@ def _death(exit: WorkerExit, limits: Limits) -> tuple[str, str]:
         return status, text.format(wall=limits.case_wall_s, output=limits.output, procs=limits.processes)
     code = exit.returncode
     if code is not None and code < 0:
-        return ERROR, f"the process was killed by signal {-code} (out of memory or CPU time?)"
+        why = {signal.SIGXCPU: "it used up its CPU time", signal.SIGKILL: "out of memory?",
+               signal.SIGSEGV: "a segmentation fault"}.get(-code, "")
+        return ERROR, f"the process was killed by signal {-code}" + (f" ({why})" if why else "")
     return ERROR, (f"the code ended the grading process (exit code {code}): "
                    "do not call sys.exit() or os._exit() in graded code")
 

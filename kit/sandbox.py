@@ -362,6 +362,9 @@ def _limit_self(limits: dict[str, Any], cases: int) -> None:
             resource.setrlimit(which, (value, value))
         except (ValueError, OSError):
             pass
+    # Past RLIMIT_FSIZE a write then fails with OSError (EFBIG), reported as the case's error,
+    # instead of SIGXFSZ killing the worker.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

@@ -23,7 +23,7 @@ from kit.gradebook import feedback_text, write_outputs
 from kit.sandbox import Limits
 from kit.submissions import Submission, discover
 
-LIMITS = Limits(case_wall_s=12.0, memory=2 << 30, output=1 << 20)
+LIMITS = Limits(case_wall_s=12.0, memory=2 << 30, output=1 << 20, file_size=16 << 20)
 
 
 @pytest.fixture(scope="module")

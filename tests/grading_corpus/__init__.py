@@ -163,6 +163,9 @@ CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[st
         {"0.1": ("passed", 2), "0.2": ("failed", 0)}),
     "always_equal_objects": (_code(shard=ALWAYS_EQUAL), {"0.1": ("error", 0), "0.2": ("passed", 3)}),
     "writes_output_folder": ("{forge}", {"0.1": ("failed", 0), "0.2": ("failed", 0)}),
+    "huge_file": (_code(shard="def shard_range(n, rank, world_size):\n    with open('big.bin', 'wb') as f:\n"
+                              "        while True:\n            f.write(bytes(1 << 20))\n"),
+                  {"0.1": ("error", 0), "0.2": ("passed", 3)}),
     "huge_output": (_code(shard="def shard_range(n, rank, world_size):\n    while True:\n"
                                 "        print('x' * 100000)\n"),
                     {"0.1": ("error", 0), "0.2": ("passed", 3)}),
