@@ -100,8 +100,8 @@ def write_outputs(out: Path, subs: list[Submission], records: dict[str, dict[str
 class _Progress:
     """``[#####.....] 37/100 graded, 2:31 left`` on a terminal; a line per submission otherwise."""
 
-    def __init__(self, stream: Any = sys.stderr):
-        self.stream = stream
+    def __init__(self, stream: Any = None):
+        self.stream = stream or sys.stderr
         self.tty = hasattr(stream, "isatty") and stream.isatty()
 
     def __call__(self, done: int, total: int, seconds: float) -> None:

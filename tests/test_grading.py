@@ -182,3 +182,21 @@ def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
     assert [t["status"] for t in record["tasks"]] == ["passed"] * len(record["tasks"]), \
         feedback_text(record)
     assert record["score"] == record["max_score"] > 0
+
+
+def test_the_command_grades_a_folder_with_progress_and_every_output(tmp_path, capsys):
+    from kit.grading import main
+
+    write_corpus(tmp_path / "subs", tmp_path / "out", ["correct", "stub"])
+    args = [str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00", "--gradescope"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "graded 2 submission(s)" in captured.out and "2/2 graded, 0:00 left" in captured.err
+    rows = list(csv.DictReader((tmp_path / "out" / "grades.csv").open()))
+    assert [(r["student"], r["0.1"], r["0.2"]) for r in rows] == [("correct", "2.0", "3.0"), ("stub", "0.0", "0.0")]
+    nbgrader = list(csv.DictReader((tmp_path / "out" / "nbgrader-grades.csv").open()))
+    assert [(r["assignment"], r["student_id"], r["score"]) for r in nbgrader] == \
+        [("lesson00", "correct", "5.0"), ("lesson00", "stub", "0.0")]
+    assert json.loads((tmp_path / "out" / "gradescope" / "stub" / "results.json").read_text())["score"] == 0
+    assert main(args) == 0  # a second run regrades nothing
+    assert "resuming: 2 of 2 submission(s) already graded" in capsys.readouterr().out
