@@ -394,10 +394,16 @@ def test_kernel_death_takes_the_ranks_with_it(tmp_path):
     pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
     proc.kill()  # a kernel restart: SIGKILL, no chance to clean up
     proc.wait()
+    def alive(pid: int) -> bool:  # a killed orphan may stay a zombie if PID 1 does not reap
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
-    assert not [p for p in pids if psutil.pid_exists(p)]
+    assert not [p for p in pids if alive(p)], [(p, psutil.Process(p).status(), psutil.Process(p).ppid()) for p in pids if alive(p)]
 
 
 def _rank_with_a_worker_then_fail(pid_file):
