@@ -60,21 +60,32 @@ class BuildError(ValueError):
 # --------------------------------------------------------------------------- nbgrader glue
 
 
-def stub_message(task_id: str | None, source: str) -> str:
-    """``"Task 0.1: <first line of the task's docstring>"`` (else its hint) for a stubbed cell."""
+def _first_doc_line(node: ast.AST) -> str:
+    lines = (ast.get_docstring(node) or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def stub_message(task_id: str | None, source: str, line: int | None = None) -> str:
+    """``"Task 0.1: <first docstring line>"`` (else the task's hint) for a stubbed cell.
+
+    With ``line``, the docstring is that of the innermost documented function or class around
+    that line, so a task of two functions (Task 1.4) gets a message per function.
+    """
     if task_id is None:
         return "Task: replace this line with your code"
     task = get_task(task_id)
     doc = ""
     try:
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
-                    and node.name == task.name:
-                doc = (ast.get_docstring(node) or "").strip().splitlines()[:1]
-                doc = doc[0] if doc else ""
-                break
+        defs = [n for n in ast.walk(ast.parse(source))
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     except SyntaxError:
-        pass
+        defs = []
+    if line is not None:
+        around = [n for n in defs if n.lineno <= line <= (n.end_lineno or n.lineno) and _first_doc_line(n)]
+        if around:
+            doc = _first_doc_line(max(around, key=lambda n: n.lineno))
+    if not doc:
+        doc = next((_first_doc_line(n) for n in defs if n.name == task.name), "")
     return f"Task {task_id}: {doc or task.hint or f'implement {task.name}'}"
 
 
@@ -85,8 +96,13 @@ class TaskStubs(NbGraderPreprocessor):
                         cell_index: int) -> tuple[NotebookNode, dict[str, Any]]:
         if cell.cell_type == "code" and STUB_MARK in cell.source:
             role, task_id = cell_role(Cell(cell_index + 1, cell.cell_type, cell.source, cell.metadata))
-            message = stub_message(task_id if role == "task" else None, cell.source)
-            cell.source = cell.source.replace(f'"{STUB_MARK}"', json.dumps(message, ensure_ascii=False))
+            task_id = task_id if role == "task" else None
+            lines = cell.source.split("\n")
+            for i, text in enumerate(lines):
+                if f'"{STUB_MARK}"' in text:
+                    message = stub_message(task_id, cell.source, i + 1)
+                    lines[i] = text.replace(f'"{STUB_MARK}"', json.dumps(message, ensure_ascii=False))
+            cell.source = "\n".join(lines)
         return cell, resources
 
 

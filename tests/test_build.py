@@ -174,3 +174,17 @@ def test_read_cells_reads_sources_and_notebooks_alike():
     from_lesson = [c.source for c in read_cells(ROOT / "lessons" / "00_launching_ranks.ipynb")
                    if c.cell_type == "markdown"]
     assert from_source == from_lesson
+
+
+def test_each_stubbed_function_names_its_own_job():
+    # Task 1.4 is two functions in one cell: each stub must say what *it* computes.
+    from kit.build import stub_message
+
+    source = (
+        'def fit_alpha_beta(nbytes, seconds):\n    """Fit the model."""\n    raise X\n\n\n'
+        'def ring_all_reduce_time(nbytes, world_size, alpha, beta):\n'
+        '    """Predict a ring all-reduce."""\n    raise X\n'
+    )
+    assert stub_message("1.4", source, 3) == "Task 1.4: Fit the model."
+    assert stub_message("1.4", source, 8) == "Task 1.4: Predict a ring all-reduce."
+    assert stub_message("1.4", source) == "Task 1.4: Fit the model."
