@@ -84,7 +84,9 @@ def missing_pieces() -> list[str]:
 def lab_command(root: Path, extra: list[str] | None = None, *, open_first: bool = True) -> list[str]:
     """The JupyterLab command line ``kit lab`` runs: served from ``root``, first lesson open."""
     lesson = first_lesson(root) if open_first else None
-    return [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}",
+    # Jupyter refuses to start as root (containers, CI, cloud boxes) unless told it may.
+    as_root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    return [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}", *as_root,
             *([str(lesson)] if lesson else []), *(extra or [])]
 
 

@@ -130,8 +130,7 @@ class LabServer:
             "--LabApp.news_url=None",
             *([f"--ServerApp.browser={self.browser_command} %s"] if self.browser_command
               else ["--ServerApp.open_browser=False"]),
-            # CI containers run as root, which Jupyter refuses unless told
-            *(["--allow-root"] if os.geteuid() == 0 else [])], open_first=self.open_first)
+            ], open_first=self.open_first)  # lab_command adds --allow-root when run as root
         self._log = open(self._home / "server.log", "wb")
         self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)

@@ -41,3 +41,18 @@ def test_kit_command_lists_subcommands_and_rejects_unknown(capsys):
         assert name in out
     assert cli.main(["fly"]) == 2
     assert "unknown command 'fly'" in capsys.readouterr().err
+
+
+def test_kit_lab_command_opens_the_first_lesson_and_starts_as_root(monkeypatch):
+    from pathlib import Path
+
+    from kit import lab
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(lab.os, "geteuid", lambda: 0)
+    cmd = lab.lab_command(root, ["--no-browser"])
+    assert "--allow-root" in cmd  # Jupyter refuses root (containers, CI) without it
+    assert str(root / "lessons" / "00_launching_ranks.ipynb") in cmd or "lessons/00_launching_ranks.ipynb" in " ".join(cmd)
+    assert cmd[-1] == "--no-browser"
+    monkeypatch.setattr(lab.os, "geteuid", lambda: 1000)
+    assert "--allow-root" not in lab.lab_command(root)
