@@ -22,20 +22,12 @@ from typing import Any
 
 import torch
 
-from autograder.registry import CheckFailed, assert_same, task
+from autograder.registry import CheckFailed, assert_same, plain, task
 from kit import costmodel
 
 RANK_TIMEOUT_S = 30.0  # a deadlocked ring shows the launcher's hang report after this long
 STORE_WAIT_S = 4.0  # how long store_barrier's waits may block before the check calls it stuck
 
-
-def _plain(x: Any) -> Any:
-    """What a rank got, as plain data the trusted side can compare."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().clone()
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    return f"<a {type(x).__name__} object>"
 
 
 def _rank_tensor(seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +75,7 @@ def _broadcast_on_rank(tree_broadcast: Any, seed: int, src: int, shape: tuple[in
     with trace() as t:
         tree_broadcast(tensor, src)
     messages = [(e.op, e.peer) for e in t.events if e.kind == "p2p"]
-    return {"tensor": _plain(tensor), "collectives": t.collectives(), "messages": messages}
+    return {"tensor": plain(tensor), "collectives": t.collectives(), "messages": messages}
 
 
 def count_rounds(messages: list[list[tuple[str, int | None]]], src: int) -> int:
@@ -205,7 +197,7 @@ def _ring_on_rank(ring_all_reduce: Any, seed: int, configs: list[tuple[tuple[int
         for i, (shape, dtype) in enumerate(configs):
             tensor = _rank_tensor(seed + 1000 * i, rank, shape, dtype)
             ring_all_reduce(tensor)  # in place
-            tensors.append(_plain(tensor))
+            tensors.append(plain(tensor))
     return {"tensors": tensors, "collectives": t.collectives()}
 
 
@@ -393,13 +385,13 @@ def _as_float(v: Any) -> Any:
         return float(v)
     if type(v).__module__ == "numpy" and hasattr(v, "item"):
         return float(v.item())
-    return _plain(v)
+    return plain(v)
 
 
 def _pair(x: Any) -> Any:
     if isinstance(x, (tuple, list)) and len(x) == 2:
         return [_as_float(v) for v in x]
-    return _plain(x)
+    return plain(x)
 
 
 def _compare_model(got: Any, expected: list[dict[str, Any]]) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from case_support import failed_cases
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
@@ -36,20 +37,6 @@ def solution():
     return load_tasks(SOURCE)
 
 
-def _failures(task_id: str, impl) -> list[str]:
-    """Names of the cases ``impl`` fails (raises in run, or CheckFailed in compare)."""
-    task = get_task(task_id)
-    failed = []
-    for case in task.cases:
-        try:
-            case.compare(case.run(impl, 0), task.expected(case, 0))
-        except CheckFailed:
-            failed.append(case.name)
-        except Exception:  # noqa: BLE001 - a stub or a bug that crashes also fails the case
-            failed.append(case.name)
-    return failed
-
-
 def test_lesson03_registers_tasks_3_1_to_3_3_with_their_points():
     tasks = {t.id: (t.name, t.points) for t in lesson_tasks(3)}
     assert tasks == {"3.1": ("ShardSampler", 4.0), "3.2": ("seed_worker", 3.0),
@@ -58,7 +45,7 @@ def test_lesson03_registers_tasks_3_1_to_3_3_with_their_points():
 
 @pytest.mark.parametrize("task_id", ["3.1", "3.2", "3.3"])
 def test_solution_passes_every_case(solution, task_id):
-    assert _failures(task_id, getattr(solution, get_task(task_id).name)) == []
+    assert failed_cases(task_id, getattr(solution, get_task(task_id).name)) == []
 
 
 @pytest.mark.parametrize("task_id", ["3.1", "3.2", "3.3"])
@@ -67,19 +54,19 @@ def test_student_stub_fails_every_case(task_id):
         pytest.skip("lessons/03_data_plane.ipynb is not built yet (kit build)")
     stub = getattr(load_tasks(STUDENT), get_task(task_id).name)
     task = get_task(task_id)
-    assert _failures(task_id, stub) == [c.name for c in task.cases]
+    assert failed_cases(task_id, stub) == [c.name for c in task.cases]
 
 
 @pytest.mark.parametrize("task_id,what,bug", [(t, what, bug) for t, bugs in BUGS.items()
                                               for what, bug in bugs],
                          ids=[f"{t}: {what}" for t, bugs in BUGS.items() for what, _ in bugs])
 def test_seeded_bug_fails_at_least_one_case(task_id, what, bug):
-    assert _failures(task_id, bug), f"task {task_id}: the bug '{what}' passes every case"
+    assert failed_cases(task_id, bug), f"task {task_id}: the bug '{what}' passes every case"
 
 
 def test_wrapping_distributed_sampler_fails_only_the_own_implementation_case():
     wrapped = dict(BUGS["3.1"])["wraps torch's DistributedSampler"]
-    assert _failures("3.1", wrapped) == ["iterates on its own (does not wrap torch's DistributedSampler)"]
+    assert failed_cases("3.1", wrapped) == ["iterates on its own (does not wrap torch's DistributedSampler)"]
 
 
 def test_sampler_search_reports_the_smallest_differing_case():

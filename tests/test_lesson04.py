@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from case_support import failed_cases
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from autograder.lesson04 import MIB, _bucket_plan
-from autograder.registry import CheckFailed, get_task, lesson_tasks
+from autograder.registry import get_task, lesson_tasks
 from kit.checking import NOT_IMPLEMENTED, run_checks
 from kit.launcher import run_ranks
 from kit.models import AwkwardNet, TinyTransformer, token_batch
@@ -40,20 +41,6 @@ def solution():
     return load_tasks(SOURCE)
 
 
-def _failures(task_id: str, impl) -> list[str]:
-    """Names of the cases ``impl`` fails (raises in run, or CheckFailed in compare)."""
-    task = get_task(task_id)
-    failed = []
-    for case in task.cases:
-        try:
-            case.compare(case.run(impl, 0), task.expected(case, 0))
-        except CheckFailed:
-            failed.append(case.name)
-        except Exception:  # noqa: BLE001 - a stub or a bug that crashes also fails the case
-            failed.append(case.name)
-    return failed
-
-
 def test_lesson04_registers_tasks_4_1_to_4_4_with_their_points():
     tasks = {t.id: (t.name, t.points) for t in lesson_tasks(4)}
     assert tasks == {"4.1": ("NaiveDDP", 3.0), "4.2": ("OverlappedDDP", 3.0),
@@ -62,7 +49,7 @@ def test_lesson04_registers_tasks_4_1_to_4_4_with_their_points():
 
 @pytest.mark.parametrize("task_id", TASK_IDS)
 def test_solution_passes_every_case(solution, task_id):
-    assert _failures(task_id, getattr(solution, get_task(task_id).name)) == []
+    assert failed_cases(task_id, getattr(solution, get_task(task_id).name)) == []
 
 
 @pytest.mark.parametrize("task_id", TASK_IDS)
@@ -92,7 +79,7 @@ def test_no_sync_stub_on_a_finished_bucketed_ddp_says_task_4_4(solution):
                                               for what, bug in bugs],
                          ids=[f"{t}: {what}" for t, bugs in BUGS.items() for what, _ in bugs])
 def test_seeded_bug_fails_at_least_one_case(task_id, what, bug):
-    assert _failures(task_id, bug), f"task {task_id}: the bug '{what}' passes every case"
+    assert failed_cases(task_id, bug), f"task {task_id}: the bug '{what}' passes every case"
 
 
 def test_summing_instead_of_averaging_is_named_in_the_feedback():
@@ -103,7 +90,7 @@ def test_summing_instead_of_averaging_is_named_in_the_feedback():
 
 def test_tied_weight_reduced_twice_fails_only_the_counting_case():
     bug = dict(BUGS["4.1"])["reduces the tied weight twice (module by module)"]
-    assert _failures("4.1", bug) == [c.name for c in get_task("4.1").cases if "at most one" in c.name]
+    assert failed_cases("4.1", bug) == [c.name for c in get_task("4.1").cases if "at most one" in c.name]
 
 
 # --------------------------------------------------------------------------- the bucket plan
