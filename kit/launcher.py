@@ -222,15 +222,14 @@ def _start(ctx: Any, spec: _rank.RankSpec, payload: Any, listener: socket.socket
 
 def _describe_exit(r: _Rank) -> RankFailure | None:
     kind = r.message[0] if r.message else None
-    took = r.message[2] if r.message else 0.0
     if kind == _rank.OK and r.exitcode in (0, None):
         return None
     if kind == _rank.ERROR:
         etype, text, tb = r.message[1]
         summary = f"raised {etype}: {text}" if text else f"raised {etype}"
-        return RankFailure(r.rank, summary, tb, took, exception_type=etype, exitcode=r.exitcode)
+        return RankFailure(r.rank, summary, tb, exception_type=etype, exitcode=r.exitcode)
     if kind == _rank.EXIT:
-        return RankFailure(r.rank, f"called sys.exit({r.message[1]})", "", took, exitcode=r.exitcode)
+        return RankFailure(r.rank, f"called sys.exit({r.message[1]})", exitcode=r.exitcode)
     code = r.exitcode
     if code is not None and code < 0:
         sig = signal.Signals(-code)
