@@ -156,6 +156,9 @@ class Task:
     reference: Any = None
     hint: str = ""
     cases: list[Case] = field(default_factory=list)
+    # Dotted names of what the task re-implements ("torch.distributed.all_reduce",
+    # "torch.nn.parallel.DistributedDataParallel"): code of the task that uses one scores 0.
+    forbidden: tuple[str, ...] = ()
 
     @property
     def lesson(self) -> int:
@@ -191,14 +194,16 @@ class Task:
 TASKS: dict[str, Task] = {}
 
 
-def task(id: str, name: str, *, points: float, reference: Any = None, hint: str = "") -> Task:
-    """Register a task. ``id`` is ``"L.N"``; ``name`` is the student's function/class name."""
+def task(id: str, name: str, *, points: float, reference: Any = None, hint: str = "",
+         forbidden: tuple[str, ...] = ()) -> Task:
+    """Register a task. ``id`` is ``"L.N"``; ``name`` is the student's function/class name;
+    ``forbidden`` names what the task re-implements (its use scores the task 0)."""
     lesson, _, number = id.partition(".")
     if not (lesson.isdigit() and number.isdigit()):
         raise ValueError(f"task id must look like '4.2', got {id!r}")
     if id in TASKS:
         raise ValueError(f"task {id} is registered twice")
-    TASKS[id] = Task(id, name, float(points), reference, hint)
+    TASKS[id] = Task(id, name, float(points), reference, hint, forbidden=tuple(forbidden))
     return TASKS[id]
 
 
