@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from kit import costmodel
 from kit.launcher import run_ranks
-from kit.notebook import load_tasks
+from autograder.loading import load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 

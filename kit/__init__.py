@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(launcher, name)
     if name == "check":
-        from kit.checking import check
+        from autograder.checking import check
 
         return check
     raise AttributeError(f"module 'kit' has no attribute {name!r}")

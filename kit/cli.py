@@ -17,10 +17,10 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "lab": ("kit.lab", "main", "open the course in JupyterLab"),
     "doctor": ("kit.doctor", "main", "check this machine can run the course"),
-    "build": ("kit.build", "main_build", "build lessons/ from solutions/ (--check: fail if stale)"),
-    "course": ("kit.build", "main_course", "write a ready nbgrader course directory"),
+    "build": ("autograder.build", "main_build", "build lessons/ from solutions/ (--check: fail if stale)"),
+    "course": ("autograder.build", "main_course", "write a ready nbgrader course directory"),
     "run": ("kit.runner", "main", "execute a lesson notebook headless"),
-    "grade": ("kit.grading", "main", "grade notebooks or submission folders"),
+    "grade": ("autograder.grade.notebook", "main", "grade notebooks or submission folders"),
 }
 
 

@@ -21,11 +21,14 @@ from typing import Any
 import nbformat
 from nbformat import NotebookNode
 
-from kit.notebook import NotebookError
 
-__all__ = ["CellFailure", "RunResult", "read_notebook", "run_notebook"]
+__all__ = ["CellFailure", "NotebookError", "RunResult", "read_notebook", "run_notebook"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class NotebookError(ValueError):
+    """A notebook or source file cannot be read; the message names the file and the fix."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from autograder.registry import get_task, lesson_tasks
-from kit.build import (
+from autograder.build import (
     BuildError,
     build_lessons,
     lesson_sources,
@@ -20,7 +20,7 @@ from kit.build import (
     source_notebook,
     student_notebook,
 )
-from kit.notebook import Cell, cell_role, lesson_of, read_cells
+from autograder.loading import Cell, cell_role, lesson_of, read_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = lesson_sources(ROOT)
@@ -178,7 +178,7 @@ def test_read_cells_reads_sources_and_notebooks_alike():
 
 def test_each_stubbed_function_names_its_own_job():
     # Task 1.4 is two functions in one cell: each stub must say what *it* computes.
-    from kit.build import stub_message
+    from autograder.build import stub_message
 
     source = (
         'def fit_alpha_beta(nbytes, seconds):\n    """Fit the model."""\n    raise X\n\n\n'

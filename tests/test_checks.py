@@ -23,8 +23,8 @@ from nbformat.v4 import new_code_cell, new_output
 from nbgrader.utils import determine_grade
 
 from autograder.registry import get_task, lesson_tasks
-from kit.checking import ERROR, FAILED, NOT_IMPLEMENTED, check, run_checks
-from kit.notebook import lesson_of, load_tasks
+from autograder.checking import ERROR, FAILED, NOT_IMPLEMENTED, check, run_checks
+from autograder.loading import lesson_of, load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {lesson_of(p): p for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}

@@ -18,10 +18,10 @@ import torch
 from grading_corpus import CORPUS, write_corpus
 
 from autograder.registry import Task
-from kit.batch import BLOCKED, BatchConfig, grade_batch, grade_submission, load_records, read_result
-from kit.gradebook import feedback_text, write_outputs
-from kit.sandbox import Limits
-from kit.submissions import Submission, discover
+from autograder.grade.batch import BLOCKED, BatchConfig, grade_batch, grade_submission, load_records, read_result
+from autograder.grade.reports import feedback_text, write_outputs
+from autograder.grade.sandbox import Limits
+from autograder.grade.submissions import Submission, discover
 
 LIMITS = Limits(case_wall_s=12.0, memory=2 << 30, output=1 << 20, file_size=16 << 20)
 
@@ -139,13 +139,13 @@ def test_submission_forms_are_discovered(tmp_path):
 
 
 def test_a_grader_that_cannot_start_records_nothing_and_says_so(tmp_path, monkeypatch, capsys):
-    import kit.batch
-    from kit.grading import main
-    from kit.sandbox import WorkerExit
+    import autograder.grade.batch
+    from autograder.grade.notebook import main
+    from autograder.grade.sandbox import WorkerExit
 
     write_corpus(tmp_path / "subs", tmp_path / "out", ["correct"])
     broken = WorkerExit(1, None, None, "IndentationError: expected an indented block", 50, 0.1)
-    monkeypatch.setattr(kit.batch, "run_worker", lambda *a, **k: broken)
+    monkeypatch.setattr(autograder.grade.batch, "run_worker", lambda *a, **k: broken)
     assert main([str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00"]) == 3
     err = capsys.readouterr().err
     assert "failed before loading correct's notebooks" in err and "IndentationError" in err
@@ -154,7 +154,7 @@ def test_a_grader_that_cannot_start_records_nothing_and_says_so(tmp_path, monkey
 
 
 def test_out_folder_overlapping_a_submission_is_refused(tmp_path, capsys):
-    from kit.grading import main
+    from autograder.grade.notebook import main
 
     write_corpus(tmp_path / "subs", tmp_path / "out", ["stub"])
     before = (tmp_path / "subs" / "stub.ipynb").read_bytes()
@@ -167,8 +167,8 @@ def test_out_folder_overlapping_a_submission_is_refused(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
     """Every lesson's cases run in the worker as they do in a notebook (ranks, spawn, torchrun)."""
-    from kit.build import render, source_notebook
-    from kit.notebook import lesson_of
+    from autograder.build import render, source_notebook
+    from autograder.loading import lesson_of
 
     root = Path(__file__).resolve().parents[1]
     student = tmp_path / "alice"
@@ -185,7 +185,7 @@ def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
 
 
 def test_the_command_grades_a_folder_with_progress_and_every_output(tmp_path, capsys):
-    from kit.grading import main
+    from autograder.grade.notebook import main
 
     write_corpus(tmp_path / "subs", tmp_path / "out", ["correct", "stub"])
     args = [str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00", "--gradescope"]

@@ -2,7 +2,7 @@
 
 The submissions mix the correct functions, every seeded bug of tests/bugs/lesson00.py, the
 released stubs and syntax errors. Their expected scores come from the in-notebook checker
-(:func:`kit.checking.run_checks`, same seed) run once per distinct function. The batch is graded
+(:func:`autograder.checking.run_checks`, same seed) run once per distinct function. The batch is graded
 with 2 workers, its process group SIGKILLed partway, then re-run: every student ends with
 exactly one row holding the expected grade, and the first run's finished records are kept.
 """
@@ -24,7 +24,7 @@ import pytest
 from bugs.lesson00 import BUGS
 from grading_corpus import LESSON, MEAN_OK, SHARD_OK
 
-from kit.checking import run_checks
+from autograder.checking import run_checks
 
 KIT = Path(sys.executable).with_name("kit")
 SEED = 7

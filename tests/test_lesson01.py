@@ -23,7 +23,7 @@ from autograder.lesson01 import count_rounds
 from autograder.registry import CheckFailed
 from kit import costmodel
 from kit.launcher import run_ranks
-from kit.notebook import load_tasks
+from autograder.loading import load_tasks
 from kit.trace import launch_traced
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from autograder.registry import CheckFailed, get_task, lesson_tasks
 from kit.data import SlowDataset, plot_index_streams, sampler_streams, time_loader
 from kit.launcher import run_ranks
-from kit.notebook import load_tasks
+from autograder.loading import load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("lesson03_bugs", ROOT / "tests" / "bugs" / "lesson03.py")

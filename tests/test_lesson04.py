@@ -21,10 +21,10 @@ from torch.nn import functional as F
 
 from autograder.lesson04 import MIB, _bucket_plan
 from autograder.registry import get_task, lesson_tasks
-from kit.checking import NOT_IMPLEMENTED, run_checks
+from autograder.checking import NOT_IMPLEMENTED, run_checks
 from kit.launcher import run_ranks
 from kit.models import AwkwardNet, TinyTransformer, token_batch
-from kit.notebook import load_tasks
+from autograder.loading import load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("lesson04_bugs", ROOT / "tests" / "bugs" / "lesson04.py")
@@ -234,7 +234,7 @@ def test_nbgrader_autograde_gives_lesson04_full_marks_solved_and_zero_untouched(
 
     from nbgrader.api import Gradebook
 
-    from kit.build import main_course, source_notebook
+    from autograder.build import main_course, source_notebook
 
     name = SOURCE.stem
     course = tmp_path / "course"

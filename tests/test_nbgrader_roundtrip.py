@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from autograder.registry import lesson_tasks
-from kit.build import main_course, source_notebook
+from autograder.build import main_course, source_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "00_launching_ranks"

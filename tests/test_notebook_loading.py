@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import kit
-from kit.notebook import NotebookError, load_tasks
+from autograder.loading import NotebookError, load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "00_launching_ranks.py"
@@ -23,7 +23,7 @@ LESSON = ROOT / "lessons" / "00_launching_ranks.ipynb"
 
 def _solved_notebook() -> dict:
     """The student notebook with the solutions pasted into the task cells, as JSON."""
-    from kit.build import source_notebook
+    from autograder.build import source_notebook
 
     solved = {c.id: c.source for c in source_notebook(SOURCE).cells}
     nb = json.loads(LESSON.read_text())

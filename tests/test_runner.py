@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from kit.grading import main as grade_main
+from autograder.grade.notebook import main as grade_main
 from kit.runner import main as run_main
 from kit.runner import run_notebook
 

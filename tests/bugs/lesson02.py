@@ -1,7 +1,7 @@
 """Seeded bugs of Lesson 02: dist_info_from_env (2.1), resumable_train (2.2), first_mismatch (2.3).
 
 The lesson's helpers (``DistInfo``, ``Mismatch``, ``make_model``, ``train_step``...) come from its
-source through :func:`kit.notebook.load_tasks`, exactly as a student's notebook provides them.
+source through :func:`autograder.loading.load_tasks`, exactly as a student's notebook provides them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kit.notebook import load_tasks
+from autograder.loading import load_tasks
 
 _lesson = load_tasks(Path(__file__).resolve().parents[2] / "solutions" / "02_torchrun.py")
 DistInfo, Mismatch = _lesson.DistInfo, _lesson.Mismatch

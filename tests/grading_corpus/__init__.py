@@ -154,12 +154,12 @@ CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[st
                                mean=MEAN_WRONG),
                          {"0.1": ("failed", 0), "0.2": ("failed", 0)}),
     "patches_torch_and_checks": (_code(mean=MEAN_WRONG, setup_extra=(
-        "import builtins, autograder.registry, kit.checking\n"
+        "import builtins, autograder.registry, autograder.checking\n"
         "torch.allclose = lambda *a, **k: True\ntorch.equal = lambda *a, **k: True\n"
         "torch.Tensor.__eq__ = lambda self, other: True\n"
         "autograder.registry.assert_same = lambda *a, **k: None\n"
         "builtins.AssertionError = Exception\n"
-        "kit.checking.run_checks = lambda *a, **k: None")),
+        "autograder.checking.run_checks = lambda *a, **k: None")),
         {"0.1": ("passed", 2), "0.2": ("failed", 0)}),
     "always_equal_objects": (_code(shard=ALWAYS_EQUAL), {"0.1": ("error", 0), "0.2": ("passed", 3)}),
     "writes_output_folder": ("{forge}", {"0.1": ("failed", 0), "0.2": ("failed", 0)}),

@@ -5,14 +5,14 @@
     kit grade course/submitted --out grades --workers 2     a batch, each submission sandboxed
     kit grade submissions/ --out grades --gradescope --timeout 30
 
-With ``--out`` (or several submissions) grading is the isolated batch of :mod:`kit.batch`: it
+With ``--out`` (or several submissions) grading is the isolated batch of :mod:`autograder.grade.batch`: it
 writes ``grades.csv``, ``records/<student>.json``, ``feedback/<student>.txt`` and, with
 ``--gradescope``, ``gradescope/<student>/results.json``; a killed run resumes when re-run.
 Without it, one notebook is checked in this process, which trusts it: use that on your own work.
 
-The graded code is loaded with :func:`kit.notebook.load_tasks` (setup and solution cells only,
+The graded code is loaded with :func:`autograder.loading.load_tasks` (setup and solution cells only,
 found by tag or by name, demos never run) and every task of the lesson is checked with
-:func:`kit.checking.run_checks`. Prints a per-task score table and writes JSON. The submission
+:func:`autograder.checking.run_checks`. Prints a per-task score table and writes JSON. The submission
 itself is only read. :func:`grade_notebook` is the unit the batch grader runs per submission.
 """
 
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from autograder.registry import lesson_tasks
-from kit.checking import ERROR, CaseResult, TaskReport, run_checks, stderr_to_stdout
-from kit.notebook import LoadReport, NotebookError, lesson_of, load_tasks
+from autograder.checking import ERROR, CaseResult, TaskReport, run_checks, stderr_to_stdout
+from autograder.loading import LoadReport, NotebookError, lesson_of, load_tasks
 
 __all__ = ["GradeReport", "grade_notebook", "main"]
 
@@ -137,10 +137,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the checks' data (one notebook: default 0; batch: the run's secret)")
     args = parser.parse_args(argv)
-    from kit.build import BuildError, parse_lessons
+    from autograder.build import BuildError, parse_lessons
 
     if args.out or len(args.submissions) > 1 or Path(args.submissions[0]).is_dir():
-        from kit.gradebook import main_batch
+        from autograder.grade.reports import main_batch
 
         return main_batch(args)
     path = Path(args.submissions[0])

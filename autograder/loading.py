@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from autograder.registry import Task, lesson_tasks
+from kit.runner import NotebookError
 
 __all__ = [
     "Cell",
@@ -40,10 +41,6 @@ __all__ = [
 ]
 
 SETUP = "setup"
-
-
-class NotebookError(ValueError):
-    """A notebook or source file cannot be read; the message names the file and the fix."""
 
 
 @dataclass
@@ -359,7 +356,7 @@ def _module_name(path: Path, text: str) -> str:
 
 
 def _render(chunks: list[_Chunk], path: Path) -> str:
-    parts = [f"# Graded code of {path.name}, assembled by kit.notebook.load_tasks.\n"]
+    parts = [f"# Graded code of {path.name}, assembled by autograder.loading.load_tasks.\n"]
     parts += [f"# ---- {chunk.label}\n{chunk.code}\n" for chunk in chunks]
     return "\n".join(parts)
 

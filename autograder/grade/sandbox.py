@@ -1,8 +1,8 @@
 """The isolated process in which ``kit grade`` runs a submission's code (the batch grader only).
 
 The grading parent never imports a submission. It writes a job (notebook copies, seed, the cases
-to run) into a fresh folder and starts ``python -m kit.sandbox JOB`` in a new session. The worker
-loads the notebooks with :func:`kit.notebook.load_tasks`, runs each case's untrusted half
+to run) into a fresh folder and starts ``python -m autograder.grade.sandbox JOB`` in a new session. The worker
+loads the notebooks with :func:`autograder.loading.load_tasks`, runs each case's untrusted half
 ``run(impl, seed)`` and saves the plain data it returns with ``torch.save``; the parent reads it
 back with ``torch.load(weights_only=True)`` and compares it with the trusted expectation.
 
@@ -81,7 +81,7 @@ def sandbox_uid(slot: int) -> int | None:
         return None
     if not _DROP:
         try:
-            probe = subprocess.run([sys.executable, "-I", "-c", "import torch, kit.sandbox"],
+            probe = subprocess.run([sys.executable, "-I", "-c", "import torch, autograder.grade.sandbox"],
                                    user=UID_BASE, group=UID_BASE, extra_groups=[], cwd="/",
                                    capture_output=True, timeout=120)
             _DROP.append(probe.returncode == 0)
@@ -264,7 +264,7 @@ def _read_control(fd: int, messages: list[tuple[float, str]]) -> None:
 
 def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
                keep_output: int = 4000) -> WorkerExit:
-    """Run ``python -m kit.sandbox workdir/job.json`` under ``limits`` and wait for it.
+    """Run ``python -m autograder.grade.sandbox workdir/job.json`` under ``limits`` and wait for it.
 
     ``workdir`` holds the job and receives the results; it is handed to the worker's uid.
     ``cases`` bounds the total wall time (``case_wall_s`` per case, plus start-up).
@@ -281,7 +281,7 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
            "KIT_SANDBOX_LIMITS": json.dumps(limits.__dict__)}
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-m", "kit.sandbox", str(workdir / "job.json")], cwd=workdir, env=env,
+        [sys.executable, "-I", "-m", "autograder.grade.sandbox", str(workdir / "job.json")], cwd=workdir, env=env,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, pass_fds=(write_fd,),
         **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}))
@@ -389,7 +389,7 @@ def _worker(job_path: str) -> int:
     import torch
 
     from autograder.registry import get_task
-    from kit.checking import _error_result, _not_implemented
+    from autograder.checking import _error_result, _not_implemented
     from kit.launcher import LaunchTimeout
 
     def save(key: str, record: dict[str, Any]) -> None:
@@ -401,7 +401,7 @@ def _worker(job_path: str) -> int:
                         f"data ({type(e).__name__}: {e})"}, tmp)
         os.replace(tmp, out / f"{key}.pt")
 
-    from kit.notebook import load_tasks
+    from autograder.loading import load_tasks
 
     worker = os.getpid()
     modules: dict[int, Any] = {}

@@ -1,7 +1,7 @@
 """What a batch grading run writes: ``grades.csv``, feedback, Gradescope and nbgrader files.
 
-Used by ``kit grade SUBMISSION... --out DIR`` (:mod:`kit.grading`); the grading itself is
-:mod:`kit.batch`. Every file here is rebuilt from the signed per-submission records, so a
+Used by ``kit grade SUBMISSION... --out DIR`` (:mod:`autograder.grade.notebook`); the grading itself is
+:mod:`autograder.grade.batch`. Every file here is rebuilt from the signed per-submission records, so a
 resumed run writes exactly one row per submission.
 
 * ``grades.csv``: one row per student: total, then one column per task (its score);
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kit.batch import BatchConfig, GraderFault, _write_atomic, grade_batch
-from kit.notebook import NotebookError
-from kit.sandbox import Limits
-from kit.submissions import Submission, discover, safe_name
+from autograder.grade.batch import BatchConfig, GraderFault, _write_atomic, grade_batch
+from autograder.loading import NotebookError
+from autograder.grade.sandbox import Limits
+from autograder.grade.submissions import Submission, discover, safe_name
 
 __all__ = ["feedback_text", "gradescope_results", "main_batch", "write_outputs"]
 
@@ -125,7 +125,7 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def main_batch(args: argparse.Namespace) -> int:
     from autograder.registry import lesson_tasks
-    from kit.build import BuildError, parse_lessons
+    from autograder.build import BuildError, parse_lessons
 
     out = Path(args.out or "grading-out")
     try:
@@ -151,7 +151,7 @@ def main_batch(args: argparse.Namespace) -> int:
     for sub in subs:
         for note in sub.notes:
             print(f"  {sub.student}: {note}")
-    from kit.sandbox import isolation_note
+    from autograder.grade.sandbox import isolation_note
 
     if (note := isolation_note()) is not None:
         print(f"kit grade: note: {note}")

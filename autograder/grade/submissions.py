@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit.notebook import NotebookError, lesson_of
+from autograder.loading import NotebookError, lesson_of
 
 __all__ = ["Submission", "discover"]
 

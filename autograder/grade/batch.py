@@ -1,7 +1,7 @@
 """Batch grading: every submission checked in its own sandbox, scored in this trusted process.
 
-``kit grade SUBMISSION... --out DIR`` (see :mod:`kit.grading`) calls :func:`grade_batch`. For each
-submission a :mod:`kit.sandbox` worker runs the untrusted half of every case on the student's
+``kit grade SUBMISSION... --out DIR`` (see :mod:`autograder.grade.notebook`) calls :func:`grade_batch`. For each
+submission a :mod:`autograder.grade.sandbox` worker runs the untrusted half of every case on the student's
 code; what comes back is read with ``torch.load(weights_only=True)``, checked to be plain data,
 and compared here with the expectation computed from the trusted references with the run's
 secret seed. A worker that dies, hangs, prints too much or forks too much costs only the task
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from autograder.registry import CheckFailed, Task, lesson_tasks
-from kit.sandbox import (
+from autograder.grade.sandbox import (
     Limits,
     WorkerExit,
     make_workdir,
@@ -41,7 +41,7 @@ from kit.sandbox import (
     remove_workdir,
     run_worker,
 )
-from kit.submissions import Submission, safe_name
+from autograder.grade.submissions import Submission, safe_name
 
 __all__ = ["TASK_STATUSES", "BatchConfig", "GraderFault", "grade_batch", "load_records", "task_status"]
 

@@ -1,0 +1,402 @@
+"""Build the student notebooks and nbgrader course folders from the lesson sources.
+
+    kit build                 solutions/NN_slug.py -> lessons/NN_slug.ipynb
+    kit build --check         fail (exit 1) if lessons/ is not what the sources build (CI)
+    kit course DIR            write an nbgrader course: DIR/nbgrader_config.py, DIR/source/...
+
+A source's tagged cells become nbgrader cells: ``setup`` a locked read-only cell,
+``task-L.N`` a solution cell, ``check-L.N`` an autograded test cell worth the task's points
+in :mod:`autograder`. nbgrader's own preprocessors then make the student version; the only
+addition is :class:`TaskStubs`, which writes each task's message into the stub nbgrader's
+``ClearSolutions`` leaves, so stubs raise ``NotImplementedError("Task 0.1: ...")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from nbformat import NotebookNode
+from nbgrader.preprocessors import NbGraderPreprocessor
+
+from autograder.registry import get_task, lesson_tasks
+from autograder.loading import Cell, cell_role, grade_id, lesson_of
+
+__all__ = [
+    "BuildError",
+    "CODE_STUB",
+    "TaskStubs",
+    "build_lessons",
+    "lesson_sources",
+    "release_preprocessors",
+    "render",
+    "source_notebook",
+    "student_notebook",
+    "write_course",
+]
+
+STUB_MARK = "__KIT_TASK_STUB__"
+# nbgrader's ClearSolutions puts this in place of every solution region; TaskStubs then
+# replaces the marker by the task's message.
+CODE_STUB = f'# YOUR CODE HERE\nraise NotImplementedError("{STUB_MARK}")'
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+COURSE_ID = "torchdist-course"
+# nbgrader's default per-cell timeout is 30 s; distributed cells start processes and may sit
+# out a launch timeout (60 s by default) before they report.
+EXECUTE_TIMEOUT_S = 300
+
+
+class BuildError(ValueError):
+    """A lesson source is malformed; the message names the file, the cell and the fix."""
+
+
+# --------------------------------------------------------------------------- nbgrader glue
+
+
+def _first_doc_line(node: ast.AST) -> str:
+    lines = (ast.get_docstring(node) or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def stub_message(task_id: str | None, source: str, line: int | None = None) -> str:
+    """``"Task 0.1: <first docstring line>"`` (else the task's hint) for a stubbed cell.
+
+    With ``line``, the docstring is that of the innermost documented function or class around
+    that line, so a task of two functions (Task 1.4) gets a message per function.
+    """
+    if task_id is None:
+        return "Task: replace this line with your code"
+    task = get_task(task_id)
+    doc = ""
+    try:
+        defs = [n for n in ast.walk(ast.parse(source))
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    except SyntaxError:
+        defs = []
+    if line is not None:
+        around = [n for n in defs if n.lineno <= line <= (n.end_lineno or n.lineno) and _first_doc_line(n)]
+        if around:
+            doc = _first_doc_line(max(around, key=lambda n: n.lineno))
+    if not doc:
+        doc = next((_first_doc_line(n) for n in defs if n.name == task.name), "")
+    return f"Task {task_id}: {doc or task.hint or f'implement {task.name}'}"
+
+
+class TaskStubs(NbGraderPreprocessor):
+    """Name the task in the stub ``ClearSolutions`` left (configure ``code_stub=CODE_STUB``)."""
+
+    def preprocess_cell(self, cell: NotebookNode, resources: dict[str, Any],
+                        cell_index: int) -> tuple[NotebookNode, dict[str, Any]]:
+        if cell.cell_type == "code" and STUB_MARK in cell.source:
+            role, task_id = cell_role(Cell(cell_index + 1, cell.cell_type, cell.source, cell.metadata))
+            task_id = task_id if role == "task" else None
+            lines = cell.source.split("\n")
+            for i, text in enumerate(lines):
+                if f'"{STUB_MARK}"' in text:
+                    message = stub_message(task_id, cell.source, i + 1)
+                    lines[i] = text.replace(f'"{STUB_MARK}"', json.dumps(message, ensure_ascii=False))
+            cell.source = "\n".join(lines)
+        return cell, resources
+
+
+def release_preprocessors() -> list[type]:
+    """nbgrader's ``GenerateAssignment`` preprocessors with :class:`TaskStubs` after ClearSolutions."""
+    from nbgrader.converters import GenerateAssignment
+    from nbgrader.preprocessors import ClearSolutions
+
+    out: list[type] = []
+    for pp in GenerateAssignment.class_traits()["preprocessors"].default():
+        out.append(pp)
+        if pp is ClearSolutions:
+            out.append(TaskStubs)
+    return out
+
+
+# --------------------------------------------------------------------------- source -> notebooks
+
+
+def lesson_sources(root: Path) -> list[Path]:
+    """``solutions/NN_slug.py`` files under ``root``, in lesson order."""
+    return sorted((root / "solutions").glob("[0-9][0-9]_*.py"))
+
+
+def _defines(source: str, name: str) -> bool:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name
+               for n in tree.body)
+
+
+def _calls_check(source: str, task_id: str, name: str) -> bool:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "check"
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value == task_id
+                and isinstance(node.args[1], ast.Name) and node.args[1].id == name):
+            return True
+    return False
+
+
+def _nbgrader_meta(role: str, task_id: str | None) -> dict[str, Any] | None:
+    base = {"grade_id": grade_id(role, task_id), "schema_version": 3}
+    if role == "setup":
+        return {**base, "grade": False, "solution": False, "locked": True}
+    if role == "task":
+        return {**base, "grade": False, "solution": True, "locked": False}
+    if role == "check":
+        return {**base, "grade": True, "solution": False, "locked": True,
+                "points": get_task(task_id).points}
+    return None
+
+
+def source_notebook(path: Path) -> NotebookNode:
+    """The nbgrader *source* notebook of a lesson: solutions in, nbgrader metadata set.
+
+    Raises:
+        BuildError: a tag names an unregistered task, a task lacks its cell or check cell, ...
+    """
+    import jupytext
+
+    lesson = lesson_of(path)
+    if lesson is None:
+        raise BuildError(f"{path}: a lesson source is named NN_slug.py (e.g. 00_launching_ranks.py)")
+    try:
+        nb = jupytext.read(path, fmt="py:percent")
+    except Exception as e:
+        raise BuildError(f"{path}: not a jupytext percent source ({e})") from e
+    tasks = {t.id: t for t in lesson_tasks(lesson)}
+    positions: dict[tuple[str, str | None], int] = {}
+    ids: set[str] = set()
+    for i, cell in enumerate(nb.cells):
+        where = f"{path}, cell {i + 1}"
+        tags = cell.metadata.get("tags", [])
+        role, task_id = cell_role(Cell(i + 1, cell.cell_type, cell.source, cell.metadata))
+        if role != "demo":
+            if (role, task_id) in positions:
+                raise BuildError(f"{where}: a second cell tagged {tags}; each tag appears once")
+            positions[role, task_id] = i
+        if task_id is not None:
+            task = tasks.get(task_id)
+            if task is None:
+                raise BuildError(
+                    f"{where}: tag {role}-{task_id} names no task of lesson {lesson:02d} (known: "
+                    f"{', '.join(tasks) or 'none'}); register it in autograder/lesson{lesson:02d}.py "
+                    f"with task({task_id!r}, ...)")
+            if role == "task" and not _defines(cell.source, task.name):
+                raise BuildError(f"{where}: the cell tagged task-{task_id} must define {task.name}")
+            if role == "task" and not ("BEGIN SOLUTION" in cell.source and "END SOLUTION" in cell.source):
+                raise BuildError(f"{where}: put the solution of task {task_id} between "
+                                 "### BEGIN SOLUTION and ### END SOLUTION")
+            if role == "check" and not _calls_check(cell.source, task_id, task.name):
+                raise BuildError(f'{where}: the check cell must call check("{task_id}", {task.name})')
+        if role != "demo" and cell.cell_type != "code":
+            raise BuildError(f"{where}: a cell tagged {tags} must be a code cell")
+        # Stable ids: tagged cells by role, others by content, so an edit moves no other id.
+        if role != "demo":
+            cell.id = grade_id(role, task_id)
+        else:
+            digest = hashlib.sha1(cell.source.encode()).hexdigest()[:8]
+            cell.id = base = f"{cell.cell_type[:4]}-{digest}"
+            n = 2
+            while cell.id in ids:
+                cell.id, n = f"{base}-{n}", n + 1
+        ids.add(cell.id)
+        cell.metadata = {"tags": tags} if tags else {}
+        if (meta := _nbgrader_meta(role, task_id)) is not None:
+            cell.metadata["nbgrader"] = meta
+    if ("setup", None) not in positions:
+        raise BuildError(f'{path}: no setup cell; tag the imports cell with # %% tags=["setup"]')
+    for task_id, task in tasks.items():
+        for role in ("task", "check"):
+            if (role, task_id) not in positions:
+                raise BuildError(f'{path}: task {task_id} ({task.name}) has no cell tagged '
+                                 f'{role}-{task_id}; add # %% tags=["{role}-{task_id}"]')
+        if positions["check", task_id] < positions["task", task_id]:
+            raise BuildError(f"{path}: the check-{task_id} cell must come after the task-{task_id} cell")
+    nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": {"name": "python"}}
+    nb.nbformat, nb.nbformat_minor = 4, 5
+    nbformat.validate(nb)
+    return nb
+
+
+def student_notebook(source: NotebookNode) -> NotebookNode:
+    """The student version: nbgrader's release preprocessors, minus the ones that need a course
+    database or header files (SaveCells, IncludeHeaderFooter, InstantiateTests)."""
+    from nbgrader.preprocessors import IncludeHeaderFooter, InstantiateTests, SaveCells
+    from traitlets.config import Config
+
+    config = Config()
+    config.ClearSolutions.code_stub = {"python": CODE_STUB}
+    nb = copy.deepcopy(source)
+    resources: dict[str, Any] = {}
+    for pp in release_preprocessors():
+        if pp in (IncludeHeaderFooter, InstantiateTests, SaveCells):
+            continue
+        nb, resources = pp(config=config).preprocess(nb, resources)
+    return nb
+
+
+def render(nb: NotebookNode) -> str:
+    """The exact text written to disk (sorted keys, one-space indent, trailing newline)."""
+    return nbformat.writes(nb, version=4) + "\n"
+
+
+def build_lessons(root: Path, *, check: bool = False) -> list[str]:
+    """Write ``lessons/`` from ``solutions/``; with ``check``, write nothing and return problems."""
+    sources = lesson_sources(root)
+    if not sources:
+        raise BuildError(f"no lesson sources (solutions/NN_slug.py) under {root}: run kit build "
+                         "from the course repository's root, or pass --root")
+    lessons = root / "lessons"
+    problems = []
+    for src in sources:
+        out = lessons / f"{src.stem}.ipynb"
+        text = render(student_notebook(source_notebook(src)))
+        current = out.read_text(encoding="utf-8") if out.exists() else None
+        if current == text:
+            continue
+        if check:
+            rel_out, rel_src = out.relative_to(root), src.relative_to(root)
+            why = (f"is missing (built from {rel_src})" if current is None
+                   else f"is stale: it differs from what {rel_src} builds")
+            problems.append(f"{rel_out} {why}. Run `kit build` and commit lessons/.")
+        else:
+            lessons.mkdir(exist_ok=True)
+            out.write_text(text, encoding="utf-8")
+            print(f"wrote {out.relative_to(root)}")
+    stems = {s.stem for s in sources}
+    for orphan in sorted(lessons.glob("*.ipynb")) if lessons.is_dir() else []:
+        if orphan.stem not in stems:
+            problems.append(f"{orphan.relative_to(root)} has no source solutions/{orphan.stem}.py: "
+                            "restore the source, or delete the notebook.")
+    return problems
+
+
+# --------------------------------------------------------------------------- nbgrader course
+
+_CONFIG = f'''\
+# nbgrader configuration of the torchdist course, written by `kit course`.
+#   nbgrader generate_assignment 00_launching_ranks     release/ from source/
+#   nbgrader autograde 00_launching_ranks               grade submitted/
+c = get_config()  # noqa: F821
+
+c.CourseDirectory.course_id = "{COURSE_ID}"
+
+# Stubs name their task, NotImplementedError("Task 0.1: ..."), exactly as in lessons/.
+from autograder.build import CODE_STUB, release_preprocessors  # noqa: E402
+
+c.ClearSolutions.code_stub = {{"python": CODE_STUB}}
+c.GenerateAssignment.preprocessors = release_preprocessors()
+
+# Distributed cells start processes and may wait out a launch timeout before they report:
+# nbgrader's default of 30 s per cell would cut them off.
+c.Execute.timeout = {EXECUTE_TIMEOUT_S}
+c.Execute.interrupt_on_timeout = True
+c.Execute.startup_timeout = 120
+'''
+
+
+def parse_lessons(text: str) -> list[int]:
+    """``"00,01"`` -> ``[0, 1]``."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise BuildError(f"--lessons takes lesson numbers separated by commas, like 00,01; "
+                         f"got {text!r}") from None
+
+
+def _earlier_config(path: Path) -> bool:
+    """An nbgrader_config.py an earlier `kit course` wrote, when the build lived in kit.build:
+    rewritten without --force (it was generated, and it no longer imports)."""
+    return (path.name == "nbgrader_config.py"
+            and "from kit.build import CODE_STUB" in path.read_text(encoding="utf-8"))
+
+
+def write_course(dest: Path, root: Path, *, lessons: list[int] | None = None,
+                 force: bool = False) -> list[Path]:
+    """Write ``dest/nbgrader_config.py`` and ``dest/source/<lesson>/<lesson>.ipynb``.
+
+    Files that exist with other content are left alone unless ``force`` (an instructor's edits
+    are never lost silently). Returns the paths written.
+    """
+    sources = [s for s in lesson_sources(root) if lessons is None or lesson_of(s) in lessons]
+    if not sources:
+        wanted = "any lesson" if lessons is None else ", ".join(f"{n:02d}" for n in lessons)
+        raise BuildError(f"no lesson source for {wanted} under {root / 'solutions'}")
+    files = {dest / "nbgrader_config.py": _CONFIG}
+    for src in sources:
+        files[dest / "source" / src.stem / f"{src.stem}.ipynb"] = render(source_notebook(src))
+    clashes = [p for p, text in files.items() if p.exists() and p.read_text(encoding="utf-8") != text
+               and not _earlier_config(p)]
+    if clashes and not force:
+        raise BuildError("these files exist with other content: "
+                         + ", ".join(str(p) for p in clashes)
+                         + ". Pass --force to overwrite them, or choose another DIR.")
+    written = []
+    for p, text in files.items():
+        if not p.exists() or p.read_text(encoding="utf-8") != text:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text, encoding="utf-8")
+            written.append(p)
+    return written
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _root(arg: str | None) -> Path:
+    return Path(arg).resolve() if arg else Path.cwd()
+
+
+def main_build(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kit build", description="Build lessons/ from solutions/.")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if lessons/ is stale (for CI)")
+    parser.add_argument("--root", help="course repository root (default: the current directory)")
+    args = parser.parse_args(argv)
+    try:
+        problems = build_lessons(_root(args.root), check=args.check)
+    except BuildError as e:
+        print(f"kit build: {e}", file=sys.stderr)
+        return 2
+    for problem in problems:
+        print(f"kit build: {problem}", file=sys.stderr)
+    if not problems and args.check:
+        print("kit build --check: lessons/ is up to date")
+    return 1 if problems else 0
+
+
+def main_course(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kit course",
+                                     description="Write a ready nbgrader course directory.")
+    parser.add_argument("dir", help="the course directory to write (created if missing)")
+    parser.add_argument("--lessons", help="only these lessons, e.g. 00,01 (default: all)")
+    parser.add_argument("--force", action="store_true", help="overwrite files that differ")
+    parser.add_argument("--root", help="course repository root (default: the current directory)")
+    args = parser.parse_args(argv)
+    dest = Path(args.dir)
+    try:
+        lessons = parse_lessons(args.lessons) if args.lessons else None
+        written = write_course(dest, _root(args.root), lessons=lessons, force=args.force)
+    except BuildError as e:
+        print(f"kit course: {e}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(f"wrote {p}")
+    names = sorted(p.name for p in (dest / "source").iterdir() if p.is_dir())
+    print(f"\nNext: cd {dest} && nbgrader generate_assignment {names[0]}  "
+          f"(assignments: {', '.join(names)})")
+    return 0
