@@ -139,6 +139,10 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
             store_ready.wait(spec.pg_timeout_s)
             store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False,
                                   timeout)
+        if spec.backend == "gloo":  # record every operation below Python (kit/recorder.py)
+            from kit import recorder
+
+            recorder.install()
         dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                                 world_size=spec.world_size,
                                 timeout=timedelta(seconds=spec.pg_timeout_s))

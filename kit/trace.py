@@ -1,10 +1,10 @@
-"""A collective tracer: which ``torch.distributed`` calls a rank made, how many bytes, and when.
+"""A collective tracer: which operations a rank made, how many bytes, and when.
 
-Lesson 01 uses it to show collectives happen and to check that the point-to-point tasks call no
-collective; Lessons 03-05 reuse the timeline to show DDP's bucketed all-reduces overlapping the
+Lesson 01 uses it to show collectives happen and the checks use it to grade communication
+patterns; Lessons 04-05 draw its timeline to show DDP's bucketed all-reduces overlapping the
 backward pass and FSDP's all-gathers. Inside a rank::
 
-    with trace() as t:            # every dist.* call in the block is recorded
+    with trace() as t:            # every operation in the block is recorded
         dist.all_reduce(x)
         with region("backward"):  # a named compute span on the same timeline
             loss.backward()
@@ -13,21 +13,21 @@ backward pass and FSDP's all-gathers. Inside a rank::
 From a notebook, ``launch_traced(fn, world_size=4)`` is :func:`kit.launch` that also brings back
 every rank's events, and ``plot_timeline(result.events)`` draws one lane per rank.
 
-Tracing patches the public functions of ``torch.distributed`` (and ``Work.wait``, to time async
-ops) for the duration of the block and restores them afterwards. A call made by another traced
-call (``all_gather_object`` calls ``all_gather``) is folded into the outer event, so each event
-is one call the user made. Only calls made through ``torch.distributed``'s Python functions are
-seen: torch's C++ DDP reducer and the functional collectives FSDP2 uses talk to the process
-group below Python, so trace those through a DDP communication hook or the course's own Python
-DDP/FSDP. Names bound before the block (``from torch.distributed import all_reduce``) keep
-pointing at the untraced function; call through ``dist.`` to be seen. Times come from ``time.perf_counter`` (a system-wide monotonic clock
-on Linux and macOS), so events from different ranks on one machine share a time axis.
+The events come from :mod:`kit.recorder`, the gloo process group :func:`kit.launch` gives every
+rank: it sees each operation below Python, whatever route it took (``dist.*``, a name imported
+from ``torch.distributed`` before the block, a ``ProcessGroup`` method, functional collectives,
+torch DDP's C++ reducer, FSDP2). An event's ``route`` says which. A call made by another
+``torch.distributed`` call (``all_gather_object`` calls ``all_gather``) is folded into the outer
+event, so each event is one call the user made. Nothing of ``torch.distributed`` is patched
+except ``Work.wait`` while a block is open, to time async operations. Groups that are not
+recording groups (NCCL, or a process not started by :func:`kit.launch`) show regions only.
+Times come from ``time.perf_counter`` (a system-wide monotonic clock on Linux and macOS), so
+events from different ranks on one machine share a time axis.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
+from kit import recorder
 from kit.launcher import LaunchResult, run_ranks
 
 __all__ = [
@@ -62,7 +62,6 @@ COLLECTIVE_OPS = frozenset({
     "monitored_barrier", "all_gather_object", "gather_object", "broadcast_object_list",
     "scatter_object_list", "all_reduce_coalesced", "_all_gather_base", "_reduce_scatter_base",
 })
-_TRACED = sorted(P2P_OPS | COLLECTIVE_OPS | {"batch_isend_irecv"})
 
 
 @dataclass
@@ -83,6 +82,9 @@ class Event:
     peer: int | None = None  # p2p: the other rank (global); None for "any source"
     async_op: bool = False
     group_size: int = 1
+    # How it reached the wire: "dist" (a torch.distributed function), "functional",
+    # "c++" (a torch component below Python: DDP's reducer), "pg" (a ProcessGroup method)
+    route: str = ""
 
     @property
     def duration(self) -> float:
@@ -115,23 +117,28 @@ class Tracer:
 
 
 def trace() -> Tracer:
-    """A context manager recording every ``torch.distributed`` call made inside it."""
+    """A context manager recording every operation this rank's process groups make inside it."""
     return Tracer()
 
 
-# --------------------------------------------------------------------------- patching
+# --------------------------------------------------------------------------- recording
 
 _lock = threading.RLock()
 _active: list[Tracer] = []
 _originals: dict[tuple[Any, str], Any] = {}
-_pending: dict[int, Event] = {}  # id(Work) -> its event, until wait() returns
-_local = threading.local()  # .depth: >0 while inside a traced call (inner calls fold into it)
+_pending: dict[int, tuple[Any, Event, list[int]]] = {}  # id(Work) -> (work, event, group ranks)
+_waited: set[int] = set()  # id(event) of events whose end a Python wait() set
+_fold: list[Any] = [None, None]  # (outer frame, event) of the object collective in progress
 
 
 def _activate(tracer: Tracer) -> None:
     with _lock:
         if not _active:
-            _patch()
+            recorder.observers.append(_observe)
+            recorder._issued.append(_issued)
+            work = torch._C._distributed_c10d.Work
+            _originals[(work, "wait")] = work.wait
+            work.wait = _wait_wrapper(work.wait)
         _active.append(tracer)
 
 
@@ -139,29 +146,15 @@ def _deactivate(tracer: Tracer) -> None:
     with _lock:
         _active.remove(tracer)
         if not _active:
-            _unpatch()
+            for hooks, hook in ((recorder.observers, _observe), (recorder._issued, _issued)):
+                if hook in hooks:
+                    hooks.remove(hook)
+            for (owner, name), original in _originals.items():
+                setattr(owner, name, original)
+            _originals.clear()
             _pending.clear()
-
-
-def _patch() -> None:
-    for name in _TRACED:
-        original = getattr(c10d, name, None)
-        if original is None:
-            continue
-        wrapper = _wrap(name, original)
-        for module in (c10d, dist):
-            if getattr(module, name, None) is original:
-                _originals[(module, name)] = original
-                setattr(module, name, wrapper)
-    work = torch._C._distributed_c10d.Work
-    _originals[(work, "wait")] = work.wait
-    work.wait = _wait_wrapper(work.wait)
-
-
-def _unpatch() -> None:
-    for (owner, name), original in _originals.items():
-        setattr(owner, name, original)
-    _originals.clear()
+            _waited.clear()
+            _fold[:] = [None, None]
 
 
 def _now() -> float:
@@ -181,130 +174,55 @@ def _next_index() -> int:
     return len(_active[0].events) if _active else 0  # the outermost tracer sees every call
 
 
-def _group_size(group: Any) -> int:
-    if not dist.is_initialized():
-        return 1
-    try:
-        return dist.get_world_size(group)
-    except (RuntimeError, ValueError):
-        return 1
+def _observe(record: recorder.Record) -> None:
+    """An operation is about to start: one event per call the user made."""
+    if record.fold is not None and _fold[0] is record.fold:
+        record.event = _fold[1]  # an object collective's inner traffic counts towards it
+        record.event.nbytes += record.nbytes
+        return
+    event = Event(_rank(), _next_index(), record.op, record.kind, record.nbytes, record.start,
+                  record.start, peer=record.peer, async_op=record.async_op,
+                  group_size=record.group_size, route=record.route)
+    record.event = event
+    _fold[:] = [record.fold, event] if record.fold is not None else [None, None]
+    _record(event)
 
 
-def _tensor_bytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_tensor_bytes(t) for t in x)
-    return 0
-
-
-def _message_bytes(op: str, a: dict[str, Any], group_size: int) -> int:
-    """The op's message size (see :class:`Event`) from its bound arguments."""
-    if op in ("all_gather", "all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
-        return _tensor_bytes(a.get("tensor_list", a.get("output_tensor")))
-    if op in ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
-              "_reduce_scatter_base"):
-        return _tensor_bytes(a.get("input_list", a.get("input")))
-    if op == "all_to_all":
-        return _tensor_bytes(a.get("input_tensor_list"))
-    if op == "all_to_all_single":
-        return _tensor_bytes(a.get("input"))
-    if op in ("gather", "scatter"):  # the full buffer the root holds
-        return _tensor_bytes(a.get("tensor")) * group_size
-    if op == "all_reduce_coalesced":
-        return _tensor_bytes(a.get("tensors"))
-    if "tensor" in a:
-        return _tensor_bytes(a["tensor"])
-    return 0  # barrier; object collectives add their inner calls' bytes
-
-
-def _peer(op: str, a: dict[str, Any]) -> int | None:
-    peer = a.get("dst") if op in ("send", "isend", "send_object_list") else a.get("src")
-    local = a.get("group_dst") if op in ("send", "isend", "send_object_list") else a.get("group_src")
-    if peer is None and local is not None:
+def _issued(record: recorder.Record, work: Any) -> None:
+    event = record.event
+    if event is None:
+        return
+    event.end = _now()
+    if work is None:
+        return
+    ranks = getattr(record, "group_ranks", None)
+    _pending[id(work)] = (work, event, ranks)
+    if record.route != "dist":  # waited below Python (DDP's reducer): end when it completes
         try:
-            peer = dist.get_global_rank(a.get("group") or dist.group.WORLD, local)
-        except (RuntimeError, ValueError):
-            peer = local
-    return peer
+            work.get_future().add_done_callback(lambda _: _completed(event))
+        except (RuntimeError, AttributeError):
+            pass
 
 
-def _wrap(op: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-    kind = "p2p" if op in P2P_OPS else "collective"
-
-    @functools.wraps(original)
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        depth = getattr(_local, "depth", 0)
-        if depth or not _active:
-            outer = getattr(_local, "outer", None)
-            result = original(*args, **kwargs)
-            if outer is not None and outer.op.endswith(("_object", "_object_list")):
-                try:  # an object collective's inner tensor traffic counts towards it
-                    a = signature.bind(*args, **kwargs).arguments
-                    outer.nbytes += _message_bytes(op, a, outer.group_size)
-                except TypeError:
-                    pass
-            return result
-        try:
-            a = signature.bind(*args, **kwargs).arguments
-        except TypeError:  # wrong arguments: let torch raise its own error
-            return original(*args, **kwargs)
-        if op == "batch_isend_irecv":
-            return _traced_batch(original, a)
-        size = _group_size(a.get("group"))
-        event = Event(_rank(), _next_index(), op, kind, _message_bytes(op, a, size), _now(), 0.0,
-                      peer=_peer(op, a) if kind == "p2p" else None,
-                      async_op=op in ("isend", "irecv") or bool(a.get("async_op")),
-                      group_size=size)
-        _local.depth, _local.outer = 1, event
-        try:
-            result = original(*args, **kwargs)
-        finally:
-            _local.depth, _local.outer = 0, None
-            event.end = _now()
-        if op == "recv" and event.peer is None and isinstance(result, int):
-            event.peer = result  # recv from any source returns the sender
-        if event.async_op and result is not None:
-            _pending[id(result)] = event
-        _record(event)
-        return result
-
-    return traced
-
-
-def _traced_batch(original: Callable[..., Any], a: dict[str, Any]) -> Any:
-    """``batch_isend_irecv``: one isend/irecv event per P2POp, each ending at its own wait()."""
-    p2p_ops = list(a["p2p_op_list"])
-    for p in p2p_ops:  # torch tells isend from irecv by identity: P2POps made before tracing
-        for name in ("isend", "irecv"):  # began hold the untraced functions
-            if p.op is _originals.get((c10d, name)) or p.op is getattr(c10d, name):
-                p.op = getattr(c10d, name)
-    start = _now()
-    _local.depth = 1
-    try:
-        works = original(p2p_ops)
-    finally:
-        _local.depth = 0
-    end = _now()
-    for i, p in enumerate(p2p_ops):
-        name = getattr(p.op, "__name__", str(p.op))
-        name = "isend" if "send" in name else "irecv"
-        event = Event(_rank(), _next_index(), name, "p2p", _tensor_bytes(p.tensor), start, end,
-                      peer=p.peer, async_op=True, group_size=_group_size(p.group))
-        if works is not None and i < len(works):
-            _pending[id(works[i])] = event
-        _record(event)
-    return works
+def _completed(event: Event) -> None:
+    if id(event) not in _waited:
+        event.end = max(event.end, _now())
 
 
 def _wait_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        event = _pending.pop(id(self), None)
-        if event is not None:
+        entry = _pending.pop(id(self), None)
+        if entry is not None:
+            _, event, _ = entry
             event.end = _now()
+            _waited.add(id(event))
+            if event.op == "recv" and event.peer is None:
+                try:  # a receive from any source learns its sender once it completed
+                    event.peer = dist.get_global_rank(dist.group.WORLD, self._source_rank())
+                except (RuntimeError, ValueError, AttributeError):
+                    pass
         return result
 
     return wait
