@@ -26,8 +26,8 @@ import nbformat
 from nbformat import NotebookNode
 from nbgrader.preprocessors import NbGraderPreprocessor
 
+from autograder.loading import Cell, cell_role, grade_id, lesson_of, lessons_arg
 from autograder.registry import get_task, lesson_tasks
-from autograder.loading import Cell, cell_role, grade_id, lesson_of
 
 __all__ = [
     "BuildError",
@@ -309,15 +309,6 @@ c.Execute.startup_timeout = 120
 '''
 
 
-def parse_lessons(text: str) -> list[int]:
-    """``"00,01"`` -> ``[0, 1]``."""
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise BuildError(f"--lessons takes lesson numbers separated by commas, like 00,01; "
-                         f"got {text!r}") from None
-
-
 def _earlier_config(path: Path) -> bool:
     """An nbgrader_config.py an earlier `kit course` wrote, when the build lived in kit.build:
     rewritten without --force (it was generated, and it no longer imports)."""
@@ -383,14 +374,13 @@ def main_course(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kit course",
                                      description="Write a ready nbgrader course directory.")
     parser.add_argument("dir", help="the course directory to write (created if missing)")
-    parser.add_argument("--lessons", help="only these lessons, e.g. 00,01 (default: all)")
+    parser.add_argument("--lessons", type=lessons_arg, help="only these lessons, e.g. 00,01 (default: all)")
     parser.add_argument("--force", action="store_true", help="overwrite files that differ")
     parser.add_argument("--root", help="course repository root (default: the current directory)")
     args = parser.parse_args(argv)
     dest = Path(args.dir)
     try:
-        lessons = parse_lessons(args.lessons) if args.lessons else None
-        written = write_course(dest, _root(args.root), lessons=lessons, force=args.force)
+        written = write_course(dest, _root(args.root), lessons=args.lessons, force=args.force)
     except BuildError as e:
         print(f"kit course: {e}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ __all__ = [
     "cell_role",
     "grade_id",
     "lesson_of",
+    "lessons_arg",
     "load_tasks",
     "read_cells",
 ]
@@ -84,6 +85,20 @@ def cell_role(cell: Cell) -> tuple[str, str | None]:
     if isinstance(gid, str) and (m := _GRADE_ID.match(gid)):
         return m.group(1), f"{m.group(2)}.{m.group(3)}"
     return "demo", None
+
+
+def lessons_arg(text: str) -> list[int]:
+    """``"00,01"`` -> ``[0, 1]``: the ``--lessons`` option of ``kit grade`` and ``kit course``."""
+    import argparse
+
+    try:
+        lessons = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        lessons = []
+    if not lessons:
+        raise argparse.ArgumentTypeError("takes lesson numbers separated by commas, like 00,01; "
+                                         f"got {text!r}")
+    return lessons
 
 
 def lesson_of(path: str | os.PathLike[str]) -> int | None:

@@ -68,3 +68,33 @@ class RankOutput:
 
     def text(self, rank: int) -> str:
         return "\n".join(self.transcripts[rank]) + ("\n" if self.transcripts[rank] else "")
+
+
+class Progress:
+    """A progress line: redrawn in place on a terminal, one line per step in a log (CI).
+
+    ``kit run`` counts cells with it and ``kit grade --out`` counts submissions.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None, *, width: int = 30):
+        self.total, self.width = total, width
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.done = 0
+
+    def update(self, text: str, *, done: int | None = None) -> None:
+        """One more step done (or ``done`` steps in all), described by ``text``."""
+        self.done = self.done + 1 if done is None else done
+        if self.tty:
+            filled = self.width * self.done // max(self.total, 1)
+            bar = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {text}"
+            self.stream.write("\r" + bar[:120].ljust(120))
+        else:
+            self.stream.write(f"[{self.done:>3}/{self.total}] {text}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+

@@ -21,6 +21,7 @@ from typing import Any
 import nbformat
 from nbformat import NotebookNode
 
+from kit.output import Progress
 
 __all__ = ["CellFailure", "NotebookError", "RunResult", "read_notebook", "run_notebook"]
 
@@ -85,31 +86,6 @@ def _label(cell: NotebookNode) -> str:
     return f"{tags[0]}: {first}" if tags else first
 
 
-class _Progress:
-    """One line redrawn in a terminal; one line per cell in a log (CI)."""
-
-    def __init__(self, total: int, stream: Any):
-        self.total, self.stream = total, stream
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
-        self.done = 0
-
-    def update(self, index: int, label: str, seconds: float) -> None:
-        self.done += 1
-        if self.tty:
-            width = 30
-            filled = width * self.done // max(self.total, 1)
-            line = f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} cell {index}: {label}"
-            self.stream.write(line[:120].ljust(120))
-        else:
-            self.stream.write(f"[{self.done:>3}/{self.total}] cell {index} ({seconds:.1f} s): {label}\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def run_notebook(path: str | Path, *, timeout: float = 300, progress: Any = None,
                  kernel_name: str = "python3") -> RunResult:
     """Execute every code cell of ``path`` in a fresh kernel; stop at the first failing cell.
@@ -124,7 +100,7 @@ def run_notebook(path: str | Path, *, timeout: float = 300, progress: Any = None
     path = Path(path)
     nb = read_notebook(path)
     code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    bar = _Progress(len(code_cells), progress) if progress is not None else None
+    bar = Progress(len(code_cells), progress) if progress is not None else None
     state: dict[str, Any] = {"index": None, "started": 0.0}
     cell_seconds: dict[int, float] = {}
 
@@ -135,7 +111,7 @@ def run_notebook(path: str | Path, *, timeout: float = 300, progress: Any = None
         seconds = time.perf_counter() - state["started"]
         cell_seconds[cell_index + 1] = seconds
         if bar and cell.cell_type == "code":
-            bar.update(cell_index + 1, _label(cell), seconds)
+            bar.update(f"cell {cell_index + 1} ({seconds:.1f} s): {_label(cell)}")
 
     # The kernel's own start-up warnings (e.g. about TCP transport) are noise in a headless run.
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=False,

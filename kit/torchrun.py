@@ -10,12 +10,13 @@ machine, each playing one node, joined by one c10d rendezvous on a free loopback
 A run that fails raises :class:`TorchrunError` quoting torchrun's ``ChildFailedError``
 summary (which rank, exit code, signal, error file). On failure, timeout or a kernel
 interrupt every agent and every worker it started is stopped: workers live in their own
-sessions, so they are found through ``/proc`` and killed by pid, never by name.
+sessions, so they are found as descendants (psutil) and killed by pid, never by name.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import linecache
 import os
@@ -31,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+import psutil
 
 __all__ = ["TorchrunError", "TorchrunResult", "TorchrunTimeout", "free_port",
            "init_process_group_per_attempt", "torchrun", "torchrun_command", "torchrun_nodes", "write_script"]
@@ -290,47 +293,17 @@ def _failure_summary(output: str) -> str:
     return "\n\n".join(blocks)
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, start time) of a live process, from /proc; None if gone or not Linux."""
+def _descendants(pid: int) -> list[psutil.Process]:
+    """Every descendant of ``pid`` (workers run in their own sessions, so not by process group)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), fields[19]  # ppid, starttime (clock ticks since boot)
-
-
-def _descendants(pid: int) -> dict[int, str]:
-    """Every descendant of ``pid`` with its start time (workers run in their own sessions)."""
-    try:
-        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return {}
-    children: dict[int, list[tuple[int, str]]] = {}
-    for entry in entries:
-        if (st := _stat(entry)) is not None:
-            children.setdefault(st[0], []).append((entry, st[1]))
-    found, todo = {}, [pid]
-    while todo:
-        for child, started in children.get(todo.pop(), []):
-            found[child] = started
-            todo.append(child)
-    return found
-
-
-def _kill_if_same(pid: int, started: str) -> None:
-    # The start time guards against a pid reused by an unrelated process meanwhile.
-    st = _stat(pid)
-    if st is not None and st[1] == started:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _stop_all(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
     """SIGTERM each agent (it stops its workers), then SIGKILL whatever is left, by pid."""
-    workers: dict[int, str] = {}
+    workers: set[psutil.Process] = set()
     for p in procs:
         if p.poll() is None:
             workers.update(_descendants(p.pid))
@@ -343,5 +316,7 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
             workers.update(_descendants(p.pid))
             p.kill()
             p.wait()
-    for pid, started in workers.items():
-        _kill_if_same(pid, started)
+    for worker in workers:
+        # psutil checks the process's start time: a pid reused meanwhile is never killed.
+        with contextlib.suppress(psutil.Error):
+            worker.kill()

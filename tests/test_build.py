@@ -163,8 +163,10 @@ def test_course_writes_config_and_source_notebooks(tmp_path, capsys):
 
 
 def test_course_rejects_a_bad_lesson_list(tmp_path, capsys):
-    assert main_course([str(tmp_path), "--root", str(ROOT), "--lessons", "zero"]) == 2
-    assert "--lessons takes lesson numbers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        main_course([str(tmp_path), "--root", str(ROOT), "--lessons", "zero"])
+    assert exit.value.code == 2
+    assert "--lessons: takes lesson numbers separated by commas" in capsys.readouterr().err
     assert main_course([str(tmp_path), "--root", str(ROOT), "--lessons", "42"]) == 2
     assert "no lesson source for 42" in capsys.readouterr().err
 

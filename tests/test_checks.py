@@ -7,50 +7,24 @@ Also: what check() shows a student and how nbgrader reads its score.
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ROOT, SOURCES, seeded_bugs, solutions, stubs
 from hypothesis import given
 from hypothesis import strategies as st
 from nbformat.v4 import new_code_cell, new_output
 from nbgrader.utils import determine_grade
 
-from autograder.registry import get_task, lesson_tasks
 from autograder.checking import ERROR, FAILED, NOT_IMPLEMENTED, check, run_checks
-from autograder.loading import lesson_of, load_tasks
+from autograder.registry import get_task, lesson_tasks
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {lesson_of(p): p for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}
 CHECKED_LESSONS = sorted(set(SOURCES) | {int(p.stem[6:]) for p in (ROOT / "autograder").glob("lesson[0-9][0-9].py")})
 TASK_IDS = [t.id for lesson in CHECKED_LESSONS for t in lesson_tasks(lesson)]
-
-
-@functools.cache
-def solutions(lesson: int):
-    assert lesson in SOURCES, f"lesson {lesson:02d} has checks but no solutions/{lesson:02d}_*.py"
-    return load_tasks(SOURCES[lesson])
-
-
-@functools.cache
-def stubs(lesson: int):
-    assert lesson in SOURCES, f"lesson {lesson:02d} has checks but no solutions/{lesson:02d}_*.py"
-    notebook = ROOT / "lessons" / f"{SOURCES[lesson].stem}.ipynb"
-    assert notebook.exists(), f"{notebook.name} is missing: run `kit build`"
-    return load_tasks(notebook)
-
-
-def seeded_bugs(lesson: int) -> dict:
-    try:
-        return importlib.import_module(f"bugs.lesson{lesson:02d}").BUGS
-    except ModuleNotFoundError:
-        return {}
 
 
 def test_every_lesson_registers_tasks():

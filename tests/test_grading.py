@@ -65,7 +65,7 @@ def test_a_submission_writing_into_the_output_folder_changes_no_grade(corpus):
 def test_feedback_and_gradescope_results_say_why_points_were_lost(corpus):
     _, out, _, _, _ = corpus
     text = (out / "feedback" / "infinite_loop.txt").read_text()
-    assert "Task 0.1 shard_range: timeout (0/2)" in text and "did not finish within 12 s" in text
+    assert "Task 0.1 shard_range: timeout: 5 of 5 checks failed, 0/2 points" in text and "did not finish within 12 s" in text
     results = json.loads((out / "gradescope" / "fork_bomb" / "results.json").read_text())
     assert results["score"] == 3 and [t["score"] for t in results["tests"]] == [0, 3]
     assert "processes" in results["tests"][0]["output"] or "signal" in results["tests"][0]["output"]
@@ -191,7 +191,7 @@ def test_the_command_grades_a_folder_with_progress_and_every_output(tmp_path, ca
     args = [str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00", "--gradescope"]
     assert main(args) == 0
     captured = capsys.readouterr()
-    assert "graded 2 submission(s)" in captured.out and "2/2 graded, 0:00 left" in captured.err
+    assert "graded 2 submission(s)" in captured.out and "2/2] graded, 0:00 left" in captured.err
     rows = list(csv.DictReader((tmp_path / "out" / "grades.csv").open()))
     assert [(r["student"], r["0.1"], r["0.2"]) for r in rows] == [("correct", "2.0", "3.0"), ("stub", "0.0", "0.0")]
     nbgrader = list(csv.DictReader((tmp_path / "out" / "nbgrader-grades.csv").open()))

@@ -5,15 +5,13 @@ untouched one, and partial credit where a task passes some of its cases."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_nbgrader
 
-from autograder.registry import lesson_tasks
 from autograder.build import main_course, source_notebook
+from autograder.registry import lesson_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "00_launching_ranks"
@@ -26,16 +24,6 @@ MEAN_OF_MEANS = '''def global_mean(local: torch.Tensor) -> torch.Tensor:
 '''
 
 
-def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
-    # nbgrader runs `alembic` (its database migrations) from PATH: the environment's bin/ first.
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
-    return done
-
-
 def _submit(course: Path, student: str, nb: dict) -> None:
     folder = course / "submitted" / student / NAME
     folder.mkdir(parents=True)
@@ -46,7 +34,7 @@ def _submit(course: Path, student: str, nb: dict) -> None:
 def test_autograde_gives_full_zero_and_partial_marks(tmp_path):
     course = tmp_path / "course"
     assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
-    _nbgrader(course, "generate_assignment", NAME, "--force")
+    run_nbgrader(course, "generate_assignment", NAME, "--force")
 
     release = json.loads((course / "release" / NAME / f"{NAME}.ipynb").read_text())
     built = json.loads((ROOT / "lessons" / f"{NAME}.ipynb").read_text())
@@ -66,7 +54,7 @@ def test_autograde_gives_full_zero_and_partial_marks(tmp_path):
     _submit(course, "untouched", release)
     _submit(course, "partial", partial)
 
-    _nbgrader(course, "autograde", NAME, "--force")
+    run_nbgrader(course, "autograde", NAME, "--force")
 
     from nbgrader.api import Gradebook
 

@@ -115,7 +115,8 @@ def test_grade_reports_a_missing_task_and_takes_the_lesson_from_an_option(tmp_pa
     assert grade_main([str(path), "--lessons", "00", "--json", str(tmp_path / "a.json")]) == 0
     assert "missing 0.2: global_mean" in capsys.readouterr().out
     task = json.loads((tmp_path / "a.json").read_text())["tasks"][1]
-    assert task["score"] == 0 and "not found in the notebook" in task["cases"][0]["message"]
+    assert task["score"] == 0 and task["status"] == "missing"
+    assert "could not load it from the notebook" in task["cases"][0]["message"]
 
 
 def test_grade_never_overwrites_the_submission(tmp_path, capsys):

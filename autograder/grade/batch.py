@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import json
 import os
 import secrets
 import shutil
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +34,6 @@ from typing import Any
 
 import torch
 
-from autograder.registry import CheckFailed, Task, lesson_tasks
 from autograder.grade.sandbox import (
     Limits,
     WorkerExit,
@@ -42,15 +43,28 @@ from autograder.grade.sandbox import (
     run_worker,
 )
 from autograder.grade.submissions import Submission, safe_name
+from autograder.registry import Task, lesson_tasks
+from autograder.results import (
+    BLOCKED,
+    ERROR,
+    MISSING,
+    NOT_IMPLEMENTED,
+    STATUSES,
+    TIMEOUT,
+    CaseResult,
+    TaskReport,
+    judge,
+    settle,
+    unloaded_status,
+)
 
-__all__ = ["TASK_STATUSES", "BatchConfig", "GraderFault", "grade_batch", "load_records", "task_status"]
+__all__ = ["TASK_STATUSES", "BatchConfig", "GraderFault", "grade_batch", "load_records", "write_atomic"]
 
 
 class GraderFault(RuntimeError):
     """The grader itself failed (not the submission): nothing is recorded, a re-run retries it."""
 
-PASSED, FAILED, ERROR, TIMEOUT, MISSING, BLOCKED = "passed", "failed", "error", "timeout", "missing", "blocked"
-TASK_STATUSES = (PASSED, FAILED, ERROR, TIMEOUT, MISSING, BLOCKED)
+TASK_STATUSES = STATUSES
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 
 
@@ -76,13 +90,13 @@ def run_secret(out: Path, seed: int | None) -> dict[str, Any]:
         secret = json.loads(path.read_text())
     else:
         secret = {"seed": secrets.randbelow(2**31), "key": secrets.token_hex(32)}
-        _write_atomic(path, json.dumps(secret), mode=0o600)
+        write_atomic(path, json.dumps(secret), mode=0o600)
     if seed is not None:
         secret["seed"] = seed
     return secret
 
 
-def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -152,15 +166,25 @@ def _check_plain(x: Any, depth: int = 0) -> None:
     raise TypeError(f"a {type(x).__module__}.{type(x).__name__}")
 
 
+def _read_untrusted(path: Path) -> bytes:
+    """A file the worker wrote: a regular file, its last part not a link (never a FIFO that blocks,
+    never a link the worker planted to something only the grader may read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        return f.read()
+
+
 def read_result(path: Path) -> dict[str, Any]:
     """A case's result file, as plain data only; anything else is an error record."""
     try:
-        record = torch.load(path, weights_only=True, map_location="cpu")
+        record = torch.load(io.BytesIO(_read_untrusted(path)), weights_only=True, map_location="cpu")
         _check_plain(record)
     except Exception as e:
         return {"status": ERROR, "message": "the case returned something that is not plain data "
                 f"(tensors, numbers, strings, lists, dicts): {type(e).__name__}: {str(e)[:300]}"}
-    if not isinstance(record, dict) or record.get("status") not in ("ok", "not implemented", ERROR, TIMEOUT):
+    if not isinstance(record, dict) or record.get("status") not in ("ok", NOT_IMPLEMENTED, ERROR, TIMEOUT, "forbidden"):
         return {"status": ERROR, "message": "the grading worker sent back a malformed result"}
     return record
 
@@ -168,46 +192,27 @@ def read_result(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- one submission
 
 
-def _case(name: str, status: str, points: float, max_points: float, message: str = "", **extra: Any) -> dict:
-    return {"name": name, "status": status, "points": points, "max_points": max_points,
-            "message": message, **extra}
-
-
-def task_status(cases: list[dict[str, Any]]) -> str:
-    statuses = {c["status"] for c in cases}
-    if statuses <= {PASSED}:
-        return PASSED
-    for status in (MISSING, BLOCKED, TIMEOUT, ERROR):
-        if status in statuses:
-            return status
-    return FAILED
-
-
-def _judge(task: Task, index: int, raw: dict[str, Any] | None, expected: Any) -> dict[str, Any]:
+def _case(task: Task, index: int, status: str, message: str) -> CaseResult:
     case = task.cases[index]
-    points = task.case_points(case)
+    return CaseResult(case.name, status, 0.0, task.case_points(case), message[:2000],
+                      hint=case.hint if status in (ERROR, TIMEOUT) else "")
+
+
+def _judge(task: Task, index: int, raw: dict[str, Any] | None, expected: Any) -> CaseResult:
+    """What the worker sent back for one case, judged here by :func:`autograder.results.judge`."""
+    case = task.cases[index]
     if raw is None:
-        return _case(case.name, ERROR, 0.0, points, "the case did not run")
+        return _case(task, index, ERROR, "the case did not run")
     status = raw.get("status")
-    if status == "not implemented":
-        return _case(case.name, FAILED, 0.0, points, f"not implemented: {raw.get('message', '')}")
-    if status in (ERROR, TIMEOUT):
-        return _case(case.name, status, 0.0, points, str(raw.get("message", ""))[:2000],
-                     hint=case.hint, details=str(raw.get("details", ""))[-2000:])
+    if status in (NOT_IMPLEMENTED, ERROR, TIMEOUT, "forbidden"):
+        result = _case(task, index, status, str(raw.get("message", "")))
+        result.details = str(raw.get("details", ""))[-2000:]
+        return result
     kind, want = expected
     if kind != "ok":
-        return _case(case.name, ERROR, 0.0, points, f"the grader's reference failed ({want}); "
+        return _case(task, index, ERROR, f"the grader's reference failed ({want}); "
                      "this is not your fault: tell your instructor")
-    try:
-        case.compare(raw.get("data"), want)
-    except CheckFailed as e:
-        return _case(case.name, FAILED, 0.0, points, e.message,
-                     expected=None if e.expected is None else str(e.expected)[:500],
-                     got=None if e.got is None else str(e.got)[:500], hint=e.hint or case.hint)
-    except Exception as e:  # compare met data of a shape it did not expect
-        return _case(case.name, FAILED, 0.0, points, f"the result has the wrong form "
-                     f"({type(e).__name__}: {str(e)[:200]})", hint=case.hint)
-    return _case(case.name, PASSED, points, points)
+    return judge(task, case, raw.get("data"), want, float(raw.get("seconds", 0.0) or 0.0))
 
 
 _KILLED = {
@@ -233,10 +238,12 @@ def _death(exit: WorkerExit, limits: Limits) -> tuple[str, str]:
 
 
 def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], expected: dict[str, Any],
-                     seed: int, limits: Limits, slot: int) -> dict[str, Any]:
-    """Grade one submission in sandbox workers; returns its record (not yet signed)."""
+                     seed: int, limits: Limits, slot: int, hide: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Grade one submission in sandbox workers; returns its record (not yet signed).
+
+    ``hide``: paths its worker must not see (the output folder, every submission)."""
     start = time.monotonic()
-    results: dict[str, dict[str, Any]] = {}  # case key -> judged case
+    results: dict[str, CaseResult] = {}  # case key -> judged case
     loads: dict[int, dict[str, Any]] = {}
     pending = []  # (task, index) still to run
     for task in tasks:
@@ -246,10 +253,10 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
         for index, case in enumerate(task.cases):
             key = case_key(task, index)
             if nb is None:
-                results[key] = _case(case.name, MISSING, 0.0, task.case_points(case),
+                results[key] = _case(task, index, MISSING,
                                      f"no notebook for lesson {task.lesson:02d} in this submission")
             elif key not in expected:
-                results[key] = _case(case.name, BLOCKED, 0.0, task.case_points(case),
+                results[key] = _case(task, index, BLOCKED,
                                      f"needs {case.needs}, which this grading machine lacks")
             else:
                 pending.append((task, index))
@@ -269,7 +276,7 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
             job = {"seed": seed, "notebooks": notebooks,
                    "cases": [[t.id, i, case_key(t, i)] for t, i in pending]}
             (work / "job.json").write_text(json.dumps(job))
-            exit = run_worker(work, limits, slot=slot, cases=len(pending))
+            exit = run_worker(work, limits, slot=slot, cases=len(pending), hide=hide)
             if exit.last is None and exit.reason is None:
                 # It died before reading the submission: the grader's installation is at fault.
                 raise GraderFault(f"the grading worker failed before loading {sub.student}'s "
@@ -277,8 +284,10 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
             output.append(exit.output)
             for lesson, _ in notebooks:
                 loads[lesson] = _read_load(work / f"load-{lesson}.json")
-            raws = {case_key(t, i): read_result(work / "results" / f"{case_key(t, i)}.pt")
-                    for t, i in pending if (work / "results" / f"{case_key(t, i)}.pt").is_file()}
+            results_dir = work / "results"  # the worker could have swapped it for a link
+            raws = {case_key(t, i): read_result(results_dir / f"{case_key(t, i)}.pt")
+                    for t, i in pending if not results_dir.is_symlink()
+                    and (results_dir / f"{case_key(t, i)}.pt").is_file()}
         finally:
             remove_workdir(work)
         still = []
@@ -287,10 +296,8 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
             load = loads.get(task.lesson)
             if load and ("error" in load or task.id in load.get("missing", {})):
                 why = load.get("error") or load["missing"][task.id]
-                # A definition that cannot run (syntax error, raised at import) is an error, not absent.
-                status = ERROR if "error" in load or "SyntaxError" in why or " raised " in why else MISSING
-                results[key] = _case(task.cases[index].name, status, 0.0, task.case_points(task.cases[index]),
-                                     f"could not load it from the notebook: {why}"[:2000])
+                status = ERROR if "error" in load else unloaded_status(why)
+                results[key] = _case(task, index, status, f"could not load it from the notebook: {why}")
             elif key in raws:
                 results[key] = _judge(task, index, raws[key], expected[key])
             else:
@@ -303,19 +310,17 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
         status, why = _death(exit, limits)
         for task, index in still:
             if task.id == culprit.id or (exit.last or "").startswith("load") and task.lesson == culprit.lesson:
-                results[case_key(task, index)] = _case(task.cases[index].name, status, 0.0,
-                                                       task.case_points(task.cases[index]), why)
+                results[case_key(task, index)] = _case(task, index, status, why)
         pending = [(t, i) for t, i in pending if case_key(t, i) not in results]
     for task, index in pending:  # out of attempts
-        results[case_key(task, index)] = _case(task.cases[index].name, ERROR, 0.0,
-                                                task.case_points(task.cases[index]), "the case did not run")
+        results[case_key(task, index)] = _case(task, index, ERROR, "the case did not run")
     return _record(sub, lessons, tasks, results, loads, "\n".join(output), time.monotonic() - start)
 
 
 def _read_load(path: Path) -> dict[str, Any]:
     # Written by the worker after the notebook's code ran: untrusted, so only its shape is used.
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_read_untrusted(path).decode("utf-8"))
     except (OSError, ValueError):
         return {}
     if not isinstance(data, dict):
@@ -338,16 +343,17 @@ def _culprit(exit: WorkerExit, still: list[tuple[Task, int]]) -> Task:
     return still[0][0]
 
 
-def _record(sub: Submission, lessons: list[int], tasks: list[Task], results: dict[str, dict[str, Any]],
+def _record(sub: Submission, lessons: list[int], tasks: list[Task], results: dict[str, CaseResult],
             loads: dict[int, dict[str, Any]], output: str, seconds: float) -> dict[str, Any]:
     rows = []
     for task in tasks:
         if task.lesson not in lessons:
             continue
-        cases = [results[case_key(task, i)] for i in range(len(task.cases))]
-        rows.append({"task": task.id, "name": task.name, "status": task_status(cases),
-                     "score": round(sum(c["points"] for c in cases), 6),
-                     "max_score": round(sum(c["max_points"] for c in cases), 6), "cases": cases})
+        report = settle(TaskReport(task.id, task.name,
+                                   [results[case_key(task, i)] for i in range(len(task.cases))]))
+        row = report.to_dict()
+        del row["output"]  # the submission's output is kept once, for the whole record
+        rows.append(row)
     notes = list(sub.notes)
     for lesson, load in sorted(loads.items()):
         notes += [f"lesson {lesson:02d}: {n}" for n in load.get("notes", []) if isinstance(n, str)][:20]
@@ -381,18 +387,19 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
         slots.put(slot)
     lock = threading.Lock()
     started = time.monotonic()
+    hide = (config.out, *{p for s in subs for p in (s.source, s.any_lesson, *s.notebooks.values()) if p})
     finished = [0]
 
     def one(sub: Submission) -> None:
         slot = slots.get()
         try:
             record = grade_submission(sub, config.lessons, tasks, expected, secret["seed"],
-                                      config.limits, slot)
+                                      config.limits, slot, hide)
         finally:
             slots.put(slot)
         record.update(stamp[sub.student])
         record["hmac"] = _sign(record, secret["key"])
-        _write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json", json.dumps(record, indent=1))
+        write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json", json.dumps(record, indent=1))
         with lock:
             records[sub.student] = record
             finished[0] += 1
@@ -410,6 +417,6 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
             raise
     # Rewrite every record from memory: a submission that wrote into records/ meanwhile loses.
     for sub in subs:
-        _write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json",
+        write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json",
                       json.dumps(records[sub.student], indent=1))
     return records

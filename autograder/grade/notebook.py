@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autograder.checking import run_checks, stderr_to_stdout
+from autograder.loading import LoadReport, NotebookError, lesson_of, lessons_arg, load_tasks
 from autograder.registry import lesson_tasks
-from autograder.checking import ERROR, CaseResult, TaskReport, run_checks, stderr_to_stdout
-from autograder.loading import LoadReport, NotebookError, lesson_of, load_tasks
+from autograder.results import TaskReport, unloaded
 
 __all__ = ["GradeReport", "grade_notebook", "main"]
 
@@ -44,7 +45,6 @@ class GradeReport:
     lessons: list[int]
     tasks: list[TaskReport] = field(default_factory=list)
     loads: list[LoadReport] = field(default_factory=list)
-    outputs: dict[str, str] = field(default_factory=dict)  # task id -> what its checks printed
 
     @property
     def score(self) -> float:
@@ -60,7 +60,7 @@ class GradeReport:
             "lessons": [f"{n:02d}" for n in self.lessons],
             "score": round(self.score, 6),
             "max_score": self.max_score,
-            "tasks": [{**t.to_dict(), "output": self.outputs.get(t.task_id, "")} for t in self.tasks],
+            "tasks": [t.to_dict() for t in self.tasks],
             "load": [{"lesson": f"{r.lesson:02d}", "found": r.found, "missing": r.missing,
                       "notes": r.notes} for r in self.loads],
         }
@@ -76,11 +76,6 @@ class GradeReport:
             lines += [f"missing {tid}: {why}" for tid, why in report.missing.items()]
             lines += [f"note: {note}" for note in report.notes]
         return "\n".join(lines)
-
-
-def _missing_task(task_id: str, name: str, cases: list[tuple[str, float]], why: str) -> TaskReport:
-    message = f"not found in the notebook: {why}"
-    return TaskReport(task_id, name, [CaseResult(case, ERROR, 0.0, points, message) for case, points in cases])
 
 
 def grade_notebook(path: str | Path, *, lessons: list[int] | None = None, seed: int = 0) -> GradeReport:
@@ -106,15 +101,14 @@ def grade_notebook(path: str | Path, *, lessons: list[int] | None = None, seed: 
         for task in lesson_tasks(lesson):
             impl = getattr(module, task.name, None)
             if task.id in load.missing or impl is None:
-                cases = [(c.name, task.case_points(c)) for c in task.cases]
-                report.tasks.append(_missing_task(task.id, task.name, cases,
-                                                  load.missing.get(task.id, "no definition")))
+                report.tasks.append(unloaded(task, load.missing.get(task.id, "no definition")))
                 continue
             buffer = io.StringIO()
             # The student's prints and rank output go to the JSON, not between the table rows.
             with contextlib.redirect_stdout(buffer), stderr_to_stdout():
-                report.tasks.append(run_checks(task.id, impl, seed=seed))
-            report.outputs[task.id] = buffer.getvalue()[-OUTPUT_LIMIT:]
+                task_report = run_checks(task.id, impl, seed=seed)
+            task_report.output = buffer.getvalue()[-OUTPUT_LIMIT:]
+            report.tasks.append(task_report)
     return report
 
 
@@ -123,7 +117,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("submissions", nargs="+", metavar="SUBMISSION",
                         help="a notebook, a folder of notebooks, an nbgrader course or submitted/ "
                              "folder, or a Gradescope export")
-    parser.add_argument("--lessons", help="lessons to grade, e.g. 00,01 (default: from the file name; "
+    parser.add_argument("--lessons", type=lessons_arg,
+                        help="lessons to grade, e.g. 00,01 (default: from the file name; "
                         "in a batch: every lesson with checks)")
     parser.add_argument("--out", help="batch: the output folder (grades.csv, records/, feedback/)")
     parser.add_argument("--workers", type=int, default=2, help="batch: submissions graded at once")
@@ -137,12 +132,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the checks' data (one notebook: default 0; batch: the run's secret)")
     args = parser.parse_args(argv)
-    from autograder.build import BuildError, parse_lessons
-
     if args.out or len(args.submissions) > 1 or Path(args.submissions[0]).is_dir():
-        from autograder.grade.reports import main_batch
+        from autograder.grade.reports import run_batch
 
-        return main_batch(args)
+        return run_batch(args.submissions, out=Path(args.out or "grading-out"), lessons=args.lessons,
+                         workers=args.workers, timeout=args.timeout, gradescope=args.gradescope,
+                         seed=args.seed)
     path = Path(args.submissions[0])
     out = Path(args.json_path) if args.json_path and args.json_path != "-" else \
         Path("grading-out") / f"{path.stem}.json"
@@ -150,9 +145,8 @@ def main(argv: list[str]) -> int:
         print(f"kit grade: --json would overwrite the submission {path}", file=sys.stderr)
         return 2
     try:
-        lessons = parse_lessons(args.lessons) if args.lessons else None
-        report = grade_notebook(path, lessons=lessons, seed=args.seed or 0)
-    except (NotebookError, BuildError) as e:
+        report = grade_notebook(path, lessons=args.lessons, seed=args.seed or 0)
+    except NotebookError as e:
         print(f"kit grade: {e}", file=sys.stderr)
         return 2
     print(f"kit grade: {path} (lesson {', '.join(f'{n:02d}' for n in report.lessons)})")

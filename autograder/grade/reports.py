@@ -13,7 +13,6 @@ resumed run writes exactly one row per submission.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -22,42 +21,35 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autograder.grade.batch import BatchConfig, GraderFault, _write_atomic, grade_batch
-from autograder.loading import NotebookError
+from autograder.grade.batch import BatchConfig, GraderFault, grade_batch, write_atomic
 from autograder.grade.sandbox import Limits
 from autograder.grade.submissions import Submission, discover, safe_name
+from autograder.loading import NotebookError
+from autograder.results import PASSED, TaskReport
+from kit.output import Progress
 
-__all__ = ["feedback_text", "gradescope_results", "main_batch", "write_outputs"]
+__all__ = ["feedback_text", "gradescope_results", "run_batch", "write_outputs"]
 
 
 def feedback_text(record: dict[str, Any]) -> str:
-    """A student's readable feedback: every task's status and score, and why points were lost."""
+    """A student's readable feedback: every task's report, as ``check()`` prints it."""
     lines = [f"Feedback for {record['student']}: {record['score']:.4g}/{record['max_score']:.4g} points", ""]
     for task in record["tasks"]:
-        lines.append(f"Task {task['task']} {task['name']}: {task['status']} "
-                     f"({task['score']:.4g}/{task['max_score']:.4g})")
-        for case in task["cases"]:
-            if case["status"] == "passed":
-                continue
-            lines.append(f"  - {case['name']}: {case['status']}. {case['message']}".rstrip())
-            if case.get("expected") is not None or case.get("got") is not None:
-                lines.append(f"      expected: {case.get('expected')}\n      got:      {case.get('got')}")
-            if case.get("hint"):
-                lines.append(f"      hint: {case['hint']}")
+        lines += [TaskReport.from_dict(task).to_text(details=False), ""]
     if record.get("notes"):
-        lines += ["", "Notes:"] + [f"  {n}" for n in record["notes"]]
-    return "\n".join(lines) + "\n"
+        lines += ["Notes:"] + [f"  {n}" for n in record["notes"]]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def gradescope_results(record: dict[str, Any]) -> dict[str, Any]:
     """Gradescope's ``results.json``: one test per task, its score and feedback as output."""
     tests = []
     for task in record["tasks"]:
-        lost = [f"{c['name']}: {c['status']}. {c['message']}" for c in task["cases"] if c["status"] != "passed"]
+        report = TaskReport.from_dict(task)
         tests.append({"name": f"Task {task['task']} {task['name']}", "number": task["task"],
                       "score": task["score"], "max_score": task["max_score"],
-                      "status": "passed" if task["status"] == "passed" else "failed",
-                      "output": "\n".join(lost)[:8000]})
+                      "status": "passed" if task["status"] == PASSED else "failed",
+                      "output": report.to_text(details=False)[:8000]})
     return {"score": record["score"], "execution_time": record.get("seconds", 0),
             "output": "\n".join(record.get("notes", []))[:8000], "tests": tests}
 
@@ -87,32 +79,14 @@ def write_outputs(out: Path, subs: list[Submission], records: dict[str, dict[str
         for lesson, (score, max_score) in lessons.items():
             nb.writerow([f"lesson{lesson}", sub.student, round(score, 6), round(max_score, 6)])
         name = safe_name(sub.student)
-        _write_atomic(out / "feedback" / f"{name}.txt", feedback_text(record))
+        write_atomic(out / "feedback" / f"{name}.txt", feedback_text(record))
         if gradescope:
             (out / "gradescope" / name).mkdir(parents=True, exist_ok=True)
-            _write_atomic(out / "gradescope" / name / "results.json",
+            write_atomic(out / "gradescope" / name / "results.json",
                           json.dumps(gradescope_results(record), indent=1))
-    _write_atomic(out / "nbgrader-grades.csv", by_lesson.getvalue())
-    _write_atomic(out / "grades.csv", buffer.getvalue())
+    write_atomic(out / "nbgrader-grades.csv", by_lesson.getvalue())
+    write_atomic(out / "grades.csv", buffer.getvalue())
     return out / "grades.csv"
-
-
-class _Progress:
-    """``[#####.....] 37/100 graded, 2:31 left`` on a terminal; a line per submission otherwise."""
-
-    def __init__(self, stream: Any = None):
-        self.stream = stream or sys.stderr
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
-
-    def __call__(self, done: int, total: int, seconds: float) -> None:
-        left = seconds / done * (total - done)
-        bar = "#" * (20 * done // total) + "." * (20 - 20 * done // total)
-        text = f"[{bar}] {done}/{total} graded, {int(left // 60)}:{int(left % 60):02d} left"
-        if self.tty:
-            self.stream.write("\r" + text + ("\n" if done == total else ""))
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -123,31 +97,39 @@ def _inside(path: Path, folder: Path) -> bool:
     return True
 
 
-def main_batch(args: argparse.Namespace) -> int:
-    from autograder.registry import lesson_tasks
-    from autograder.build import BuildError, parse_lessons
+class GradingError(ValueError):
+    """The batch was asked for something impossible; the message names the fix."""
 
-    out = Path(args.out or "grading-out")
+
+def _batch_lessons(lessons: list[int] | None) -> list[int]:
+    from autograder.registry import lesson_tasks
+
+    if lessons is None:  # every lesson with checks
+        return sorted(int(p.stem[6:]) for p in Path(__file__).resolve().parents[1].glob("lesson[0-9][0-9].py"))
+    unknown = [n for n in lessons if not lesson_tasks(n)]
+    if unknown:
+        raise GradingError(f"lesson {unknown[0]:02d} has no checks (autograder/lesson{unknown[0]:02d}.py)")
+    return lessons
+
+
+def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = None, workers: int = 2,
+              timeout: float = 60.0, gradescope: bool = False, seed: int | None = None) -> int:
+    """``kit grade SUBMISSION... --out DIR``: grade, then write every report; returns the exit code."""
     try:
-        lessons = parse_lessons(args.lessons) if args.lessons else \
-            sorted(int(p.stem[6:]) for p in (Path(__file__).resolve().parents[1] / "autograder")
-                   .glob("lesson[0-9][0-9].py"))
-        unknown = [n for n in lessons if not lesson_tasks(n)]
-        if unknown:
-            raise BuildError(f"lesson {unknown[0]:02d} has no checks (autograder/lesson{unknown[0]:02d}.py)")
-        if args.workers < 1 or args.timeout <= 0:
-            raise BuildError("--workers must be at least 1 and --timeout positive")
-        subs = discover(args.submissions)
-        for src in [Path(p) for p in args.submissions] + [s.source for s in subs if s.source]:
+        lessons = _batch_lessons(lessons)
+        if workers < 1 or timeout <= 0:
+            raise GradingError("--workers must be at least 1 and --timeout positive")
+        subs = discover(submissions)
+        for src in [Path(p) for p in submissions] + [s.source for s in subs if s.source]:
             if (src.is_dir() and _inside(out, src)) or _inside(src, out):
-                raise BuildError(f"--out {out} and the submission {src} overlap: give the results a "
-                                 "folder of their own, so no submission is ever written to")
-    except (NotebookError, BuildError) as e:
+                raise GradingError(f"--out {out} and the submission {src} overlap: give the results a "
+                                   "folder of their own, so no submission is ever written to")
+    except (NotebookError, GradingError) as e:
         print(f"kit grade: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     print(f"kit grade: {len(subs)} submission(s), lessons {','.join(f'{n:02d}' for n in lessons)}, "
-          f"{args.workers} worker(s), results in {out}")
+          f"{workers} worker(s), results in {out}")
     for sub in subs:
         for note in sub.notes:
             print(f"  {sub.student}: {note}")
@@ -155,15 +137,24 @@ def main_batch(args: argparse.Namespace) -> int:
 
     if (note := isolation_note()) is not None:
         print(f"kit grade: note: {note}")
-    config = BatchConfig(out, lessons, args.workers, Limits(case_wall_s=args.timeout), args.seed)
+    config = BatchConfig(out, lessons, workers, Limits(case_wall_s=timeout), seed)
     start = time.monotonic()
+    bar = Progress(len(subs), sys.stderr, width=20)
+
+    def progress(done: int, total: int, seconds: float) -> None:
+        left = seconds / done * (total - done)
+        bar.total = total
+        bar.update(f"graded, {int(left // 60)}:{int(left % 60):02d} left", done=done)
+
     try:
-        records = grade_batch(subs, config, _Progress())
+        records = grade_batch(subs, config, progress)
     except GraderFault as e:
         print(f"kit grade: {e}\nThe submissions graded so far are recorded; fix the grader and "
               "re-run the same command to finish.", file=sys.stderr)
         return 3
-    path = write_outputs(out, subs, records, gradescope=args.gradescope)
+    finally:
+        bar.close()
+    path = write_outputs(out, subs, records, gradescope=gradescope)
     scores = [records[s.student]["score"] for s in subs]
     print(f"graded {len(subs)} submission(s) in {time.monotonic() - start:.1f} s; "
           f"mean score {sum(scores) / max(1, len(scores)):.3g}; wrote {path}")

@@ -389,8 +389,7 @@ def _worker(job_path: str) -> int:
     import torch
 
     from autograder.registry import get_task
-    from autograder.checking import _error_result, _not_implemented
-    from kit.launcher import LaunchTimeout
+    from autograder.results import NOT_IMPLEMENTED, raised
 
     def save(key: str, record: dict[str, Any]) -> None:
         tmp = out / f".{key}.tmp"
@@ -433,18 +432,15 @@ def _worker(job_path: str) -> int:
         try:
             record = {"status": "ok", "data": case.run(impl, job["seed"])}
         except BaseException as e:  # noqa: BLE001 - SystemExit too: it ends this case only
-            seconds = time.perf_counter() - start
-            if (message := _not_implemented(e)) is not None:
-                record = {"status": "not implemented", "message": message}
+            # The same result model as check(): only its plain fields travel back.
+            result = raised(task, case, e, time.perf_counter() - start)
+            record = {"status": result.status, "message": result.message,
+                      "details": result.details[-4000:]}
+            if result.status == NOT_IMPLEMENTED:
                 skip[task_id] = record
-            else:
-                result = _error_result(case, task.case_points(case), e if isinstance(e, Exception)
-                                       else RuntimeError(f"{type(e).__name__}: {e}"), seconds)
-                status = "timeout" if isinstance(e, LaunchTimeout) else "error"
-                record = {"status": status, "message": result.message, "details": result.details[-4000:]}
-                if _exhausted(e):
-                    skip[task_id] = {"status": "error", "message": "not run: an earlier case of this "
-                                     f"task ran out of resources ({result.message[:300]})"}
+            elif _exhausted(e):
+                skip[task_id] = {"status": "error", "message": "not run: an earlier case of this "
+                                 f"task ran out of resources ({result.message[:300]})"}
         if os.getpid() != worker:  # a child the submission forked got back here: it must not report
             os._exit(1)
         record["seconds"] = time.perf_counter() - start

@@ -125,7 +125,7 @@ def shard_range(n, rank, world_size):
 # name -> (edit of the released notebook, {task: (status, score)}). "{out}" is the output folder.
 CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[str, float]]]] = {
     "correct": (_code(), {"0.1": ("passed", 2), "0.2": ("passed", 3)}),
-    "stub": (lambda nb: nb, {"0.1": ("failed", 0), "0.2": ("failed", 0)}),
+    "stub": (lambda nb: nb, {"0.1": ("not implemented", 0), "0.2": ("not implemented", 0)}),
     "malformed_json": ("truncate", {"0.1": ("error", 0), "0.2": ("error", 0)}),
     "cell_deleted": (_then(_code(), _drop_cell("task-0-2")), {"0.1": ("passed", 2), "0.2": ("missing", 0)}),
     "metadata_deleted": (_then(_code(), _strip_metadata), {"0.1": ("passed", 2), "0.2": ("passed", 3)}),
@@ -162,7 +162,7 @@ CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[st
         "autograder.checking.run_checks = lambda *a, **k: None")),
         {"0.1": ("passed", 2), "0.2": ("failed", 0)}),
     "always_equal_objects": (_code(shard=ALWAYS_EQUAL), {"0.1": ("error", 0), "0.2": ("passed", 3)}),
-    "writes_output_folder": ("{forge}", {"0.1": ("failed", 0), "0.2": ("failed", 0)}),
+    "writes_output_folder": ("{forge}", {"0.1": ("not implemented", 0), "0.2": ("not implemented", 0)}),
     "huge_file": (_code(shard="def shard_range(n, rank, world_size):\n    with open('big.bin', 'wb') as f:\n"
                               "        while True:\n            f.write(bytes(1 << 20))\n"),
                   {"0.1": ("error", 0), "0.2": ("passed", 3)}),

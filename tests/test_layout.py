@@ -1,0 +1,89 @@
+"""The code has one direction: ``kit`` runs ranks, ``autograder`` decides grades.
+
+``autograder`` uses ``kit``; ``kit`` never imports ``autograder`` except in the two places a
+lesson or the command line needs it: the lazy ``kit.check`` re-export (every notebook handed in
+calls ``from kit import check``) and the CLI's command table, which names modules as strings.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+# (file, function) pairs of kit allowed to import autograder; None: at module level.
+ALLOWED = {("__init__.py", "__getattr__")}
+
+
+def _autograder_imports(path: Path) -> list[tuple[int, str | None]]:
+    """(line, enclosing function) of every import of autograder in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+
+    def visit(node: ast.AST, func: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            names = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.level == 0:
+                names = [child.module or ""]
+            if any(n == "autograder" or n.startswith("autograder.") for n in names):
+                found.append((child.lineno, func))
+            visit(child, inner)
+
+    visit(tree, None)
+    return found
+
+
+def test_kit_never_imports_autograder_outside_the_lazy_check_reexport():
+    offenders = [f"kit/{p.name}:{line} (in {func or 'module level'})"
+                 for p in sorted((ROOT / "kit").glob("*.py"))
+                 for line, func in _autograder_imports(p) if (p.name, func) not in ALLOWED]
+    assert not offenders, ("kit must not import autograder (grading depends on kit, never the "
+                           "reverse); move the code to autograder/: " + ", ".join(offenders))
+
+
+def test_the_detector_finds_an_import_of_autograder(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import os\nfrom autograder.registry import task\n\ndef f():\n"
+                      "    import autograder.checking\n")
+    assert _autograder_imports(sample) == [(2, None), (5, "f")]
+
+
+def test_the_cli_names_grading_commands_as_strings_only():
+    from kit.cli import COMMANDS
+
+    assert {name for name, (module, _, _) in COMMANDS.items() if module.startswith("autograder.")} \
+        == {"build", "course", "grade"}
+    assert _autograder_imports(ROOT / "kit" / "cli.py") == []
+
+
+def test_from_kit_import_check_still_gives_the_graders_check():
+    import kit
+    from autograder.checking import check
+
+    assert kit.check is check
+
+
+def test_a_course_config_written_before_the_move_is_named_with_its_fix(tmp_path):
+    import pytest
+
+    with pytest.raises(ImportError, match="re-run `kit course DIR`"):
+        import kit.build  # noqa: F401
+
+
+def test_kit_course_rewrites_a_config_written_before_the_move_and_keeps_the_rest(tmp_path):
+    from autograder.build import main_course
+
+    course = tmp_path / "course"
+    course.mkdir()
+    (course / "nbgrader_config.py").write_text(
+        "c = get_config()\nfrom kit.build import CODE_STUB, release_preprocessors  # noqa: E402\n")
+    (course / "submitted").mkdir()
+    (course / "submitted" / "alice.txt").write_text("work")
+    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
+    config = (course / "nbgrader_config.py").read_text()
+    assert "from autograder.build import CODE_STUB, release_preprocessors" in config
+    assert (course / "submitted" / "alice.txt").read_text() == "work"

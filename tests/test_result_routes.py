@@ -1,0 +1,112 @@
+"""One notebook, one grade: every route that grades gives each task the same status and points.
+
+Five Lesson 00 notebooks (solved, untouched, a seeded bug, a task deleted, a task cell that
+raises at import) are graded through
+
+1. ``check()``: what a student's check cell runs, on the code the notebook defines;
+2. ``kit grade NOTEBOOK`` (in this process, JSON report);
+3. ``kit grade --out`` (the sandboxed batch);
+4. nbgrader's ``generate_assignment`` + ``autograde`` (points only: nbgrader has no statuses).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_nbgrader
+
+from autograder.build import main_course, source_notebook
+from autograder.checking import run_checks
+from autograder.grade.notebook import main as grade_main
+from autograder.grade.reports import run_batch
+from autograder.loading import load_tasks
+from autograder.registry import lesson_tasks
+
+NAME = "00_launching_ranks"
+MEAN_OF_MEANS = '''def global_mean(local: torch.Tensor) -> torch.Tensor:
+    mean = local.mean()
+    dist.all_reduce(mean)
+    return mean / dist.get_world_size()
+'''
+RENAMED = "def global_average(local):\n    return local.mean()\n"
+RAISES_AT_IMPORT = "\nraise RuntimeError('this cell crashes when it runs')\n"  # after the solution
+
+# notebook -> task -> (status, points) every route must give
+EXPECTED = {
+    "solved": {"0.1": ("passed", 2.0), "0.2": ("passed", 3.0)},
+    "untouched": {"0.1": ("not implemented", 0.0), "0.2": ("not implemented", 0.0)},
+    "seeded_bug": {"0.1": ("passed", 2.0), "0.2": ("failed", 0.75)},
+    "task_missing": {"0.1": ("passed", 2.0), "0.2": ("missing", 0.0)},
+    "crash_at_import": {"0.1": ("error", 0.0), "0.2": ("passed", 3.0)},
+}
+
+
+def _notebooks(folder: Path) -> dict[str, Path]:
+    release = json.loads((ROOT / "lessons" / f"{NAME}.ipynb").read_text())
+    solutions = {c.id: c.source for c in source_notebook(ROOT / "solutions" / f"{NAME}.py").cells}
+    edits = {"solved": {}, "untouched": None, "seeded_bug": {"task-0-2": MEAN_OF_MEANS},
+             "task_missing": {"task-0-2": RENAMED},
+             "crash_at_import": {"task-0-1": solutions["task-0-1"] + RAISES_AT_IMPORT}}
+    paths = {}
+    for student, edit in edits.items():
+        nb = json.loads(json.dumps(release))
+        if edit is not None:
+            for cell in nb["cells"]:
+                if cell["id"].startswith("task-"):
+                    cell["source"] = edit.get(cell["id"], solutions[cell["id"]])
+        paths[student] = folder / "submitted" / student / NAME / f"{NAME}.ipynb"  # nbgrader's layout
+        paths[student].parent.mkdir(parents=True)
+        paths[student].write_text(json.dumps(nb, indent=1))
+    return paths
+
+
+def _by_check(path: Path) -> dict[str, tuple[str, float]]:
+    module = load_tasks(path)
+    return {t.id: (r.status, r.score) for t in lesson_tasks(0)
+            for r in [run_checks(t.id, getattr(module, t.name, None))]}
+
+
+def _by_kit_grade(path: Path, tmp: Path) -> dict[str, tuple[str, float]]:
+    out = tmp / f"{path.parent.name}.json"
+    assert grade_main([str(path), "--json", str(out)]) == 0
+    return {t["task"]: (t["status"], t["score"]) for t in json.loads(out.read_text())["tasks"]}
+
+
+@pytest.mark.slow
+def test_every_route_gives_the_same_status_and_points(tmp_path):
+    notebooks = _notebooks(tmp_path / "submissions")
+    routes = {"check()": {s: _by_check(p) for s, p in notebooks.items()},
+              "kit grade NOTEBOOK": {s: _by_kit_grade(p, tmp_path) for s, p in notebooks.items()}}
+
+    out = tmp_path / "batch"
+    assert run_batch([str(tmp_path / "submissions" / "submitted")], out=out, lessons=[0], workers=2, seed=0) == 0
+    routes["kit grade --out"] = {
+        s: {t["task"]: (t["status"], t["score"]) for t in json.loads(
+            (out / "records" / f"{s}.json").read_text())["tasks"]} for s in notebooks}
+
+    for route, grades in routes.items():
+        for student, want in EXPECTED.items():
+            got = {tid: (status, pytest.approx(points)) for tid, (status, points) in want.items()}
+            assert grades[student] == got, f"{route} grades {student} differently"
+
+    course = tmp_path / "course"
+    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
+    run_nbgrader(course, "generate_assignment", NAME, "--force")
+    for student, path in notebooks.items():
+        folder = course / "submitted" / student / NAME
+        folder.mkdir(parents=True)
+        shutil.copy(path, folder / f"{NAME}.ipynb")
+    run_nbgrader(course, "autograde", NAME, "--force")
+
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        for student, want in EXPECTED.items():
+            cells = {g.name: g.score for g in gb.find_submission_notebook(NAME, NAME, student).grades
+                     if g.name.startswith("check-")}
+            got = {f"0.{name[-1]}": score for name, score in cells.items()}
+            assert got == {tid: pytest.approx(points) for tid, (_, points) in want.items()}, \
+                f"nbgrader grades {student} differently"
