@@ -1,0 +1,707 @@
+"""Checks for Lesson 07, "Memory and speed": tasks 7.1-7.4.
+
+Task 7.1 ``DynamicLossScaler`` is run side by side with ``torch.amp.GradScaler("cpu")`` over
+training runs with injected inf and NaN gradients (one process), and on 4 ranks that each hold
+a shard of the gradients, where only rank 2's shard overflows: every rank must skip. Task 7.2
+``saved_activation_bytes`` is compared with a trusted count on linear, MLP, attention and
+layer-norm modules and with the per-layer formula of Korthikanti et al. (2022) on a transformer
+block. Task 7.3 ``apply_checkpointing`` (with the student's ``checkpoint``) must give the
+gradients of the plain model bit for bit with dropout on, save the bytes a trusted
+checkpointing saves and run each checkpointed block twice. Task 7.4 ``compile_ready`` must
+compile with ``fullgraph=True`` (``backend="eager"``: Dynamo's capture without Inductor's
+code generation) in one graph across lengths, and match :class:`kit.precision.GraphBreakNet`.
+
+The untrusted ``run`` halves also notice when torch's own scaler or checkpoint is called
+(the registry's ``forbidden`` gate names them for the batch grader).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from autograder.registry import CheckFailed, assert_same, task
+from kit.models import TinyTransformer, token_batch
+from kit.precision import GraphBreakNet, padded_batch
+
+# --------------------------------------------------------------------------- watching torch's own
+
+
+@contextlib.contextmanager
+def _watch(targets: list[tuple[Any, str, str]]) -> Iterator[list[str]]:
+    """Record the names of ``(owner, attribute, name)`` callables called meanwhile."""
+    used: list[str] = []
+    saved = []
+    for owner, attr, name in targets:
+        original = getattr(owner, attr)
+        saved.append((owner, attr, owner.__dict__[attr]))
+
+        def spy(*args: Any, _original: Callable = original, _name: str = name, **kwargs: Any) -> Any:
+            if _name not in used:
+                used.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(owner, attr, staticmethod(spy) if isinstance(owner.__dict__[attr], staticmethod) else spy)
+    try:
+        yield used
+    finally:
+        for owner, attr, original in saved:
+            setattr(owner, attr, original)
+
+
+def _torch_scalers() -> list[tuple[Any, str, str]]:
+    from torch.amp.grad_scaler import GradScaler
+
+    # ShardedGradScaler and the torch.cuda/torch.cpu aliases all run GradScaler.__init__.
+    return [(GradScaler, "__init__", "torch.amp.GradScaler")]
+
+
+def _torch_checkpoints() -> list[tuple[Any, str, str]]:
+    import torch.utils.checkpoint as tc
+
+    return [(tc.CheckpointFunction, "forward", "torch.utils.checkpoint.checkpoint"),
+            (tc, "_checkpoint_without_reentrant_generator", "torch.utils.checkpoint.checkpoint")]
+
+
+def _no_torch_helper(got: dict[str, Any], what: str) -> None:
+    if got.get("uses"):
+        raise CheckFailed(f"your code calls {', '.join(got['uses'])}: {what}",
+                          expected="your own implementation", got=", ".join(got["uses"]),
+                          hint="Build it from tensors, autograd and torch.distributed; the task is "
+                               "to write what that function does.")
+
+
+# --------------------------------------------------------------------------- task 7.1
+
+SCALER = task(
+    "7.1", "DynamicLossScaler", points=4,
+    forbidden=("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.cpu.amp.GradScaler",
+               "torch.amp.grad_scaler.GradScaler",
+               "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"),
+    hint="scale() multiplies the loss. unscale_() runs once per step: multiply every gradient by "
+         "1/scale and set a flag if any is inf or NaN; with several ranks, all-reduce that flag "
+         "(MAX) so every rank sees it. step() unscales if needed, then steps only when no rank "
+         "found one. update() multiplies the scale by backoff_factor after a bad step and resets "
+         "the count of good steps; after growth_interval good steps in a row it multiplies by "
+         "growth_factor and resets the count; then it clears the per-step flags.",
+)
+
+STEPS = 12
+SCALER_ARGS = {"init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3}
+INF_STEPS, NAN_STEPS = (2, 8), (4,)  # 3 good steps in a row before 2, 7 and 11: growth
+SHARD_INF_STEPS = (3, 4, 9)  # on 4 ranks, only in rank 2's shard
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 100 + step)
+    return torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+
+
+def _torch_scaler(**kwargs: Any) -> Any:
+    return torch.amp.GradScaler("cpu", **kwargs)
+
+
+def _train_scaled(make: Callable[..., Any], seed: int, *, shard: tuple[int, int] | None = None,
+                  inf_steps: tuple[int, ...] = INF_STEPS, nan_steps: tuple[int, ...] = NAN_STEPS,
+                  clip: float | None = None) -> dict[str, Any]:
+    """Train the MLP for STEPS steps with the scaler ``make(**SCALER_ARGS)``.
+
+    With ``shard=(rank, world_size)`` the optimizer holds and the rank keeps gradients only of
+    parameters ``rank::world_size`` (as after a reduce-scatter), and inf is injected only on
+    rank 2. Returns per step the scale after ``update()`` and whether the optimizer stepped,
+    the default scaler's first scale, and the final parameters this rank owns.
+    """
+    model = _mlp(seed)
+    named = list(model.named_parameters())
+    owned = named if shard is None else named[shard[0]::shard[1]]
+    optimizer = torch.optim.SGD([p for _, p in owned], lr=0.05, momentum=0.9)
+    scaler = make(**SCALER_ARGS)
+    inject = shard is None or shard[0] == 2
+    scales, stepped = [], []
+    for step in range(STEPS):
+        x, y = _batch(seed, step)
+        optimizer.zero_grad()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        if shard is not None:
+            for _, p in named:
+                if not any(p is q for _, q in owned):
+                    p.grad = None  # another rank owns this gradient
+        if inject and step in inf_steps:
+            owned[-1][1].grad[0] = float("inf")
+        if inject and step in nan_steps:
+            owned[0][1].grad[0, 0] = float("nan")
+        before = [p.detach().clone() for _, p in owned]
+        if clip is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_([p for _, p in owned], clip)
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+        stepped.append(any(not torch.equal(b, p) for b, (_, p) in zip(before, owned)))
+        if shard is not None:
+            _share_updated(named, shard[1])
+    default = float(make().get_scale())
+    return {"scales": scales, "stepped": stepped, "default scale": default,
+            "params": {n: p.detach().clone() for n, p in owned}, "uses": []}
+
+
+def _share_updated(named: list[tuple[str, nn.Parameter]], world_size: int) -> None:
+    """Every rank gets the parameters each owner just updated (ZeRO's all-gather, as broadcasts)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for i, (_, p) in enumerate(named):
+            dist.broadcast(p, src=i % world_size)
+
+
+def _watched_training(impl: Any, seed: int, **kwargs: Any) -> dict[str, Any]:
+    with _watch(_torch_scalers()) as used:
+        result = _train_scaled(impl, seed, **kwargs)
+    result["uses"] = list(used)
+    return result
+
+
+def _compare_scaled(got: Any, expected: dict[str, Any], where: str = "") -> None:
+    _no_torch_helper(got, "the task is a loss scaler of your own")
+    if got["default scale"] != expected["default scale"]:
+        raise CheckFailed(f"{where}DynamicLossScaler() starts at the wrong scale",
+                          expected=expected["default scale"], got=got["default scale"],
+                          hint="The defaults are init_scale=2.0**16, growth_factor=2.0, "
+                               "backoff_factor=0.5, growth_interval=2000.")
+    for step, (g, e) in enumerate(zip(got["stepped"], expected["stepped"])):
+        if g != e:
+            raise CheckFailed(
+                f"{where}step {step}: the optimizer {'stepped' if g else 'skipped'}, torch's "
+                f"GradScaler {'stepped' if e else 'skipped'} (inf steps {list(INF_STEPS)}, NaN "
+                f"steps {list(NAN_STEPS)})", expected=expected["stepped"], got=got["stepped"],
+                hint="Skip exactly the steps where some gradient holds an inf or a NaN "
+                     "(torch.isfinite catches both).")
+    for step, (g, e) in enumerate(zip(got["scales"], expected["scales"])):
+        if g != e:
+            raise CheckFailed(
+                f"{where}the scale after update() of step {step} is {g}, torch's GradScaler has {e}",
+                expected=expected["scales"], got=got["scales"],
+                hint="After a skipped step: scale *= backoff_factor and the count of good steps "
+                     "starts again from 0. After growth_interval good steps in a row: scale *= "
+                     "growth_factor and the count starts again.")
+    assert_same(got["params"], expected["params"], rtol=1e-6, atol=1e-7, path=f"{where}parameters")
+
+
+@SCALER.case(f"12 steps with growth_interval=3, inf gradients at steps {list(INF_STEPS)} and a NaN "
+             f"at step {NAN_STEPS[0]}: the scales, skipped steps and parameters of "
+             "torch.amp.GradScaler('cpu')", compare=_compare_scaled, weight=2,
+             expect=lambda seed: _train_scaled(_torch_scaler, seed))
+def _(impl: Any, seed: int) -> dict[str, Any]:
+    return _watched_training(impl, seed)
+
+
+def _compare_clipped(got: Any, expected: dict[str, Any]) -> None:
+    try:
+        _compare_scaled(got, expected)
+    except CheckFailed as e:
+        e.hint = ("unscale_() may be called by the user before step() (to clip the true "
+                  "gradients): step() must then not unscale a second time. " + e.hint)
+        raise
+
+
+@SCALER.case("unscale_(), clip_grad_norm_ to 0.5, then step(): gradients unscaled once, as "
+             "with GradScaler", compare=_compare_clipped,
+             expect=lambda seed: _train_scaled(_torch_scaler, seed, clip=0.5))
+def _(impl: Any, seed: int) -> dict[str, Any]:
+    return _watched_training(impl, seed, clip=0.5)
+
+
+WORLD = 4
+
+
+def _sharded_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    return _watched_training(impl, seed, shard=(dist.get_rank(), dist.get_world_size()),
+                             inf_steps=SHARD_INF_STEPS, nan_steps=())
+
+
+def _expected_sharded(seed: int) -> list[dict[str, Any]]:
+    """Trusted: GradScaler in one process over the whole model, inf where rank 2 injects it;
+    each rank must end with that run's values of the parameters it owns."""
+    names = [n for n, _ in _mlp(seed).named_parameters()]
+    full = _train_with_inf_in(_torch_scaler, seed, names[2::WORLD][-1])
+    return [{**full, "params": {n: full["params"][n] for n in names[rank::WORLD]}}
+            for rank in range(WORLD)]
+
+
+def _train_with_inf_in(make: Callable[..., Any], seed: int, name: str) -> dict[str, Any]:
+    model = _mlp(seed)
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.SGD(params.values(), lr=0.05, momentum=0.9)
+    scaler = make(**SCALER_ARGS)
+    scales, stepped = [], []
+    for step in range(STEPS):
+        x, y = _batch(seed, step)
+        optimizer.zero_grad()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        if step in SHARD_INF_STEPS:
+            params[name].grad[0] = float("inf")
+        before = [p.detach().clone() for p in params.values()]
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+        stepped.append(any(not torch.equal(b, p) for b, p in zip(before, params.values())))
+    return {"scales": scales, "stepped": stepped, "default scale": float(make().get_scale()),
+            "params": {n: p.detach().clone() for n, p in params.items()}, "uses": []}
+
+
+def _compare_sharded(got: Any, expected: list[dict[str, Any]]) -> None:
+    if not isinstance(got, list) or len(got) != len(expected):
+        raise CheckFailed("expected one result per rank", expected=len(expected), got=repr(got)[:200])
+    for step in range(STEPS):
+        decisions = [run["stepped"][step] for run in got]
+        if len(set(decisions)) > 1:
+            raise CheckFailed(
+                f"step {step}: ranks disagree on skipping ({['stepped' if d else 'skipped' for d in decisions]}); "
+                "only rank 2's shard held an inf", expected=[expected[0]["stepped"][step]] * WORLD,
+                got=decisions,
+                hint="Each rank sees only its own shard of the gradients. All-reduce the "
+                     "found-inf flag (op=MAX, or SUM) before deciding, so that every rank skips "
+                     "and backs off together.")
+    for rank, (g, e) in enumerate(zip(got, expected)):
+        _compare_scaled(g, e, where=f"rank {rank}: ")
+
+
+@SCALER.case(f"4 ranks, each holding a quarter of the gradients; inf only in rank 2's shard at "
+             f"steps {list(SHARD_INF_STEPS)}: every rank skips and backs off",
+             compare=_compare_sharded, weight=2, expect=_expected_sharded)
+def _(impl: Any, seed: int) -> list[Any]:
+    from kit.launcher import run_ranks
+
+    return list(run_ranks(_sharded_on_rank, (impl, seed), world_size=WORLD, timeout=30.0, echo=False))
+
+
+# --------------------------------------------------------------------------- task 7.2
+
+SAVED = task(
+    "7.2", "saved_activation_bytes", points=3,
+    hint="Inside torch.autograd.graph.saved_tensors_hooks(pack, unpack), pack(t) sees every "
+         "tensor autograd keeps for backward (return t unchanged). Skip t when it is an "
+         "nn.Parameter or its ._base is one; otherwise remember t.untyped_storage().nbytes() in "
+         "a dict keyed by t.untyped_storage().data_ptr(), so a storage counts once. Sum the dict.",
+)
+
+
+def _reference_saved_bytes(module: nn.Module, *args: Any) -> int:
+    """Trusted: bytes of the storages saved for backward that no parameter of ``module`` owns."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args)
+    return sum(storages.values())
+
+
+class _Attention(nn.Module):
+    """Causal self-attention ``(B, T, D) -> (B, T, D)``: fused qkv, SDPA, output projection."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+B, T, D, HEADS = 2, 16, 32, 4
+
+
+def _modules(seed: int) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    torch.manual_seed(seed)
+    x = torch.randn(B, T, D, requires_grad=True)
+    return {
+        "linear": (nn.Linear(D, 48), x),
+        "mlp": (nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)), x),
+        "attention": (_Attention(D, HEADS), x),
+        "layer norm": (nn.LayerNorm(D), x),
+        "frozen linear, input without grad": (nn.Linear(D, D).requires_grad_(False), x.detach()),
+    }
+
+
+def _saved_case(name: str) -> None:
+    def run(impl: Any, seed: int) -> Any:
+        module, x = _modules(seed)[name]
+        got = impl(module, x)
+        return got if isinstance(got, int) and not isinstance(got, bool) else repr(got)[:100]
+
+    def expect(seed: int) -> int:
+        module, x = _modules(seed)[name]
+        return _reference_saved_bytes(module, x)
+
+    def compare(got: Any, expected: int) -> None:
+        if not isinstance(got, int):
+            raise CheckFailed(f"{name}: expected a Python int of bytes", expected=expected, got=got,
+                              hint="Return sum(...) of ints, not a tensor.")
+        if got != expected:
+            raise CheckFailed(f"{name} on a (2, 16, 32) fp32 input: wrong number of saved bytes",
+                              expected=expected, got=got)
+
+    SAVED.case(f"{name} block", compare=compare, expect=expect)(run)
+
+
+for _name in ("linear", "mlp", "attention", "layer norm", "frozen linear, input without grad"):
+    _saved_case(_name)
+
+
+def block_formula_bytes(s: int, b: int, h: int, a: int, bytes_per_value: int = 4) -> int:
+    """Korthikanti et al. (2022), one transformer layer without dropout, with fused attention.
+
+    Their ``sbh(34 + 5as/h)`` bytes (16-bit, dropout) loses ``5as/h`` (no attention matrix is
+    kept: the fused kernel saves its output and a log-sum-exp instead) and ``2sbh`` (two 1-byte
+    dropout masks): 16 values per token and hidden unit. Add the small per-token terms: each
+    LayerNorm's mean and reciprocal std (fp32) and the attention's log-sum-exp per head.
+    """
+    return 16 * s * b * h * bytes_per_value + 2 * 2 * s * b * 4 + a * s * b * 4
+
+
+@SAVED.case("a TinyTransformer block (T=16, B=2, D=32, 4 heads): the per-layer formula of "
+            "Korthikanti et al. (2022)", expect=lambda seed: block_formula_bytes(T, B, D, HEADS))
+def _(impl: Any, seed: int) -> Any:
+    torch.manual_seed(seed)
+    block = TinyTransformer(vocab=8, dim=D, layers=1, heads=HEADS, context=T).blocks[0]
+    got = impl(block, torch.randn(B, T, D, requires_grad=True))
+    return got if isinstance(got, int) and not isinstance(got, bool) else repr(got)[:100]
+
+
+# --------------------------------------------------------------------------- task 7.3
+
+CHECKPOINT = task(
+    "7.3", "apply_checkpointing", points=4,
+    forbidden=("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
+               "torch.utils.checkpoint.CheckpointFunction",
+               "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper"),
+    hint="In forward: keep fn, torch.get_rng_state() and the tensor inputs "
+         "(ctx.save_for_backward), and run fn under torch.no_grad(). In backward: detach each "
+         "saved input and set requires_grad_ as the original had it; inside "
+         "torch.random.fork_rng(devices=[]) set the saved RNG state and, under "
+         "torch.enable_grad(), run fn again; torch.autograd.backward(outputs, grad_outputs); "
+         "return None for fn and each input's .grad. apply_checkpointing replaces "
+         "model.blocks[i] for (i + 1) % every == 0 by a module whose forward calls checkpoint.",
+)
+
+LAYERS, VOCAB, DROPOUT = 4, 32, 0.3
+
+
+def _dropout_model(seed: int) -> nn.Module:
+    """A 4-block TinyTransformer whose blocks end in dropout, in training mode."""
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab=VOCAB, dim=D, layers=LAYERS, heads=HEADS, context=T)
+    model.blocks = nn.ModuleList(nn.Sequential(block, nn.Dropout(DROPOUT)) for block in model.blocks)
+    return model.train()
+
+
+def _step_grads(model: nn.Module, named: list[tuple[str, nn.Parameter]], seed: int) -> dict[str, Any]:
+    """One forward and backward with a fixed RNG; every original parameter's gradient and the
+    next random number (the RNG must be where it would be without checkpointing)."""
+    x, y = token_batch(B, T, VOCAB, seed)
+    torch.manual_seed(seed + 1)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    after = torch.rand(3)
+    return {"grads": {n: None if p.grad is None else p.grad.clone() for n, p in named},
+            "rng after backward": after}
+
+
+def _apply(impl: Any, model: nn.Module, every: int) -> nn.Module:
+    out = impl(model, every=every)
+    if out is not model:
+        raise TypeError(f"apply_checkpointing must return the model it was given (it changes "
+                        f"model.blocks in place), got {type(out).__name__}")
+    return model
+
+
+def _checkpointed_grads(impl: Any, seed: int, every: int) -> dict[str, Any]:
+    model = _dropout_model(seed)
+    named = list(model.named_parameters())  # names before wrapping: wrapping renames them
+    with _watch(_torch_checkpoints()) as used:
+        result = _step_grads(_apply(impl, model, every), named, seed)
+    return {**result, "uses": list(used)}
+
+
+def _plain_grads(seed: int) -> dict[str, Any]:
+    model = _dropout_model(seed)
+    return {**_step_grads(model, list(model.named_parameters()), seed), "uses": []}
+
+
+def _compare_bitwise(got: Any, expected: dict[str, Any]) -> None:
+    _no_torch_helper(got, "the task is a checkpoint of your own")
+    for name, want in expected["grads"].items():
+        have = got["grads"].get(name)
+        if have is None:
+            raise CheckFailed(f"{name} got no gradient", expected="a gradient", got=None,
+                              hint="Backward must hand each input's gradient back to the outer "
+                                   "graph, and must accumulate into the model's own parameters "
+                                   "(do not copy the block).")
+        if not torch.equal(have, want):
+            diff = (have - want).abs().max().item()
+            raise CheckFailed(f"{name}.grad differs from the model without checkpointing "
+                              f"(max abs difference {diff:.3g}): it must be equal bit for bit",
+                              expected="the same gradient", got=f"max abs difference {diff:.3g}",
+                              hint="Dropout must draw the same mask when the block is recomputed: "
+                                   "save torch.get_rng_state() in forward and set it before "
+                                   "recomputing. Detach the saved inputs and set requires_grad "
+                                   "so that backward through the recomputation stops at them.")
+    if not torch.equal(got["rng after backward"], expected["rng after backward"]):
+        raise CheckFailed("after backward, the random number generator is not where it would be "
+                          "without checkpointing", expected=expected["rng after backward"],
+                          got=got["rng after backward"],
+                          hint="Restore the RNG state inside torch.random.fork_rng(devices=[]), "
+                               "so that the generator continues afterwards as if nothing happened.")
+
+
+for _every in (1, 2):
+    CHECKPOINT.case(f"every={_every}, dropout {DROPOUT} after each block: gradients bit for bit "
+                    "equal to no checkpointing, RNG left untouched", compare=_compare_bitwise,
+                    weight=1.5, expect=_plain_grads)(
+        lambda impl, seed, _every=_every: _checkpointed_grads(impl, seed, _every))
+
+
+class _ReferenceCheckpoint(torch.autograd.Function):
+    """Trusted checkpoint, used only to compute how many bytes checkpointing should save."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.rng = fn, torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(ctx.rng)
+            out = ctx.fn(x)
+        out.backward(grad)
+        return None, x.grad
+
+
+class _ReferenceWrapper(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReferenceCheckpoint.apply(self.block, x)
+
+
+def _reference_apply(model: nn.Module, every: int = 1) -> nn.Module:
+    for i, block in enumerate(model.blocks):
+        if (i + 1) % every == 0:
+            model.blocks[i] = _ReferenceWrapper(block)
+    return model
+
+
+EVERY = (1, 2, 3, 4)
+
+
+def _bytes_and_calls(impl: Any, seed: int) -> dict[str, Any]:
+    """Per ``every``: bytes saved for backward by a forward, and each block's forward calls in
+    one forward and backward."""
+    x, y = token_batch(B, T, VOCAB, seed)
+    saved, calls = {}, {}
+    with _watch(_torch_checkpoints()) as used:
+        for every in EVERY:
+            model = _apply(impl, _dropout_model(seed), every)
+            saved[every] = _reference_saved_bytes(model, x)
+            model = _dropout_model(seed)
+            counts = [0] * LAYERS
+            for i, block in enumerate(model.blocks):
+                block[0].mlp.register_forward_hook(
+                    lambda *_, i=i, counts=counts: counts.__setitem__(i, counts[i] + 1))
+            _apply(impl, model, every)
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            calls[every] = counts
+    return {"saved": saved, "calls": calls, "uses": list(used)}
+
+
+def _expected_bytes_and_calls(seed: int) -> dict[str, Any]:
+    x, _ = token_batch(B, T, VOCAB, seed)
+    plain = _reference_saved_bytes(_dropout_model(seed), x)
+    saved = {every: _reference_saved_bytes(_reference_apply(_dropout_model(seed), every), x)
+             for every in EVERY}
+    calls = {every: [2 if (i + 1) % every == 0 else 1 for i in range(LAYERS)] for every in EVERY}
+    return {"saved": saved, "calls": calls, "uses": [], "plain": plain}
+
+
+def _compare_bytes(got: Any, expected: dict[str, Any]) -> None:
+    _no_torch_helper(got, "the task is a checkpoint of your own")
+    for every in EVERY:
+        g, e = got["saved"][every], expected["saved"][every]
+        if g != e:
+            n = LAYERS // every
+            raise CheckFailed(
+                f"every={every} ({n} of {LAYERS} blocks checkpointed): {g} bytes saved for "
+                f"backward, expected {e} (without checkpointing: {expected['plain']})",
+                expected=e, got=g,
+                hint="A checkpointed block keeps only its input, with ctx.save_for_backward (so "
+                     "it is counted, and in-place changes are caught); fn runs under "
+                     "torch.no_grad() so none of its activations are saved. Wrap the blocks "
+                     "with (i + 1) % every == 0.")
+
+
+@CHECKPOINT.case(f"saved bytes for every={list(EVERY)}: each checkpointed block keeps only its "
+                 "input (measured as in Task 7.2)", compare=_compare_bytes,
+                 expect=_expected_bytes_and_calls)
+def _(impl: Any, seed: int) -> dict[str, Any]:
+    return _bytes_and_calls(impl, seed)
+
+
+def _compare_calls(got: Any, expected: dict[str, Any]) -> None:
+    _no_torch_helper(got, "the task is a checkpoint of your own")
+    for every in EVERY:
+        if got["calls"][every] != expected["calls"][every]:
+            raise CheckFailed(
+                f"every={every}: forward calls per block in one training step "
+                f"(blocks 1..{LAYERS})", expected=expected["calls"][every], got=got["calls"][every],
+                hint="A checkpointed block runs twice (forward, then the recomputation in "
+                     "backward), the others once. Checkpoint the every-th, 2*every-th, ... "
+                     "block counting from 1, and recompute once per backward.")
+
+
+@CHECKPOINT.case(f"each checkpointed block's forward runs exactly twice per step, the others "
+                 f"once (every={list(EVERY)})", compare=_compare_calls,
+                 expect=_expected_bytes_and_calls)
+def _(impl: Any, seed: int) -> dict[str, Any]:
+    return _bytes_and_calls(impl, seed)
+
+
+# --------------------------------------------------------------------------- task 7.4
+
+READY = task(
+    "7.4", "compile_ready",
+    points=3,
+    hint="Drop the print. Replace the loop up to the longest length with a (B, T) mask, "
+         "torch.arange(T) < lengths[:, None], and a masked sum divided by lengths. Replace the "
+         "Python if on .item() by torch.where(norm > max_norm, rescaled, pooled). Use the "
+         "model's own modules, so that gradients reach its parameters.",
+)
+
+BATCHES = [(4, 7, 11), (4, 7, 12), (4, 7, 13)]  # same shapes, different lengths
+# Scaling the embeddings between batches puts the pooled norm below, above, then far above
+# max_norm, so both sides of the branch are taken.
+EMBED_FACTORS = (0.05, 40.0, 2.0)
+
+
+def _graph_break_model(seed: int) -> GraphBreakNet:
+    torch.manual_seed(seed)
+    return GraphBreakNet()
+
+
+def _forward_backward(module: Callable[..., torch.Tensor], model: nn.Module, seed: int) -> dict[str, Any]:
+    out = []
+    for (b, t, s), factor in zip(BATCHES, EMBED_FACTORS):
+        tokens, lengths = padded_batch(b, t, 32, seed * 31 + s)
+        model.zero_grad()
+        with torch.no_grad():
+            model.embed.weight.mul_(factor)
+        logits = module(tokens, lengths)
+        logits.square().sum().backward()
+        out.append({"logits": logits.detach().clone(),
+                    "grads": {n: None if p.grad is None else p.grad.clone()
+                              for n, p in model.named_parameters()}})
+    return {"batches": out}
+
+
+def _compiled_run(compile_ready: Any, seed: int) -> dict[str, Any]:
+    import torch._dynamo
+
+    model = _graph_break_model(seed)
+    ready = compile_ready(model)
+    graphs: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward  # run the captured graph as is: what backend="eager" does
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ready, fullgraph=True, backend=backend)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = _forward_backward(compiled, model, seed)
+    except Exception as e:  # Dynamo's Unsupported / UserError: a graph break under fullgraph
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return {"compiled": f"{type(e).__name__}: {first[:300]}", "graphs": len(graphs)}
+    finally:
+        torch._dynamo.reset()
+    return {"compiled": "yes", "graphs": len(graphs), **result}
+
+
+def _expected_eager(seed: int) -> dict[str, Any]:
+    model = _graph_break_model(seed)
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = _forward_backward(model, model, seed)
+    return {"compiled": "yes", "graphs": 1, **result}
+
+
+_CACHE: dict[tuple[int, int], tuple[Any, dict[str, Any]]] = {}
+
+
+def _cached_compiled_run(impl: Any, seed: int) -> dict[str, Any]:
+    key = (id(impl), seed)
+    if key not in _CACHE or _CACHE[key][0] is not impl:
+        _CACHE.clear()
+        _CACHE[key] = (impl, _compiled_run(impl, seed))  # keep impl alive: its id stays unique
+    return _CACHE[key][1]
+
+
+def _compare_graph(got: Any, expected: dict[str, Any]) -> None:
+    if got["compiled"] != "yes":
+        raise CheckFailed("torch.compile(fullgraph=True) found a graph break", expected="one graph",
+                          got=got["compiled"],
+                          hint="print, .item() / int() on a tensor that decides Python control flow, "
+                               "and loops whose trip count comes from tensor data all break the "
+                               "graph. torch._dynamo.explain(module)(tokens, lengths) lists them.")
+    if got["graphs"] != 1:
+        raise CheckFailed(f"Dynamo compiled {got['graphs']} graphs for 3 batches of the same shape "
+                          "with different lengths: it recompiled", expected=1, got=got["graphs"],
+                          hint="A guard on a tensor's value (a Python int or bool taken from "
+                               "lengths) fails for the next batch; keep lengths a tensor.")
+
+
+@READY.case("torch.compile(fullgraph=True, backend='eager') captures it in one graph, reused "
+            "for 3 batches of different lengths", compare=_compare_graph, expect=_expected_eager)
+def _(impl: Any, seed: int) -> dict[str, Any]:
+    return _cached_compiled_run(impl, seed)
+
+
+def _compare_values(got: Any, expected: dict[str, Any]) -> None:
+    _compare_graph(got, expected)
+    for i, (g, e) in enumerate(zip(got["batches"], expected["batches"])):
+        assert_same(g["logits"], e["logits"], rtol=1e-5, atol=1e-5, path=f"batch {i}: logits")
+        assert_same(g["grads"], e["grads"], rtol=1e-4, atol=1e-5, path=f"batch {i}: gradients")
+
+
+@READY.case("compiled outputs and gradients equal GraphBreakNet's in eager mode (pooled norm "
+            "below and above max_norm)", compare=_compare_values, weight=2, expect=_expected_eager)
+def _(impl: Any, seed: int) -> dict[str, Any]:
+    return _cached_compiled_run(impl, seed)

@@ -1,0 +1,306 @@
+"""Seeded bugs for Lesson 07: the typical mistakes each check of tasks 7.1-7.4 must catch.
+
+``BUGS[task_id]`` lists ``(what is wrong, implementation)``; tests/test_checks.py proves every
+one of them fails its task's checks. Each bug is a correct implementation with one step
+replaced, plus the cheats that call torch's own scaler or checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# --------------------------------------------------------------------------- task 7.1
+
+
+class _Scaler:
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.value, self.growth, self.backoff, self.interval = float(init_scale), growth_factor, backoff_factor, growth_interval
+        self.tracker, self.found_inf, self.unscaled = 0, False, False
+
+    def scale(self, loss):
+        return loss * self.value
+
+    def _bad(self, grad):
+        return bool((~torch.isfinite(grad)).any())
+
+    def _sync(self, found):
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([float(found)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            found = bool(flag.item())
+        return found
+
+    def unscale_(self, optimizer):
+        if self.unscaled:
+            return
+        found = False
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    found |= self._bad(p.grad)
+                    p.grad.mul_(1.0 / self.value)
+        self.found_inf = self._sync(found)
+        self.unscaled = True
+
+    def step(self, optimizer):
+        self.unscale_(optimizer)
+        if not self.found_inf:
+            optimizer.step()
+
+    def _after_bad_step(self):
+        self.value *= self.backoff
+        self.tracker = 0
+
+    def update(self):
+        if self.found_inf:
+            self._after_bad_step()
+        else:
+            self.tracker += 1
+            if self.tracker == self.interval:
+                self.value *= self.growth
+                self.tracker = 0
+        self.found_inf = self.unscaled = False
+
+    def get_scale(self):
+        return self.value
+
+
+class ScalerNoBackoff(_Scaler):
+    def _after_bad_step(self):
+        self.tracker = 0
+
+
+class ScalerCountsSkippedSteps(_Scaler):
+    def update(self):
+        if self.found_inf:
+            self.value *= self.backoff
+        self.tracker += 1  # a skipped step counts toward growth too
+        if self.tracker == self.interval:
+            self.value *= self.growth
+            self.tracker = 0
+        self.found_inf = self.unscaled = False
+
+
+class ScalerDecidesAlone(_Scaler):
+    def _sync(self, found):
+        return found
+
+
+class ScalerMissesNaN(_Scaler):
+    def _bad(self, grad):
+        return bool(torch.isinf(grad).any())
+
+
+class ScalerUnscalesTwice(_Scaler):
+    def step(self, optimizer):
+        self.unscaled = False  # unscales again after the user's unscale_()
+        super().step(optimizer)
+
+
+class ScalerWrapsGradScaler:
+    def __init__(self, **kwargs):
+        self.inner = torch.amp.GradScaler("cpu", **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class ScalerWrapsShardedGradScaler(ScalerWrapsGradScaler):
+    def __init__(self, **kwargs):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        self.inner = ShardedGradScaler("cpu", **kwargs)
+
+
+# --------------------------------------------------------------------------- task 7.2
+
+
+def _saved(fn, args, *, key, size, skip_params=True):
+    found = {}
+
+    def pack(t):
+        if not (skip_params and (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter))):
+            found[key(t)] = size(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(found.values())
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def saved_bytes_per_tensor(fn, *args):
+    return _saved(fn, args, key=id, size=lambda t: t.untyped_storage().nbytes())
+
+
+def saved_bytes_with_parameters(fn, *args):
+    return _saved(fn, args, key=_storage, size=lambda t: t.untyped_storage().nbytes(), skip_params=False)
+
+
+def saved_bytes_of_views(fn, *args):
+    return _saved(fn, args, key=_storage, size=lambda t: t.numel() * t.element_size())
+
+
+# --------------------------------------------------------------------------- task 7.3
+
+
+def _checkpointing(*, restore_rng=True, fork=True, detach=True, grad_inputs=True, no_grad=True,
+                   first=False, torch_checkpoint=False):
+    """An apply_checkpointing whose checkpoint has one of its steps changed."""
+
+    class Checkpoint(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, fn, x):
+            ctx.fn, ctx.rng = fn, torch.get_rng_state()
+            ctx.save_for_backward(x)
+            if no_grad:
+                with torch.no_grad():
+                    return fn(x)
+            with torch.enable_grad():
+                return fn(x).detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            if detach:
+                x = x.detach().requires_grad_(grad_inputs)
+            if restore_rng and fork:
+                with torch.random.fork_rng(devices=[]), torch.enable_grad():
+                    torch.set_rng_state(ctx.rng)
+                    out = ctx.fn(x)
+            else:
+                if restore_rng:
+                    torch.set_rng_state(ctx.rng)
+                with torch.enable_grad():
+                    out = ctx.fn(x)
+            if detach:
+                out.backward(grad)
+                return None, x.grad
+            return None, torch.autograd.grad(out, x, grad)[0]
+
+    def checkpoint(fn, x):
+        if torch_checkpoint:
+            from torch.utils.checkpoint import checkpoint as torch_ckpt
+
+            return torch_ckpt(fn, x, use_reentrant=True)
+        return Checkpoint.apply(fn, x)
+
+    class Wrapped(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return checkpoint(self.block, x)
+
+    def apply_checkpointing(model, every=1):
+        for i, block in enumerate(model.blocks):
+            if (i % every == 0) if first else ((i + 1) % every == 0):
+                model.blocks[i] = Wrapped(block)
+        return model
+
+    return apply_checkpointing
+
+
+# --------------------------------------------------------------------------- task 7.4
+
+
+class _Ready(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def _pool(self, h, lengths):
+        mask = torch.arange(h.shape[1]) < lengths.unsqueeze(1)  # (B, T)
+        return (h * mask.unsqueeze(2)).sum(1) / lengths.unsqueeze(1)
+
+    def _clip(self, pooled):
+        norm = pooled.norm()
+        return torch.where(norm > self.model.max_norm, pooled * (self.model.max_norm / norm), pooled)
+
+    def forward(self, tokens, lengths):
+        m = self.model
+        h = torch.tanh(m.mix(m.embed(tokens)))
+        return m.head(self._clip(self._pool(h, lengths)))
+
+
+class ReadyKeepsItemBranch(_Ready):
+    def _clip(self, pooled):
+        norm = pooled.norm()
+        if norm.item() > self.model.max_norm:
+            pooled = pooled * (self.model.max_norm / norm)
+        return pooled
+
+
+class ReadyKeepsPrint(_Ready):
+    def _pool(self, h, lengths):
+        print("pooling", tuple(h.shape))
+        return super()._pool(h, lengths)
+
+
+class ReadyKeepsLengthLoop(_Ready):
+    def _pool(self, h, lengths):
+        total = torch.zeros(h.shape[0], h.shape[2])
+        for t in range(int(lengths.max())):
+            total = total + h[:, t] * (t < lengths).unsqueeze(1)
+        return total / lengths.unsqueeze(1)
+
+
+class ReadyMeansOverPadding(_Ready):
+    def _pool(self, h, lengths):
+        mask = torch.arange(h.shape[1]) < lengths.unsqueeze(1)
+        return (h * mask.unsqueeze(2)).sum(1) / h.shape[1]  # divides by T, not the length
+
+
+class ReadyAlwaysClips(_Ready):
+    def _clip(self, pooled):
+        return pooled * (self.model.max_norm / pooled.norm())
+
+
+class ReadyCopiesTheModel(_Ready):
+    def __init__(self, model):
+        import copy
+
+        super().__init__(copy.deepcopy(model))  # gradients reach the copy, not the model
+
+
+BUGS = {
+    "7.1": [
+        ("no backoff: the scale stays after an overflow", ScalerNoBackoff),
+        ("skipped steps count toward growth", ScalerCountsSkippedSteps),
+        ("each rank decides alone whether to skip", ScalerDecidesAlone),
+        ("NaN gradients are not detected (isinf only)", ScalerMissesNaN),
+        ("step() unscales again after the user's unscale_()", ScalerUnscalesTwice),
+        ("wraps torch.amp.GradScaler", ScalerWrapsGradScaler),
+        ("wraps torch's ShardedGradScaler", ScalerWrapsShardedGradScaler),
+    ],
+    "7.2": [
+        ("counts every saved tensor, not every storage", saved_bytes_per_tensor),
+        ("counts parameters", saved_bytes_with_parameters),
+        ("counts the bytes of each view instead of its storage", saved_bytes_of_views),
+    ],
+    "7.3": [
+        ("RNG state not restored before recomputing", _checkpointing(restore_rng=False)),
+        ("RNG state restored without fork_rng: the generator is left rewound", _checkpointing(fork=False)),
+        ("inputs detached without requires_grad: no gradient reaches earlier layers",
+         _checkpointing(grad_inputs=False)),
+        ("inputs not detached: recomputes on the originals", _checkpointing(detach=False)),
+        ("forward runs fn with grad: activations are saved", _checkpointing(no_grad=False)),
+        ("checkpoints blocks 0, k, 2k, ... instead of the k-th, 2k-th, ...", _checkpointing(first=True)),
+        ("wraps torch.utils.checkpoint (reentrant)", _checkpointing(torch_checkpoint=True)),
+    ],
+    "7.4": [
+        ("a graph break left in: the .item() branch", ReadyKeepsItemBranch),
+        ("a graph break left in: the print", ReadyKeepsPrint),
+        ("a graph break left in: the loop up to the longest length", ReadyKeepsLengthLoop),
+        ("averages over padding (divides by T)", ReadyMeansOverPadding),
+        ("always rescales to max_norm", ReadyAlwaysClips),
+        ("copies the model: its parameters get no gradient", ReadyCopiesTheModel),
+        ("returns the model unchanged", lambda model: model),
+    ],
+}
