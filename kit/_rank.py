@@ -21,12 +21,20 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
 
-# Messages a rank sends on its result connection, as (kind, payload) tuples of plain data.
 OK, ERROR, EXIT = "ok", "error", "exit"
+
+
+class RankMessage(NamedTuple):
+    """What a rank sends on its result connection when its function is done (plain data)."""
+
+    kind: str  # OK, ERROR or EXIT
+    body: Any  # OK: the pickled return value; ERROR: (type, message, traceback); EXIT: repr(code)
+    seconds: float  # how long the function ran
+    at: float = 0.0  # time.monotonic() when it finished: the parent orders failures by it
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ def _redirect_output(out: Connection, err: Connection) -> None:
                                   errors="backslashreplace", line_buffering=True)
 
 
-def _send(conn: Connection, message: tuple[Any, ...]) -> None:
+def _send(conn: Connection, message: RankMessage) -> None:
     try:
         conn.send_bytes(cloudpickle.dumps(message))
     except (BrokenPipeError, OSError):  # parent gone or stopping us: nothing to report to
@@ -122,7 +130,7 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
 
     fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
     started = time.perf_counter()
-    message: tuple[Any, ...]
+    message: RankMessage
     try:
         if spec.backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -148,21 +156,21 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
                                 timeout=timedelta(seconds=spec.pg_timeout_s))
         value = fn(*args, **kwargs)
         kind, body = _encode_return(value)
-        message = (kind, body, time.perf_counter() - started)
+        message = RankMessage(kind, body, time.perf_counter() - started)
     except SystemExit as e:
         code = e.code
         if code is None or code == 0:
-            message = (OK, cloudpickle.dumps(None), time.perf_counter() - started)
+            message = RankMessage(OK, cloudpickle.dumps(None), time.perf_counter() - started)
         else:
-            message = (EXIT, repr(code), time.perf_counter() - started)
+            message = RankMessage(EXIT, repr(code), time.perf_counter() - started)
     except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))  # skip ours
-        message = (ERROR, (type(e).__qualname__, str(e), tb), time.perf_counter() - started)
+        message = RankMessage(ERROR, (type(e).__qualname__, str(e), tb), time.perf_counter() - started)
     sys.stdout.flush()
     sys.stderr.flush()
     # CLOCK_MONOTONIC is system-wide: the parent orders failures by when they happened.
-    _send(result, (*message, time.monotonic()))
-    if message[0] == OK:
+    _send(result, message._replace(at=time.monotonic()))
+    if message.kind == OK:
         # Hold the group until every rank has returned (the parent says so), like a final barrier
         # that cannot itself deadlock: a peer still in a collective keeps its connections.
         try:
@@ -176,4 +184,4 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
         pass
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if message[0] == OK else 1)
+    os._exit(0 if message.kind == OK else 1)

@@ -164,7 +164,7 @@ class _Rank:
     out_fd: int
     err_fd: int
     stack_path: str
-    message: tuple | None = None
+    message: _rank.RankMessage | None = None
     exitcode: int | None = None
     killed: bool = False
     released: bool = False
@@ -221,15 +221,15 @@ def _start(ctx: Any, spec: _rank.RankSpec, payload: Any, listener: socket.socket
 
 
 def _describe_exit(r: _Rank) -> RankFailure | None:
-    kind = r.message[0] if r.message else None
+    kind = r.message.kind if r.message else None
     if kind == _rank.OK and r.exitcode in (0, None):
         return None
     if kind == _rank.ERROR:
-        etype, text, tb = r.message[1]
+        etype, text, tb = r.message.body
         summary = f"raised {etype}: {text}" if text else f"raised {etype}"
         return RankFailure(r.rank, summary, tb, exception_type=etype, exitcode=r.exitcode)
     if kind == _rank.EXIT:
-        return RankFailure(r.rank, f"called sys.exit({r.message[1]})", exitcode=r.exitcode)
+        return RankFailure(r.rank, f"called sys.exit({r.message.body})", exitcode=r.exitcode)
     code = r.exitcode
     if code is not None and code < 0:
         sig = signal.Signals(-code)
@@ -299,7 +299,7 @@ def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = No
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.monotonic() - started
     outputs = [output.text(r) for r in range(world_size)]
-    returned = {r.rank: r.message[2] for r in ranks if r.message and r.message[0] == _rank.OK}
+    returned = {r.rank: r.message.seconds for r in ranks if r.message and r.message.kind == _rank.OK}
     if stacks is not None:
         raise LaunchTimeout(timeout_message(stacks, returned, timeout, world_size),
                             {k: v.raw for k, v in stacks.items()}, outputs)
@@ -311,8 +311,8 @@ def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = No
         stopped = [r.rank for r in ranks if r.killed and r.rank not in failed and r.rank not in returned]
         raise LaunchError(failure_message(failures, world_size, [r for r in returned if r not in failed],
                                           stopped), failures, outputs)
-    values = [cloudpickle.loads(r.message[1]) for r in ranks]
-    durations = [float(r.message[2]) for r in ranks]
+    values = [cloudpickle.loads(r.message.body) for r in ranks]
+    durations = [float(r.message.seconds) for r in ranks]
     return LaunchResult(values, outputs, durations, wall, method)
 
 
@@ -372,17 +372,17 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
                 r.exitcode = r.process.exitcode
                 _receive(r, sel)
             # A rank that reported an error counts at once: it may block on its way out.
-            if not r.noted and (r.exitcode is not None or (r.message and r.message[0] != _rank.OK)):
+            if not r.noted and (r.exitcode is not None or (r.message and r.message.kind != _rank.OK)):
                 r.noted = True
                 failure = None if r.killed else _describe_exit(r)
                 if failure is not None:
-                    happened = r.message[3] if r.message else time.monotonic()
+                    happened = r.message.at if r.message else time.monotonic()
                     failure.after_s = happened - started
                     failures.append(failure)
                     failures.sort(key=lambda f: f.after_s)
                     if stop_at is None:
                         stop_at = time.monotonic() + STOP_GRACE_S
-        if stop_at is None and all(r.message and r.message[0] == _rank.OK for r in ranks):
+        if stop_at is None and all(r.message and r.message.kind == _rank.OK for r in ranks):
             for r in ranks:  # everyone returned: let them tear the group down and exit
                 if not r.released:
                     r.released = True
@@ -417,7 +417,7 @@ def _receive(r: _Rank, sel: selectors.BaseSelector) -> None:
 
 def _collect_stacks(ranks: list[_Rank], output: RankOutput) -> dict[int, hang.RankStack]:
     """Ask every rank still working for its stack (faulthandler on SIGUSR1), then parse them."""
-    waiting = [r for r in ranks if r.exitcode is None and not (r.message and r.message[0] == _rank.OK)]
+    waiting = [r for r in ranks if r.exitcode is None and not (r.message and r.message.kind == _rank.OK)]
     for r in waiting:
         try:
             os.kill(r.process.pid, signal.SIGUSR1)
