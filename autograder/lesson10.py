@@ -1,0 +1,837 @@
+"""Checks for Lesson 10, "Molecular graphs at scale": tasks 10.1-10.4.
+
+Trusted references, all in this file: PyG's own ``Batch.from_data_list`` on a ``Data`` subclass
+that declares ``triplet_index`` (10.1); an EGNN layer written from equations (3)-(6) of Satorras
+et al. (2021) whose weights the student's layer loads (10.2); DeepChem's ``ScaffoldSplitter``
+(``deepchem/splits/splitters.py``: ``_generate_scaffold``, ``generate_scaffolds``, ``split``)
+re-stated line for line, since DeepChem is not installed (10.3); RDKit's
+``rdkit.ML.Scoring.Scoring.CalcEnrichment`` and ``CalcBEDROC`` (10.4). Real molecules come from
+the wheels (:mod:`kit.molecules`). Tasks 10.1 and 10.4 define several names in one cell; the
+checks find the companions (``MolData``; ``enrichment_factor``, ``bedroc``) next to the graded
+function, in the module that defines it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from autograder.registry import CheckFailed, assert_same, plain, task
+
+# --------------------------------------------------------------------------- shared
+
+
+def _companion(impl: Any, name: str) -> Any:
+    """The object called ``name`` defined beside ``impl`` (the same notebook or module)."""
+    namespace = getattr(impl, "__globals__", None)
+    if namespace is None:
+        namespace = vars(sys.modules.get(getattr(impl, "__module__", ""), object()))
+    if name not in namespace:
+        raise NameError(f"{name} is not defined next to {getattr(impl, '__name__', impl)}: "
+                        f"run the cell that defines {name} first")
+    return namespace[name]
+
+
+@contextmanager
+def _calls_into(watched: dict[str, tuple[str, ...]]) -> Iterator[list[str]]:
+    """Records calls of watched Python functions ({file suffix: function names}) meanwhile,
+    however they were imported (``sys.setprofile`` sees every Python frame)."""
+    seen: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            path = code.co_filename.replace("\\", "/")
+            for suffix, names in watched.items():
+                if path.endswith(suffix) and code.co_name in names:
+                    label = f"{suffix[:-3].replace('/', '.')}.{code.co_name}"
+                    if label not in seen:
+                        seen.append(label)
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
+
+
+def _real_molecules() -> list[Any]:
+    """A few EGFR ligands (3-D coordinates from the SDF) of different sizes."""
+    from kit.molecules import egfr_actives
+
+    actives = egfr_actives()
+    return [actives[i] for i in (0, 17, 101, 250)]
+
+
+@functools.cache
+def _smiles_mol(smiles: str) -> Any:
+    from rdkit import Chem
+
+    return Chem.MolFromSmiles(smiles)
+
+
+# --------------------------------------------------------------------------- task 10.1
+
+
+def _reference_data_class() -> type:
+    from torch_geometric.data import Data
+
+    class ReferenceMolData(Data):
+        def __inc__(self, key: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+            if key == "triplet_index":
+                return self.num_nodes
+            return super().__inc__(key, value, *args, **kwargs)
+
+        def __cat_dim__(self, key: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+            if key == "triplet_index":
+                return -1
+            return super().__cat_dim__(key, value, *args, **kwargs)
+
+    return ReferenceMolData
+
+
+FIELDS = ("x", "edge_index", "edge_attr", "pos", "y", "triplet_index")
+
+
+def _graph_fields(kind: str, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Fields of the graphs of a case: real ligands, graphs without edges, or one graph."""
+    from kit.molecules import mol_graph
+
+    g = torch.Generator().manual_seed(seed)
+    if kind == "real":
+        out = [mol_graph(m) for m in _real_molecules()]
+    elif kind == "edgeless":
+        # Single atoms and ions: no bonds, so empty (2, 0) edges and (3, 0) triplets.
+        out = [mol_graph(_smiles_mol(s), pos=False) for s in ("[Na+]", "CCO", "C", "[Cl-]", "O")]
+    else:
+        out = [mol_graph(_real_molecules()[1])]
+    for f in out:
+        if "pos" not in f:
+            f["pos"] = torch.randn(f["x"].shape[0], 3, generator=g)
+        f["y"] = torch.randn(1, generator=g)
+    return out
+
+
+def _expected_batch(kind: str, seed: int) -> dict[str, Any]:
+    from torch_geometric.data import Batch
+
+    cls = _reference_data_class()
+    batch = Batch.from_data_list([cls(**f) for f in _graph_fields(kind, seed)])
+    out = {k: batch[k] for k in (*FIELDS, "batch", "ptr")}
+    out["num_graphs"] = batch.num_graphs
+    out["is a Batch"] = True
+    out["called"] = []
+    return out
+
+
+def _collate_run(kind: str) -> Any:
+    def run(collate: Any, seed: int) -> dict[str, Any]:
+        from torch_geometric.data import Batch
+
+        mol_data = _companion(collate, "MolData")
+        graphs = [mol_data(**f) for f in _graph_fields(kind, seed)]
+        with _calls_into(COLLATE_WATCH) as called:
+            batch = collate(graphs)
+        out: dict[str, Any] = {"called": list(called), "is a Batch": isinstance(batch, Batch)}
+        for key in (*FIELDS, "batch", "ptr"):
+            out[key] = plain(getattr(batch, key, None))
+        num_graphs = getattr(batch, "num_graphs", None)
+        out["num_graphs"] = num_graphs if isinstance(num_graphs, int) else plain(num_graphs)
+        return out
+
+    return run
+
+
+# PyG's collation: Batch.from_data_list and the DataLoader's Collater both end in collate().
+COLLATE_WATCH = {"torch_geometric/data/collate.py": ("collate",),
+                 "torch_geometric/data/batch.py": ("from_data_list",),
+                 "torch_geometric/loader/dataloader.py": ("__call__", "collate_fn")}
+
+COLLATE_HINTS = {
+    "edge_index": "Add to each graph's edge_index the number of nodes of the graphs before it "
+                  "(data.__inc__('edge_index', ...) says so), then concatenate along dim -1.",
+    "triplet_index": "triplet_index holds atom indices, like edge_index: MolData.__inc__ must "
+                     "return the graph's number of nodes for it, __cat_dim__ must return -1, and "
+                     "collate must use both.",
+    "batch": "batch[n] is the index of the graph that node n belongs to: graph g contributes "
+             "num_nodes copies of g.",
+    "ptr": "ptr has num_graphs + 1 entries: 0, then the running total of nodes.",
+}
+
+
+def _compare_batch(got: Any, expected: dict[str, Any]) -> None:
+    if not isinstance(got, dict):
+        raise CheckFailed("collate's result could not be read", got=repr(got)[:200])
+    if got.get("called"):
+        raise CheckFailed(f"collate called PyG's own collation ({', '.join(got['called'])}): "
+                          "Task 10.1 re-implements it", expected="no call", got=got["called"],
+                          hint="Build the batch yourself: concatenate each attribute along "
+                               "data.__cat_dim__(key, value) after adding data.__inc__(key, value) "
+                               "times the graphs before it, then Batch(**attributes).")
+    if not got.get("is a Batch"):
+        raise CheckFailed("collate must return a torch_geometric.data.Batch",
+                          expected="Batch", got="something else",
+                          hint="Batch(x=..., edge_index=..., ..., batch=..., ptr=...) builds one.")
+    for key in (*FIELDS, "batch", "ptr", "num_graphs"):
+        try:
+            assert_same(got.get(key), expected[key], path=key)
+        except CheckFailed as e:
+            raise CheckFailed(f"batch.{e.message}", expected=e.expected, got=e.got,
+                              hint=COLLATE_HINTS.get(key, "")) from None
+
+
+def _declarations(mol_data: Any, seed: int) -> list[dict[str, Any]]:
+    out = []
+    for f in _graph_fields("real", seed)[:2] + _graph_fields("edgeless", seed)[:1]:
+        data = mol_data(**f)
+        row = {}
+        for key in FIELDS:
+            inc = data.__inc__(key, data[key])
+            dim = data.__cat_dim__(key, data[key])
+            row[key] = [int(inc) if isinstance(inc, (int, torch.Tensor)) else repr(inc),
+                        int(dim) if isinstance(dim, (int, torch.Tensor)) else repr(dim)]
+        out.append(row)
+    return out
+
+
+def _compare_declarations(got: Any, expected: list[dict[str, Any]]) -> None:
+    for g, (have, want) in enumerate(zip(got, expected)):
+        for key, (inc, dim) in want.items():
+            h_inc, h_dim = have[key]
+            if h_inc != inc:
+                raise CheckFailed(f"graph {g}: MolData.__inc__({key!r}) is {h_inc}, expected {inc}",
+                                  expected=inc, got=h_inc, hint=COLLATE_HINTS["triplet_index"]
+                                  if key == "triplet_index" else "Leave other keys to super().")
+            if h_dim != dim and not (dim == -1 and h_dim == 1) and not (dim == 1 and h_dim == -1):
+                raise CheckFailed(f"graph {g}: MolData.__cat_dim__({key!r}) is {h_dim}, expected "
+                                  f"{dim}", expected=dim, got=h_dim,
+                                  hint=COLLATE_HINTS["triplet_index"])
+
+
+COLLATE = task(
+    "10.1", "collate", points=3,
+    hint="Node-indexed attributes (edge_index, triplet_index) are shifted by the number of nodes "
+         "of the graphs before them and concatenated along their last dimension; everything else "
+         "is concatenated along dim 0; batch and ptr record which graph each node came from.",
+    forbidden=("torch_geometric.data.Batch.from_data_list", "torch_geometric.data.collate.collate",
+               "torch_geometric.loader.dataloader.Collater"),
+)
+
+
+@COLLATE.case("MolData declares triplet_index: incremented by the number of nodes, "
+              "concatenated along the last dimension", compare=_compare_declarations,
+              expect=lambda seed: _declarations(_reference_data_class(), seed))
+def _(collate: Any, seed: int) -> list[dict[str, Any]]:
+    return _declarations(_companion(collate, "MolData"), seed)
+
+
+COLLATE.case("4 EGFR ligands: every attribute, batch and ptr equal Batch.from_data_list's",
+             compare=_compare_batch, weight=2,
+             expect=lambda seed: _expected_batch("real", seed))(_collate_run("real"))
+COLLATE.case("graphs without edges (an ion, methane, water): empty edge_index and triplet_index",
+             compare=_compare_batch,
+             hint="A graph with no bonds has edge_index of shape (2, 0) and triplet_index (3, 0); "
+                  "its nodes still count in the offsets, batch and ptr.",
+             expect=lambda seed: _expected_batch("edgeless", seed))(_collate_run("edgeless"))
+COLLATE.case("a single graph", compare=_compare_batch,
+             expect=lambda seed: _expected_batch("single", seed))(_collate_run("single"))
+
+
+# --------------------------------------------------------------------------- task 10.2
+
+
+class ReferenceEGNNLayer(nn.Module):
+    """Trusted: equations (3)-(6) of Satorras et al. (2021), mean over neighbours for x.
+
+    m_ij = phi_e([h_i, h_j, |x_i - x_j|^2, a_ij]);  x_i' = x_i + mean_j (x_i - x_j) phi_x(m_ij);
+    m_i = sum_j m_ij;  h_i' = phi_h([h_i, m_i]).  Edge j -> i is column (j, i) of edge_index.
+    """
+
+    def __init__(self, hidden_dim: int, edge_dim: int = 0):
+        super().__init__()
+        h = hidden_dim
+        self.phi_e = nn.Sequential(nn.Linear(2 * h + 1 + edge_dim, h), nn.SiLU(),
+                                   nn.Linear(h, h), nn.SiLU())
+        self.phi_x = nn.Sequential(nn.Linear(h, h), nn.SiLU(), nn.Linear(h, 1, bias=False))
+        self.phi_h = nn.Sequential(nn.Linear(2 * h, h), nn.SiLU(), nn.Linear(h, h))
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor, edge_index: torch.Tensor,
+                edge_attr: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        src, dst = edge_index
+        n = h.shape[0]
+        diff = pos[dst] - pos[src]  # (E, 3) x_i - x_j
+        parts = [h[dst], h[src], (diff * diff).sum(-1, keepdim=True)]
+        if edge_attr is not None:
+            parts.append(edge_attr)
+        m = self.phi_e(torch.cat(parts, dim=-1))  # (E, H)
+        degree = torch.zeros(n, dtype=pos.dtype).index_add_(
+            0, dst, torch.ones(dst.shape[0], dtype=pos.dtype)).clamp(min=1)
+        shift = torch.zeros_like(pos).index_add_(0, dst, diff * self.phi_x(m))
+        m_i = torch.zeros(n, m.shape[1], dtype=m.dtype).index_add_(0, dst, m)
+        return self.phi_h(torch.cat([h, m_i], dim=-1)), pos + shift / degree[:, None]
+
+
+HIDDEN = 16
+
+
+def _egnn_inputs(seed: int, edge_dim: int, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
+    """A batch of 3 molecules (2 EGFR ligands and an ion) with features and coordinates."""
+    from torch_geometric.data import Batch, Data
+
+    from kit.molecules import mol_graph
+
+    graphs = [mol_graph(m) for m in _real_molecules()[:2]]
+    graphs.append({"x": torch.zeros(1, 9, dtype=torch.long),
+                   "edge_index": torch.zeros(2, 0, dtype=torch.long),
+                   "pos": torch.tensor([[1.0, -2.0, 0.5]])})  # an isolated atom
+    batch = Batch.from_data_list([Data(x=f["x"], edge_index=f["edge_index"], pos=f["pos"])
+                                  for f in graphs])
+    g = torch.Generator().manual_seed(seed)
+    e = batch.edge_index.shape[1]
+    return {"h": torch.randn(batch.num_nodes, HIDDEN, generator=g, dtype=dtype),
+            "pos": batch.pos.to(dtype), "edge_index": batch.edge_index,
+            "edge_attr": torch.randn(e, edge_dim, generator=g, dtype=dtype) if edge_dim else None,
+            "ptr": batch.ptr}
+
+
+def _reference_weights(seed: int, edge_dim: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1000 + seed)
+    return ReferenceEGNNLayer(HIDDEN, edge_dim).double().state_dict()
+
+
+def _build_layer(impl: Any, seed: int, edge_dim: int) -> nn.Module:
+    layer = impl(HIDDEN, edge_dim) if edge_dim else impl(HIDDEN)
+    layer = layer.double()
+    layer.load_state_dict(_reference_weights(seed, edge_dim), strict=True)
+    return layer
+
+
+def _apply(layer: nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
+    args = (inputs["h"], inputs["pos"], inputs["edge_index"])
+    out = layer(*args, inputs["edge_attr"]) if inputs["edge_attr"] is not None else layer(*args)
+    return plain(out[0]), plain(out[1])
+
+
+def _egnn_reference_case(edge_dim: int) -> Any:
+    def run(impl: Any, seed: int) -> dict[str, Any]:
+        with torch.no_grad():
+            h, pos = _apply(_build_layer(impl, seed, edge_dim), _egnn_inputs(seed, edge_dim))
+        return {"h": h, "pos": pos}
+
+    return run
+
+
+def _compare_egnn(got: Any, expected: dict[str, Any]) -> None:
+    for key, what in (("h", "features h'"), ("pos", "coordinates x'")):
+        try:
+            assert_same(got[key], expected[key], rtol=1e-9, atol=1e-10, path=what)
+        except CheckFailed as e:
+            raise CheckFailed(e.message + " with the reference's weights loaded", expected=e.expected,
+                              got=e.got) from None
+
+
+def _orthogonal(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random orthogonal Q with det -1 (a rotation times a reflection) and a translation t."""
+    g = torch.Generator().manual_seed(seed + 7)
+    q, _ = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
+    if torch.linalg.det(q) > 0:
+        q = q @ torch.diag(torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64))
+    return q, 10 * torch.randn(3, generator=g, dtype=torch.float64)
+
+
+def _equivariance_run(impl: Any, seed: int) -> dict[str, Any]:
+    layer = _build_layer(impl, seed, 4)
+    inputs = _egnn_inputs(seed, 4)
+    q, t = _orthogonal(seed)
+    with torch.no_grad():
+        h1, x1 = _apply(layer, inputs)
+        h2, x2 = _apply(layer, {**inputs, "pos": inputs["pos"] @ q.T + t})
+    return {"h": h1, "pos": x1, "h moved": h2, "pos moved": x2}
+
+
+def _compare_equivariance(got: Any, expected: dict[str, Any]) -> None:
+    q, t = expected["Q"], expected["t"]
+    for key in ("h", "pos", "h moved", "pos moved"):
+        if not isinstance(got.get(key), torch.Tensor) or got[key].dtype != torch.float64:
+            raise CheckFailed(f"{key}: expected a float64 tensor (the layer was cast with .double())",
+                              got=repr(got.get(key))[:100])
+    dh = (got["h moved"] - got["h"]).abs().max().item()
+    if not dh <= 1e-9:
+        raise CheckFailed(f"features change by up to {dh:.3g} when the molecule is rotated, "
+                          "reflected and translated: h' must be E(3)-invariant",
+                          expected="< 1e-9", got=f"{dh:.3g}",
+                          hint="Only invariant quantities may enter phi_e: squared distances "
+                               "|x_i - x_j|^2, never coordinates themselves.")
+    dx = (got["pos moved"] - (got["pos"] @ q.T + t)).abs().max().item()
+    if not dx <= 1e-9:
+        raise CheckFailed(f"coordinates are off by up to {dx:.3g} from Q x' + t: x' must be "
+                          "E(3)-equivariant", expected="< 1e-9", got=f"{dx:.3g}",
+                          hint="Update x_i with a weighted mean of the differences x_i - x_j: "
+                               "differences rotate with the molecule and do not feel a "
+                               "translation.")
+
+
+def _permutation_run(impl: Any, seed: int) -> dict[str, Any]:
+    layer = _build_layer(impl, seed, 4)
+    inputs = _egnn_inputs(seed, 4)
+    n = inputs["h"].shape[0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 3))
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(n)
+    edge_perm = torch.randperm(inputs["edge_index"].shape[1],
+                               generator=torch.Generator().manual_seed(seed + 4))
+    permuted = {"h": inputs["h"][perm], "pos": inputs["pos"][perm],
+                "edge_index": inverse[inputs["edge_index"]][:, edge_perm],
+                "edge_attr": inputs["edge_attr"][edge_perm]}
+    with torch.no_grad():
+        h1, x1 = _apply(layer, inputs)
+        h2, x2 = _apply(layer, permuted)
+    return {"h": h1, "pos": x1, "h permuted": h2, "pos permuted": x2}
+
+
+def _compare_permutation(got: Any, expected: dict[str, Any]) -> None:
+    perm = expected["perm"]
+    for key in ("h", "pos"):
+        diff = (got[f"{key} permuted"] - got[key][perm]).abs().max().item()
+        if not diff <= 1e-9:
+            raise CheckFailed(f"relabelling the atoms (and shuffling the edges) changes {key}' by "
+                              f"up to {diff:.3g}: the layer must be permutation-equivariant",
+                              expected="< 1e-9", got=f"{diff:.3g}",
+                              hint="Aggregate messages by their target atom (index_add_ over "
+                                   "edge_index[1]), never by position in the edge list.")
+
+
+def _separate_run(impl: Any, seed: int) -> dict[str, Any]:
+    layer = _build_layer(impl, seed, 0)
+    inputs = _egnn_inputs(seed, 0)
+    ptr = inputs["ptr"].tolist()
+    with torch.no_grad():
+        whole = _apply(layer, inputs)
+        parts = []
+        for g in range(len(ptr) - 1):
+            lo, hi = ptr[g], ptr[g + 1]
+            keep = (inputs["edge_index"][1] >= lo) & (inputs["edge_index"][1] < hi)
+            parts.append(_apply(layer, {"h": inputs["h"][lo:hi], "pos": inputs["pos"][lo:hi],
+                                        "edge_index": inputs["edge_index"][:, keep] - lo,
+                                        "edge_attr": None}))
+    return {"batched": list(whole), "alone": [list(p) for p in parts], "ptr": ptr,
+            "isolated input": plain(inputs["pos"][-1])}
+
+
+def _compare_separate(got: Any, expected: Any) -> None:
+    ptr = got["ptr"]
+    for g, (h, x) in enumerate(got["alone"]):
+        lo, hi = ptr[g], ptr[g + 1]
+        for name, whole, alone in (("h'", got["batched"][0][lo:hi], h), ("x'", got["batched"][1][lo:hi], x)):
+            if whole.shape != alone.shape or not torch.allclose(whole, alone, rtol=1e-9, atol=1e-10):
+                raise CheckFailed(f"graph {g}: {name} in a batch of 3 graphs differs from {name} of "
+                                  "the graph alone", hint="Normalise by each atom's own number of "
+                                  "neighbours, not by anything computed over the whole batch.")
+    isolated = got["batched"][1][-1]
+    if not torch.allclose(isolated, got["isolated input"], rtol=0, atol=1e-12):
+        raise CheckFailed("an atom without neighbours moved (or became nan)",
+                          expected=got["isolated input"].tolist(), got=isolated.tolist(),
+                          hint="An isolated atom has no neighbours: its mean is over zero terms; "
+                               "clamp the neighbour count to at least 1.")
+
+
+EGNN = task(
+    "10.2", "EGNNLayer", points=3,
+    hint="Per edge j -> i: m = phi_e(cat[h_i, h_j, |x_i - x_j|^2, a_ij]); x_i moves by the mean "
+         "over its neighbours of (x_i - x_j) * phi_x(m); h_i' = phi_h(cat[h_i, sum of m into i]).",
+)
+
+EGNN.case("equals the reference layer on loaded weights (2 ligands and an ion, no edge features)",
+          compare=_compare_egnn, weight=2,
+          expect=lambda seed: _egnn_reference_case(0)(ReferenceEGNNLayer, seed))(_egnn_reference_case(0))
+EGNN.case("equals the reference layer on loaded weights, with 4 edge features",
+          compare=_compare_egnn,
+          expect=lambda seed: _egnn_reference_case(4)(ReferenceEGNNLayer, seed))(_egnn_reference_case(4))
+EGNN.case("float64: features invariant, coordinates equivariant under a random orthogonal Q "
+          "(with a reflection) and a translation, within 1e-9", compare=_compare_equivariance,
+          weight=2, expect=lambda seed: dict(zip(("Q", "t"), _orthogonal(seed))))(_equivariance_run)
+EGNN.case("permutation-equivariant: relabelled atoms and shuffled edges give relabelled outputs",
+          compare=_compare_permutation,
+          expect=lambda seed: {"perm": torch.randperm(
+              _egnn_inputs(seed, 0)["h"].shape[0],
+              generator=torch.Generator().manual_seed(seed + 3))})(_permutation_run)
+EGNN.case("batched graphs equal each graph alone; an isolated atom stays put",
+          compare=_compare_separate, expect=lambda seed: None)(_separate_run)
+
+
+# --------------------------------------------------------------------------- task 10.3
+
+
+def reference_scaffold_split(smiles: list[str], frac_train: float = 0.8, frac_valid: float = 0.1,
+                             frac_test: float = 0.1) -> tuple[list[int], list[int], list[int]]:
+    """Trusted: DeepChem's ScaffoldSplitter.split on a dataset whose ids are ``smiles``."""
+    from rdkit import Chem
+    from rdkit.Chem.Scaffolds import MurckoScaffold
+
+    if not math.isclose(frac_train + frac_valid + frac_test, 1.0, abs_tol=1e-7):
+        raise ValueError("fractions must sum to 1")
+    scaffolds: dict[str, list[int]] = {}
+    for ind, smi in enumerate(smiles):
+        mol = Chem.MolFromSmiles(smi)
+        if mol is None:
+            raise ValueError(f"SMILES at index {ind} ({smi!r}) could not be parsed")
+        scaffold = MurckoScaffold.MurckoScaffoldSmiles(mol=mol, includeChirality=False)
+        scaffolds.setdefault(scaffold, []).append(ind)
+    scaffolds = {k: sorted(v) for k, v in scaffolds.items()}
+    scaffold_sets = [s for _, s in sorted(scaffolds.items(), key=lambda x: (len(x[1]), x[1][0]),
+                                          reverse=True)]
+    n = len(smiles)
+    train_cutoff = frac_train * n
+    valid_cutoff = (frac_train + frac_valid) * n
+    train, valid, test = [], [], []
+    for s in scaffold_sets:
+        if len(train) + len(s) > train_cutoff:
+            if len(train) + len(valid) + len(s) > valid_cutoff:
+                test += s
+            else:
+                valid += s
+        else:
+            train += s
+    return train, valid, test
+
+
+@functools.cache
+def _egfr_smiles() -> tuple[str, ...]:
+    from rdkit import Chem
+
+    from kit.molecules import egfr_actives
+
+    return tuple(Chem.MolToSmiles(m) for m in egfr_actives())
+
+
+ADVERSARIAL = {
+    "all one scaffold (benzene)": ["c1ccccc1C", "c1ccccc1O", "c1ccccc1N", "c1ccccc1Cl",
+                                   "c1ccccc1CC", "c1ccccc1", "c1ccccc1F", "c1ccccc1Br"],
+    "acyclic molecules only (empty scaffold)": ["CCO", "CC(=O)O", "CCCCN", "C=CC", "CCl", "O",
+                                                "CC(C)C", "N#CC"],
+    "duplicates and equal-sized scaffold sets": [
+        "c1ccccc1C", "C1CCCCC1O", "c1ccncc1C", "c1ccccc1C", "C1CCCCC1N", "c1ccncc1O", "CCO",
+        "c1ccc2ccccc2c1", "C1CC1C", "c1ccc2ccccc2c1O", "C1CC1O", "CCN", "c1ccoc1", "c1ccsc1",
+        "C[C@H](N)c1ccccc1", "C[C@@H](N)c1ccccc1", "O=C1CCCN1", "c1ccoc1C", "c1ccsc1C", "CCCC"],
+}
+
+
+def _split_lists(split: Any) -> Any:
+    if not isinstance(split, (tuple, list)) or len(split) != 3:
+        return repr(split)[:200]
+    return [[int(i) for i in part] for part in split]
+
+
+def _compare_split(got: Any, expected: dict[str, Any]) -> None:
+    for name, want in expected.items():
+        have = got.get(name) if isinstance(got, dict) else None
+        if not isinstance(have, list):
+            raise CheckFailed(f"{name}: scaffold_split must return (train, valid, test), three "
+                              "lists of indices", expected="a tuple of 3 lists", got=have)
+        everything = sorted(i for part in have for i in part)
+        if everything != sorted(i for part in want for i in part):
+            raise CheckFailed(f"{name}: every index must appear in exactly one split",
+                              expected=f"{sum(map(len, want))} indices once each",
+                              got=f"{len(everything)} indices, {len(set(everything))} distinct")
+        for part, h, w in zip(("train", "valid", "test"), have, want):
+            if h != w:
+                first = next((k for k, (a, b) in enumerate(zip(h, w)) if a != b), min(len(h), len(w)))
+                raise CheckFailed(
+                    f"{name}: the {part} indices differ from DeepChem's ScaffoldSplitter "
+                    f"(sizes {list(map(len, have))}, expected {list(map(len, want))}; first "
+                    f"difference at position {first})", expected=w[max(0, first - 2):first + 6],
+                    got=h[max(0, first - 2):first + 6])
+
+
+def _split_case(name: str, sets: Any, hint: str = "", **fracs: float) -> None:
+    def run(impl: Any, seed: int) -> dict[str, Any]:
+        return {k: _split_lists(impl(list(smiles), **fracs)) for k, smiles in sets().items()}
+
+    def expect(seed: int) -> dict[str, Any]:
+        return {k: _split_lists(reference_scaffold_split(list(smiles), **fracs))
+                for k, smiles in sets().items()}
+
+    SCAFFOLD.case(name, compare=_compare_split, hint=hint, expect=expect)(run)
+
+
+def _invalid_run(impl: Any, seed: int) -> dict[str, str]:
+    from rdkit import RDLogger
+
+    RDLogger.DisableLog("rdApp.*")  # RDKit's parse errors go to stderr (nbgrader scores that 0)
+    try:
+        impl(["CCO", "c1ccccc1", "C1CC(", "CCN"])
+    except ValueError as e:
+        return {"raised": "ValueError", "message": str(e)}
+    except Exception as e:  # noqa: BLE001 - the type is what the check reports
+        return {"raised": type(e).__name__, "message": str(e)}
+    finally:
+        RDLogger.EnableLog("rdApp.*")
+    return {"raised": "nothing", "message": ""}
+
+
+def _compare_invalid(got: Any, expected: Any) -> None:
+    if got.get("raised") != "ValueError" or "2" not in got.get("message", ""):
+        raise CheckFailed("an unparsable SMILES at index 2 must raise a ValueError naming index 2",
+                          expected="ValueError('... index 2 ...')",
+                          got=f"{got.get('raised')}: {got.get('message', '')[:120]}",
+                          hint="Chem.MolFromSmiles returns None for bad SMILES: raise "
+                               "ValueError with the index and the SMILES there.")
+
+
+SCAFFOLD = task(
+    "10.3", "scaffold_split", points=3, reference=reference_scaffold_split,
+    hint="Group indices by MurckoScaffoldSmiles(mol=..., includeChirality=False); order the sets "
+         "as DeepChem does (by size, ties by first index, both descending); walk them: a set goes "
+         "to train unless it would pass frac_train * n, else to valid unless train + valid + set "
+         "would pass (frac_train + frac_valid) * n, else to test.",
+    forbidden=("deepchem.splits.ScaffoldSplitter", "deepchem.splits.splitters.ScaffoldSplitter"),
+)
+
+ORDER_HINT = ("DeepChem sorts the scaffold sets with key (len(set), set[0]) and reverse=True: "
+              "larger sets first, and among equal sizes the set whose first index is larger first.")
+_split_case("FreeSolv (642 molecules), 80/10/10", lambda: {"FreeSolv": _freesolv_smiles()},
+            hint=ORDER_HINT)
+_split_case("365 EGFR ligands, 70/20/10", lambda: {"EGFR": _egfr_smiles()}, hint=ORDER_HINT,
+            frac_train=0.7, frac_valid=0.2, frac_test=0.1)
+_split_case("adversarial lists: one scaffold, acyclic only, duplicates and ties",
+            lambda: ADVERSARIAL,
+            hint="Acyclic molecules share the empty scaffold ''; duplicates share a set; "
+                 "chirality is ignored. " + ORDER_HINT)
+SCAFFOLD.case("an invalid SMILES raises a ValueError naming its index", compare=_compare_invalid,
+              expect=lambda seed: None)(_invalid_run)
+
+
+def _freesolv_smiles() -> list[str]:
+    from kit.molecules import freesolv
+
+    return freesolv()[0]
+
+
+# --------------------------------------------------------------------------- task 10.4
+
+SCORING = "rdkit/ML/Scoring/Scoring.py"
+SCORING_WATCH = {SCORING: ("CalcEnrichment", "CalcBEDROC", "CalcRIE", "_RIEHelper", "CalcAUC",
+                           "CalcROC")}
+
+
+def _ranked_rows(scores: torch.Tensor, labels: torch.Tensor,
+                 ids: torch.Tensor | None = None) -> list[list[int]]:
+    """Rows [id, label] sorted by score descending, ties by ascending id (position if no ids)."""
+    ids = torch.arange(len(scores)) if ids is None else ids
+    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), int(ids[i])))
+    return [[int(ids[i]), int(bool(labels[i]))] for i in order]
+
+
+def reference_enrichment_factor(scores: torch.Tensor, labels: torch.Tensor,
+                                fraction: float = 0.01) -> float:
+    from rdkit.ML.Scoring.Scoring import CalcEnrichment
+
+    return float(CalcEnrichment(_ranked_rows(scores, labels), 1, [fraction])[0])
+
+
+def reference_bedroc(scores: torch.Tensor, labels: torch.Tensor, alpha: float = 20.0) -> float:
+    from rdkit.ML.Scoring.Scoring import CalcBEDROC
+
+    return float(CalcBEDROC(_ranked_rows(scores, labels), 1, alpha))
+
+
+def reference_screen(scores: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
+    """The whole screen in one process: EF@1%, BEDROC(20) and the 100 best ids."""
+    from rdkit.ML.Scoring.Scoring import CalcBEDROC, CalcEnrichment
+
+    rows = _ranked_rows(scores, labels, ids)
+    return {"ef1": float(CalcEnrichment(rows, 1, [0.01])[0]), "bedroc": float(CalcBEDROC(rows, 1, 20.0)),
+            "top100": [r[0] for r in rows[:100]]}
+
+
+def _random_screens(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, float]]]:
+    """Random screens: continuous scores, heavily tied scores, few actives, early actives."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n, actives, ties, args in ((1000, 30, False, {"fraction": 0.01, "alpha": 20.0}),
+                                   (777, 40, True, {"fraction": 0.05, "alpha": 20.0}),
+                                   (250, 3, True, {"fraction": 0.1, "alpha": 5.0}),
+                                   (333, 25, False, {"fraction": 0.02, "alpha": 80.0})):
+        labels = torch.zeros(n, dtype=torch.bool)
+        labels[torch.randperm(n, generator=g)[:actives]] = True
+        scores = torch.randn(n, generator=g, dtype=torch.float64) + 1.5 * labels
+        if ties:
+            scores = scores.round()  # a handful of distinct values: ties everywhere
+        out.append((scores, labels, args))
+    return out
+
+
+@functools.cache
+def _real_screen() -> tuple[torch.Tensor, torch.Tensor]:
+    """365 EGFR actives and 2,000 NCI compounds scored by their number of nitrogen atoms (a weak
+    score with 9 distinct values: ties galore, and a top 1% that mixes actives and decoys)."""
+    from rdkit import Chem, RDLogger
+
+    from kit.molecules import decoy_pool, egfr_actives
+
+    RDLogger.DisableLog("rdApp.*")
+    pool = [Chem.MolFromSmiles(s) for s in decoy_pool()[:2000]]
+    mols = list(egfr_actives()) + [m for m in pool if m is not None]
+    labels = torch.tensor([i < len(egfr_actives()) for i in range(len(mols))])
+    scores = torch.tensor([float(sum(a.GetAtomicNum() == 7 for a in m.GetAtoms())) for m in mols],
+                          dtype=torch.float64)
+    perm = torch.randperm(len(mols), generator=torch.Generator().manual_seed(0))
+    return scores[perm], labels[perm]
+
+
+def _metric_inputs(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, float]]]:
+    scores, labels = _real_screen()
+    return [*_random_screens(seed), (scores, labels, {"fraction": 0.01, "alpha": 20.0})]
+
+
+def _metrics_of(ef: Any, bedroc: Any, seed: int) -> list[dict[str, Any]]:
+    out = []
+    for scores, labels, args in _metric_inputs(seed):
+        out.append({"enrichment_factor": plain(ef(scores.clone(), labels.clone(), args["fraction"])),
+                    "bedroc": plain(bedroc(scores.clone(), labels.clone(), args["alpha"]))})
+    return out
+
+
+def _compare_metrics(got: Any, expected: Any) -> None:
+    if isinstance(got, dict) and got.get("called"):
+        raise CheckFailed(f"calls RDKit's scoring ({', '.join(got['called'])}): Task 10.4 "
+                          "re-implements it", expected="no call", got=got["called"])
+    names = ["1000 molecules", "777 molecules with tied scores", "250 molecules, 3 actives, tied",
+             "333 molecules, alpha=80", "the EGFR screen (nitrogen count, ties)"]
+    for name, have, want in zip(names, got["values"], expected["values"]):
+        for key, value in want.items():
+            h = have[key]
+            if isinstance(h, torch.Tensor) and h.numel() == 1:
+                h = h.item()
+            if not isinstance(h, (int, float)) or not math.isclose(h, value, rel_tol=1e-9, abs_tol=1e-12):
+                raise CheckFailed(f"{name}: {key} differs from RDKit's "
+                                  f"{'CalcEnrichment' if key == 'enrichment_factor' else 'CalcBEDROC'}",
+                                  expected=value, got=h, hint=METRIC_HINTS[key])
+
+
+METRIC_HINTS = {
+    "enrichment_factor": "Rank by score, descending, ties by ascending position (a stable sort); "
+                         "n = ceil(N * fraction) molecules; EF = (actives in the top n / n) / "
+                         "(actives / N).",
+    "bedroc": "Rank as for EF; RIE = sum over actives of exp(-alpha * r / N) (r from 1) divided by "
+              "its random expectation n/N * (1 - e^-alpha) / (e^(alpha/N) - 1); scale between RIE's "
+              "minimum and maximum for n actives (Truchon & Bayly 2007, eq. 36).",
+}
+
+
+def _metrics_run(impl: Any, seed: int) -> dict[str, Any]:
+    ef, bedroc = _companion(impl, "enrichment_factor"), _companion(impl, "bedroc")
+    with _calls_into(SCORING_WATCH) as called:
+        values = _metrics_of(ef, bedroc, seed)
+    return {"values": values, "called": list(called)}
+
+
+# Shards of the EGFR screen on 4 ranks: very uneven, one of them empty; ids are global ids.
+SHARD_SIZES = (0.55, 0.0, 0.1, 0.35)
+
+
+def _shards(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    scores, labels = _real_screen()
+    g = torch.Generator().manual_seed(seed + 11)
+    ids = torch.randperm(len(scores), generator=g)  # global ids, not positions
+    order = torch.randperm(len(scores), generator=g)  # who holds what: shuffled
+    bounds = [0]
+    for f in SHARD_SIZES:
+        bounds.append(bounds[-1] + round(f * len(scores)))
+    bounds[-1] = len(scores)
+    return [(scores[order[a:b]], labels[order[a:b]], ids[order[a:b]])
+            for a, b in zip(bounds, bounds[1:])]
+
+
+def _screen_on_rank(screen_metrics: Any, seed: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from kit.trace import trace
+
+    scores, labels, ids = _shards(seed)[dist.get_rank()]
+    with _calls_into(SCORING_WATCH) as called, trace() as t:
+        out = screen_metrics(scores.clone(), labels.clone(), ids.clone())
+    if not isinstance(out, dict):
+        return {"result": repr(out)[:200], "called": list(called), "collectives": len(t.events)}
+    result = {k: plain(out.get(k)) if not isinstance(out.get(k), list) else
+              [plain(v) for v in out[k]] for k in ("ef1", "bedroc", "top100")}
+    return {"result": result, "called": list(called),
+            "collectives": sum(e.kind == "collective" for e in t.events)}
+
+
+def _screen_launch(screen_metrics: Any, seed: int) -> tuple[Any, ...]:
+    from kit.launcher import run_ranks
+
+    return tuple(run_ranks(_screen_on_rank, (screen_metrics, seed), world_size=len(SHARD_SIZES),
+                           timeout=30.0, echo=False))
+
+
+def _expected_screen(seed: int) -> dict[str, Any]:
+    shards = _shards(seed)
+    scores, labels, ids = (torch.cat([s[i] for s in shards]) for i in range(3))
+    return reference_screen(scores, labels, ids)
+
+
+def _compare_screen(got: Any, expected: dict[str, Any]) -> None:
+    for rank, run in enumerate(got):
+        if run["called"]:
+            raise CheckFailed(f"rank {rank} calls RDKit's scoring ({', '.join(run['called'])}): "
+                              "Task 10.4 re-implements it", expected="no call", got=run["called"])
+        if run["collectives"] == 0:
+            raise CheckFailed(f"rank {rank}: no collective was traced; the global metrics need "
+                              "every rank's scores", hint="all_gather the shard sizes, then the "
+                              "padded scores, labels and ids (or all_gather_object).")
+        result = run["result"]
+        if not isinstance(result, dict):
+            raise CheckFailed(f"rank {rank}: screen_metrics must return a dict with keys ef1, "
+                              "bedroc and top100", got=result)
+        for key in ("ef1", "bedroc"):
+            value = result[key].item() if isinstance(result[key], torch.Tensor) else result[key]
+            if not isinstance(value, (int, float)) or not math.isclose(value, expected[key],
+                                                                        rel_tol=1e-9):
+                raise CheckFailed(f"rank {rank}: {key} of the whole screen differs from one process "
+                                  "on the whole list", expected=expected[key], got=value,
+                                  hint="Gather every rank's scores, labels and ids first, then "
+                                       "rank the whole list once: a top fraction of each shard "
+                                       "is not the top fraction of the screen.")
+        top = result["top100"]
+        top = top.tolist() if isinstance(top, torch.Tensor) else [int(v) if isinstance(v, int)
+                                                                  else plain(v) for v in top]
+        top = [int(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in top]
+        if top != expected["top100"]:
+            first = next((i for i, (a, b) in enumerate(zip(top, expected["top100"])) if a != b),
+                         min(len(top), 100))
+            raise CheckFailed(f"rank {rank}: top100 differs from one process at position {first}",
+                              expected=expected["top100"][first:first + 5], got=top[first:first + 5],
+                              hint="Sort by score descending and break ties by ascending id, "
+                                   "not by the order the shards arrived in.")
+
+
+SCREEN = task(
+    "10.4", "screen_metrics", points=4,
+    hint="Rank by score descending with ties broken by ascending id; EF@x and BEDROC then follow "
+         "RDKit's Scoring module. On ranks, gather every shard (sizes differ: gather the sizes "
+         "first, pad, gather, strip) and compute the metrics once on the whole list.",
+    forbidden=("rdkit.ML.Scoring.Scoring.CalcEnrichment", "rdkit.ML.Scoring.Scoring.CalcBEDROC",
+               "rdkit.ML.Scoring.Scoring.CalcRIE", "rdkit.ML.Scoring.Scoring.CalcAUC"),
+)
+
+SCREEN.case("enrichment_factor and bedroc equal RDKit's CalcEnrichment and CalcBEDROC on random "
+            "screens (with ties) and the EGFR screen", compare=_compare_metrics, weight=2,
+            expect=lambda seed: {"values": _metrics_of(reference_enrichment_factor, reference_bedroc,
+                                                       seed)})(_metrics_run)
+
+
+@SCREEN.case("screen_metrics on 4 uneven shards (one empty): every rank gets one process's EF@1%, "
+             "BEDROC(20) and top-100 ids", compare=_compare_screen, weight=2,
+             expect=_expected_screen)
+def _(screen_metrics: Any, seed: int) -> list[Any]:
+    return list(_screen_launch(screen_metrics, seed))
