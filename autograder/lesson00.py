@@ -25,6 +25,7 @@ def _reference_shard_range(n: int, rank: int, world_size: int) -> range:
 
 SHARD = task(
     "0.1", "shard_range", points=2, reference=_reference_shard_range,
+    forbidden=("torch.utils.data.DistributedSampler",),
     hint="Each rank gets n // world_size items; the first n % world_size ranks get one more, "
          "and rank r starts where rank r - 1 stopped.",
 )

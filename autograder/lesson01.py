@@ -6,7 +6,8 @@ call no collective, and the broadcast must finish in ``ceil(log2 p)`` rounds, co
 messages the ranks really sent. Results are compared with torch's own ``dist.all_reduce`` on the
 same random inputs (1.2) or with the source rank's data (1.1). Task 1.3 ``store_barrier`` is a
 property check: with one rank arriving late in every round, no rank may leave before the last
-one arrived. Task 1.4 compares with :mod:`kit.costmodel`.
+one arrived. Task 1.4 compares with a least-squares fit kept here (not in :mod:`kit.costmodel`,
+which the lesson's setup cell imports) and with :func:`kit.costmodel.ring_all_reduce_time`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,21 @@ import torch
 
 from autograder.registry import CheckFailed, assert_same, plain, task
 from kit import costmodel
+
+# Every collective, by each name a route reaches it under (the recorder's op names, and the
+# functional collectives): tasks 1.1 and 1.2 build theirs from point-to-point messages only.
+_COLLECTIVE_OPS = (
+    "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_coalesced",
+    "all_gather_single", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced", "all_to_all", "all_to_all_single", "gather", "scatter",
+    "barrier", "monitored_barrier", "all_gather_object", "gather_object", "broadcast_object_list",
+    "scatter_object_list", "_all_gather_base", "_reduce_scatter_base",
+)
+COLLECTIVES = tuple(f"torch.distributed.{op}" for op in _COLLECTIVE_OPS) + tuple(
+    f"torch.distributed._functional_collectives.{op}" for op in (
+        "all_reduce", "broadcast", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single",
+        "all_reduce_coalesced", "all_gather_into_tensor_coalesced"))
 
 RANK_TIMEOUT_S = 30.0  # a deadlocked ring shows the launcher's hang report after this long
 STORE_WAIT_S = 4.0  # how long store_barrier's waits may block before the check calls it stuck
@@ -143,7 +159,7 @@ def _reference_tree_broadcast(tensor: torch.Tensor, src: int = 0) -> None:
 
 
 BROADCAST = task(
-    "1.1", "tree_broadcast", points=3, reference=_reference_tree_broadcast,
+    "1.1", "tree_broadcast", points=3, reference=_reference_tree_broadcast, forbidden=COLLECTIVES,
     hint="Number the ranks relative to src (vrank = (rank - src) % p). In round k, every vrank "
          "below 2**k that holds the data sends to vrank + 2**k.",
 )
@@ -198,7 +214,16 @@ def _ring_on_rank(ring_all_reduce: Any, seed: int, configs: list[tuple[tuple[int
             tensor = _rank_tensor(seed + 1000 * i, rank, shape, dtype)
             ring_all_reduce(tensor)  # in place
             tensors.append(plain(tensor))
-    return {"tensors": tensors, "collectives": t.collectives()}
+            t.events.append(None)  # a marker: the messages of the next config follow
+    messages: list[list[tuple[str, int | None, int]]] = [[]]
+    for e in t.events:
+        if e is None:
+            messages.append([])
+        elif e.kind == "p2p":
+            messages[-1].append((e.op, e.peer, e.nbytes))
+    return {"tensors": tensors, "collectives": [e.op for e in t.events
+                                                if e is not None and e.kind == "collective"],
+            "messages": messages[:-1]}
 
 
 def _reference_ring_all_reduce(tensor: torch.Tensor) -> None:
@@ -217,12 +242,57 @@ def _compare_ring(got: Any, expected: dict[str, Any]) -> None:
         raise CheckFailed("expected one result per rank", got=repr(got)[:200])
     _no_collectives({"collectives": [g["collectives"] for g in got]}, "ring_all_reduce")
     for i, (shape, dtype) in enumerate(expected["configs"]):
-        _compare_tensors([g["tensors"][i] for g in got], [w["tensors"][i] for w in want],
-                         f"{len(got)} ranks, {_describe_config(shape, dtype)}")
+        what = f"{len(got)} ranks, {_describe_config(shape, dtype)}"
+        _compare_ring_pattern([g["messages"][i] for g in got], math.prod(shape),
+                              torch.empty((), dtype=dtype).element_size(), what)
+        _compare_tensors([g["tensors"][i] for g in got], [w["tensors"][i] for w in want], what)
+
+
+RING_PATTERN_HINT = ("A ring: every rank sends only to its right neighbour (rank + 1) % p and "
+                     "receives only from its left (rank - 1) % p, one chunk of about n / p "
+                     "elements per message, in 2(p - 1) steps (p - 1 to reduce-scatter, p - 1 "
+                     "to all-gather).")
+
+
+def _compare_ring_pattern(messages: list[list[tuple[str, int | None, int]]], n: int, size: int,
+                          what: str) -> None:
+    """Each rank's p2p messages of one call: 2(p-1) sends to the right neighbour and 2(p-1)
+    receives from the left, none longer than ceil(n / p) elements."""
+    p = len(messages)
+    chunk = -(-n // p) * size if p else 0  # bytes of the largest chunk
+    for rank, calls in enumerate(messages):
+        sends = [(peer, b) for op, peer, b in calls if op in ("send", "isend")]
+        recvs = [(peer, b) for op, peer, b in calls if op in ("recv", "irecv")]
+        right, left = (rank + 1) % p, (rank - 1) % p
+        if p > 1 and any(peer != right for peer, _ in sends):
+            raise CheckFailed(f"{what}: rank {rank} sent to rank(s) "
+                              f"{sorted({peer for peer, _ in sends if peer != right})}; in a ring "
+                              f"it sends only to its right neighbour {right}",
+                              expected=f"sends to rank {right} only",
+                              got=sorted({peer for peer, _ in sends}), hint=RING_PATTERN_HINT)
+        if p > 1 and any(peer != left for peer, _ in recvs):
+            raise CheckFailed(f"{what}: rank {rank} received from rank(s) "
+                              f"{sorted({peer for peer, _ in recvs if peer != left})}; in a ring "
+                              f"it receives only from its left neighbour {left}",
+                              expected=f"receives from rank {left} only",
+                              got=sorted({peer for peer, _ in recvs}), hint=RING_PATTERN_HINT)
+        steps = 2 * (p - 1)
+        if len(sends) != steps or len(recvs) != steps:
+            raise CheckFailed(f"{what}: rank {rank} sent {len(sends)} and received {len(recvs)} "
+                              f"messages; a ring all-reduce on {p} ranks takes 2(p - 1) = {steps} "
+                              "steps, one send and one receive each", expected=steps,
+                              got={"sends": len(sends), "receives": len(recvs)},
+                              hint=RING_PATTERN_HINT)
+        too_big = [b for _, b in sends + recvs if b > chunk]
+        if too_big:
+            raise CheckFailed(f"{what}: rank {rank} moved a message of {max(too_big)} bytes; each "
+                              f"step carries one chunk, at most ceil(n / p) elements = {chunk} "
+                              "bytes", expected=f"<= {chunk} bytes a message",
+                              got=f"{max(too_big)} bytes", hint=RING_PATTERN_HINT)
 
 
 RING = task(
-    "1.2", "ring_all_reduce", points=4, reference=_reference_ring_all_reduce,
+    "1.2", "ring_all_reduce", points=4, reference=_reference_ring_all_reduce, forbidden=COLLECTIVES,
     hint="Split tensor.view(-1) into world_size chunks with tensor_split (sizes differ by at most "
          "one, some may be empty). Reduce-scatter: in step s send chunk (rank - s) % p right and "
          "add the chunk (rank - s - 1) % p from the left. All-gather: the same ring, copying.",
@@ -230,15 +300,27 @@ RING = task(
 
 
 def _ring_case(name: str, world_size: int, configs: list[tuple[tuple[int, ...], torch.dtype]],
-               hint: str = "") -> None:
-    def run(ring_all_reduce: Any, seed: int) -> list[dict[str, Any]]:
-        return _launch(_ring_on_rank, (ring_all_reduce, seed, configs), world_size)
+               hint: str = "", also: tuple[int, list[tuple[tuple[int, ...], torch.dtype]]] | None = None,
+               ) -> None:
+    """A case on ``world_size`` ranks; ``also`` adds a second launch (world size, configs) that
+    must pass too (a single rank, which any implementation passes, never stands alone)."""
+    launches = [(world_size, configs)] + ([also] if also else [])
 
-    def expect(seed: int) -> dict[str, Any]:
+    def run(ring_all_reduce: Any, seed: int) -> list[list[dict[str, Any]]]:
+        return [_launch(_ring_on_rank, (ring_all_reduce, seed, c), w) for w, c in launches]
+
+    def expect(seed: int) -> list[dict[str, Any]]:
         # torch's own all_reduce on the same inputs, on real ranks (trusted code).
-        return {"ranks": run(_reference_ring_all_reduce, seed), "configs": configs}
+        return [{"ranks": _launch(_ring_on_rank, (_reference_ring_all_reduce, seed, c), w),
+                 "configs": c} for w, c in launches]
 
-    RING.case(name, compare=_compare_ring, expect=expect, hint=hint)(run)
+    def compare(got: Any, expected: list[dict[str, Any]]) -> None:
+        if not isinstance(got, list) or len(got) != len(expected):
+            raise CheckFailed("expected one result per launch", got=repr(got)[:200])
+        for g, e in zip(got, expected):
+            _compare_ring(g, e)
+
+    RING.case(name, compare=compare, expect=expect, hint=hint)(run)
 
 
 _F32, _F64, _I64 = torch.float32, torch.float64, torch.int64
@@ -254,8 +336,8 @@ _ring_case("5 ranks, 3 elements (fewer elements than ranks)", 5,
 _ring_case("8 ranks, a 2-D 6x7 float64 tensor and 13 int64", 8, [((6, 7), _F64), ((13,), _I64)],
            hint="Work on tensor.view(-1): it shares memory with the tensor, so writing a chunk "
                 "writes the result in place.")
-_ring_case("2 ranks, 64 float32 elements", 2, [((64,), _F32)])
-_ring_case("1 rank (nothing to do)", 1, [((5,), _F32)])
+_ring_case("2 ranks, 64 float32 elements; and 1 rank (nothing to do)", 2, [((64,), _F32)],
+           also=(1, [((5,), _F32)]))
 
 
 # --------------------------------------------------------------------------- task 1.3
@@ -339,6 +421,9 @@ def _barrier_case(name: str, world_size: int, names: list[str], *, file_store: b
 
 BARRIER = task(
     "1.3", "store_barrier", points=3,
+    forbidden=("torch.distributed.barrier", "torch.distributed.monitored_barrier",
+               "torch.distributed.distributed_c10d._store_based_barrier",
+               "torch.distributed.elastic.utils.store.barrier"),
     hint="store.add(key, 1) returns the new count atomically. The k-th use of the barrier is "
          "complete when the count reaches k * world_size; store.wait blocks until a key exists.",
 )
@@ -416,11 +501,23 @@ def _compare_fit(got: Any, expected: Any) -> None:
 
 
 def _reference_fit(nbytes: Any, seconds: Any) -> tuple[float, float]:
-    return costmodel.fit_alpha_beta(nbytes, seconds)
+    """Trusted least-squares fit of ``seconds = alpha + beta * nbytes`` (float64, torch's lstsq)."""
+    x = torch.as_tensor(nbytes, dtype=torch.float64).reshape(-1)
+    y = torch.as_tensor(seconds, dtype=torch.float64).reshape(-1)
+    if x.numel() != y.numel():
+        raise ValueError(f"nbytes and seconds differ in length ({x.numel()} != {y.numel()})")
+    if x.unique().numel() < 2:
+        raise ValueError("fitting alpha and beta needs at least two different message sizes")
+    design = torch.stack([torch.ones_like(x), x], dim=1)  # (m, 2): [1, n] per measurement
+    alpha, beta = torch.linalg.lstsq(design, y[:, None], driver="gelsd").solution[:, 0].tolist()
+    return alpha, beta
 
 
 MODEL = task(
     "1.4", "fit_alpha_beta", points=2, reference=_reference_fit,
+    # One-call answers; kit.costmodel.ring_all_reduce_time stays in kit for Lesson 08's planner.
+    forbidden=("numpy.polyfit", "numpy.polynomial.polynomial.polyfit", "scipy.stats.linregress",
+               "kit.costmodel.ring_all_reduce_time"),
     hint="Least squares for t = alpha + beta * n: beta = cov(n, t) / var(n), "
          "alpha = mean(t) - beta * mean(n). A ring all-reduce takes 2(p-1) steps, each sending "
          "n / p bytes.",
@@ -435,7 +532,7 @@ def _(fit_alpha_beta: Any, seed: int) -> Any:
 
 
 @MODEL.case("least-squares fit of noisy timings (tensors)", compare=_compare_fit,
-            expect=lambda seed: list(costmodel.fit_alpha_beta(*_measurements(seed + 1, 0.2)[:2])),
+            expect=lambda seed: list(_reference_fit(*_measurements(seed + 1, 0.2)[:2])),
             hint="Fit ordinary least squares on the seconds, with an intercept: not a line "
                  "through the origin, not through two points.")
 def _(fit_alpha_beta: Any, seed: int) -> Any:

@@ -27,6 +27,7 @@ from autograder.registry import CheckFailed, assert_same, task
 
 SAMPLER = task(
     "3.1", "ShardSampler", points=4, reference=DistributedSampler,
+    forbidden=("torch.utils.data.DistributedSampler",),
     hint="num_samples = ceil(len / num_replicas) (with drop_last and an uneven split: "
          "ceil((len - num_replicas) / num_replicas)); pad by repeating indices from the start "
          "(wrapping around as often as needed) up to num_samples * num_replicas, or cut to it "

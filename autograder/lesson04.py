@@ -86,6 +86,12 @@ def _module_of(ddp: Any, model: torch.nn.Module) -> torch.nn.Module:
 
 
 FINISH = "in finish_gradient_synchronization()"
+# What Lesson 04 builds: torch's DDP (its Python class and its C++ reducer, which the recorder
+# sees issuing all-reduces during backward) and its ready-made communication hooks.
+DDP = ("torch.nn.parallel.DistributedDataParallel",
+       "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook",
+       "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook",
+       "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook")
 
 
 def _backward_phase(i: int, micro: int) -> str:
@@ -93,8 +99,16 @@ def _backward_phase(i: int, micro: int) -> str:
     return "during backward()" if micro == 1 else f"during backward() {i + 1} of {micro}"
 
 
+BLOCKING = "blocking (not async_op) anywhere in the step"
+
+
 def _count(events: list[Any], start: float, end: float) -> int:
     return sum(1 for e in events if e.op == "all_reduce" and start <= e.start < end)
+
+
+def _blocking(events: list[Any]) -> int:
+    """All-reduces the caller waited for inside the call: nothing can overlap them."""
+    return sum(1 for e in events if e.op == "all_reduce" and not e.async_op)
 
 
 def _train_on_rank(impl: Any, seed: int, steps: int, extra: list[int], cap_mb: float | None,
@@ -140,7 +154,8 @@ def _train_on_rank(impl: Any, seed: int, steps: int, extra: list[int], cap_mb: f
             start = time.perf_counter()
             ddp.finish_gradient_synchronization()
             phases[FINISH] = (start, time.perf_counter())
-        calls.append({phase: _count(t.events, a, b) for phase, (a, b) in phases.items()})
+        calls.append({**{phase: _count(t.events, a, b) for phase, (a, b) in phases.items()},
+                      BLOCKING: _blocking(t.events)})
         grads.append(_grads(module))
         optimizer.step()
         optimizer.zero_grad()
@@ -265,6 +280,7 @@ def _expected_calls(cap_mb: float, steps: int, extra: list[int], micro: int) -> 
         calls = {_backward_phase(i, micro): 0 for i in range(micro)}
         calls[_backward_phase(micro - 1, micro)] = len(buckets) - late
         calls[FINISH] = late
+        calls[BLOCKING] = 0
         out.append(calls)
     return out
 
@@ -272,7 +288,7 @@ def _expected_calls(cap_mb: float, steps: int, extra: list[int], micro: int) -> 
 # --------------------------------------------------------------------------- task 4.1
 
 NAIVE = task(
-    "4.1", "NaiveDDP", points=3,
+    "4.1", "NaiveDDP", points=3, forbidden=DDP,
     hint="After backward, for every parameter p of self.module with p.grad not None: "
          "dist.all_reduce(p.grad) then p.grad /= world_size. module.parameters() lists a tied "
          "parameter once.",
@@ -312,7 +328,7 @@ def _with_grad(step: int, extra: list[int]) -> int:
 def _compare_at_most_one_per_grad(got: Any, expected: list[int]) -> None:
     for rank, run in enumerate(got):
         for step, (calls, limit) in enumerate(zip(run["calls"], expected)):
-            n = sum(calls.values())
+            n = sum(v for k, v in calls.items() if k != BLOCKING)
             if n == 0:
                 raise CheckFailed(f"rank {rank}, step {step}: no dist.all_reduce was traced",
                                   expected=f"1 to {limit}", got=0,
@@ -337,7 +353,7 @@ def _(impl: Any, seed: int) -> list[Any]:
 # --------------------------------------------------------------------------- task 4.2
 
 OVERLAPPED = task(
-    "4.2", "OverlappedDDP", points=3,
+    "4.2", "OverlappedDDP", points=3, forbidden=DDP,
     hint="In __init__, p.register_post_accumulate_grad_hook(hook) for every p of "
          "self.module.parameters() that requires grad; the hook starts "
          "dist.all_reduce(p.grad, async_op=True) and keeps the work; "
@@ -363,7 +379,7 @@ def _(impl: Any, seed: int) -> list[Any]:
 def _compare_one_per_grad_in_backward(got: Any, expected: list[int]) -> None:
     for rank, run in enumerate(got):
         for step, (calls, n) in enumerate(zip(run["calls"], expected)):
-            want = {_backward_phase(0, 1): n, FINISH: 0}
+            want = {_backward_phase(0, 1): n, FINISH: 0, BLOCKING: 0}
             if calls != want:
                 raise CheckFailed(
                     f"rank {rank}, step {step}: all-reduces started during backward() and in "
@@ -372,7 +388,7 @@ def _compare_one_per_grad_in_backward(got: Any, expected: list[int]) -> None:
 
 
 @OVERLAPPED.case("one async all-reduce per parameter with a gradient, each started during "
-                 "backward; finish only waits", compare=_compare_one_per_grad_in_backward,
+                 "backward; finish only waits", compare=_compare_one_per_grad_in_backward, weight=3,
                  hint="Start the all-reduce in the post-accumulate-grad hook, with async_op=True; "
                       "register one hook per parameter (self.module.parameters() lists a tied "
                       "parameter once) and none on parameters that do not require grad.",
@@ -384,7 +400,7 @@ def _(impl: Any, seed: int) -> list[Any]:
 # --------------------------------------------------------------------------- task 4.3
 
 BUCKETED = task(
-    "4.3", "BucketedDDP", points=4,
+    "4.3", "BucketedDDP", points=4, forbidden=DDP,
     hint="Walk reversed(list of parameters that require grad), closing a bucket when the next "
          "parameter would take it past bucket_size_mb * 2**20 bytes. In the hook count the "
          "bucket's ready parameters; when all are ready, flatten their grads (torch.cat of "
@@ -444,7 +460,7 @@ def _(impl: Any, seed: int) -> list[Any]:
 # --------------------------------------------------------------------------- task 4.4
 
 NO_SYNC = task(
-    "4.4", "BucketedDDP", points=2,
+    "4.4", "BucketedDDP", points=2, forbidden=DDP,
     hint="no_sync() sets self.require_backward_grad_sync = False, yields, and restores the old "
          "value in a finally block; the gradient hook returns early while the flag is False.",
 )

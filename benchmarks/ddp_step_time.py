@@ -22,14 +22,15 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from autograder.loading import load_tasks
 from kit.launcher import run_ranks
 from kit.models import TinyTransformer, token_batch
-from autograder.loading import load_tasks
 from kit.trace import region, trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,6 +127,29 @@ def _plot(runs: dict[int, list], path: str) -> None:
     print(f"timeline of one traced step per wrapper: {path}")
 
 
+def _recorder_overhead(wrappers: dict, config: dict, args: Any, rounds: int = 3) -> None:
+    """Median step time with the recorder / with plain gloo, per wrapper, launches alternating."""
+    for world_size in args.world_sizes:
+        steps: dict[str, dict[str, list[float]]] = {"recorder": {n: [] for n in NAMES},
+                                                    "plain gloo": {n: [] for n in NAMES}}
+        for i in range(2 * rounds):
+            mode = "recorder" if i % 2 == 0 else "plain gloo"
+            os.environ["KIT_RECORDER"] = "1" if mode == "recorder" else "0"
+            try:
+                result = run_ranks(_time_all, (wrappers, config, args.steps, args.batch,
+                                               args.bucket_mb), {}, world_size=world_size,
+                                   timeout=900, echo=False)
+            finally:
+                os.environ.pop("KIT_RECORDER", None)
+            for n in NAMES:
+                steps[mode][n] += [max(r["times"][n][s] for r in result) for s in range(args.steps)]
+        for n in NAMES:
+            ratio = statistics.median(steps["recorder"][n]) / statistics.median(steps["plain gloo"][n])
+            print(f"{world_size:>5} {n:>14} recorder / plain gloo: {ratio:.3f}x "
+                  f"({statistics.median(steps['recorder'][n]) * 1e3:.1f} vs "
+                  f"{statistics.median(steps['plain gloo'][n]) * 1e3:.1f} ms/step)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -133,6 +157,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--bucket-mb", type=float, default=1.0)
     parser.add_argument("--timeline", help="write a PNG timeline of one step of each wrapper")
+    parser.add_argument("--recorder-overhead", action="store_true",
+                        help="instead: time each wrapper with the recorder (kit/recorder.py) and "
+                             "with plain gloo, alternating launches, and print the ratios")
     args = parser.parse_args()
 
     solution = load_tasks(ROOT / "solutions" / "04_data_parallel.py")
@@ -146,6 +173,9 @@ def main() -> None:
           f"gloo, torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load}")
     print(f"{'ranks':>5} {'wrapper':>14} {'ms/step':>9} {'vs torch DDP':>13} "
           f"{'all-reduces':>12} {'started in backward':>20}")
+    if args.recorder_overhead:
+        _recorder_overhead(wrappers, config, args)
+        return
     runs = {}
     for world_size in args.world_sizes:
         result = run_ranks(_time_all, (wrappers, config, args.steps, args.batch, args.bucket_mb),

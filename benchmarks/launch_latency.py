@@ -54,10 +54,16 @@ def _raw_rank(rank: int, world_size: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def time_kit(world_size: int) -> float:
-    start = time.perf_counter()
-    run_ranks(one_all_reduce, world_size=world_size, echo=False)
-    return time.perf_counter() - start
+def time_kit(world_size: int, recorder: bool = True) -> float:
+    """kit.launch; ``recorder=False`` gives the ranks plain gloo (KIT_RECORDER=0), to measure
+    what recording below Python (kit/recorder.py) costs a launch."""
+    os.environ["KIT_RECORDER"] = "1" if recorder else "0"
+    try:
+        start = time.perf_counter()
+        run_ranks(one_all_reduce, world_size=world_size, echo=False)
+        return time.perf_counter() - start
+    finally:
+        os.environ.pop("KIT_RECORDER", None)
 
 
 def time_raw(world_size: int, method: str) -> float:
@@ -86,12 +92,14 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(RANK_SCRIPT)
         script = f.name
-    times: dict[str, list[float]] = {"raw fork": [], "kit.launch": [], "mp.spawn": [], "torchrun": []}
+    times: dict[str, list[float]] = {"raw fork": [], "kit.launch": [], "kit, no recorder": [],
+                                     "mp.spawn": [], "torchrun": []}
     time_kit(n)  # warm up imports on both sides
     time_raw(n, "fork")
     for _ in range(args.repeats):  # interleaved, so drift hits both alike
         times["raw fork"].append(time_raw(n, "fork"))
         times["kit.launch"].append(time_kit(n))
+        times["kit, no recorder"].append(time_kit(n, recorder=False))
     for _ in range(args.slow_repeats):
         times["mp.spawn"].append(time_raw(n, "spawn"))
         times["torchrun"].append(time_torchrun(n, script))
@@ -105,6 +113,8 @@ def main() -> None:
         med = statistics.median(ts)
         rows[name] = {"median_s": med, "ratio_to_raw_fork": med / base, "runs": len(ts)}
         print(f"{name:<12} {med:>9.3f} {med / base:>11.2f}x  {len(ts)}")
+    overhead = statistics.median(times["kit.launch"]) / statistics.median(times["kit, no recorder"])
+    print(f"recorder overhead on a launch: {overhead:.3f}x (kit.launch / kit with plain gloo)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -147,7 +147,8 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
             store_ready.wait(spec.pg_timeout_s)
             store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False,
                                   timeout)
-        if spec.backend == "gloo":  # record every operation below Python (kit/recorder.py)
+        # Record every operation below Python (kit/recorder.py); KIT_RECORDER=0 measures without.
+        if spec.backend == "gloo" and os.environ.get("KIT_RECORDER", "1") != "0":
             from kit import recorder
 
             recorder.install()

@@ -2,22 +2,20 @@
 
 Sending ``n`` bytes costs ``alpha + beta * n`` seconds: ``alpha`` is the latency of one message,
 ``beta`` the seconds per byte (1 / bandwidth). Lesson 01 fits it to measured times and predicts a
-ring all-reduce with it; Lessons 03-05 reuse it to reason about DDP buckets and FSDP all-gathers.
-These are the trusted versions the autograder compares the students' own with.
+ring all-reduce with it; Lessons 03-08 reuse it to reason about DDP buckets, FSDP all-gathers and
+parallelism plans. Fitting alpha and beta is Task 1.4: its reference lives in the grader
+(``autograder/lesson01.py``), not here, since Lesson 01's setup cell imports this module.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-
-import torch
+from collections.abc import Callable
 
 __all__ = [
     "BUS_FACTOR",
     "algorithm_bandwidth",
     "bus_bandwidth",
-    "fit_alpha_beta",
     "measure_seconds",
     "ring_all_reduce_time",
 ]
@@ -51,23 +49,6 @@ def bus_bandwidth(op: str, nbytes: float, seconds: float, world_size: int) -> fl
     if op not in BUS_FACTOR:
         raise ValueError(f"no bus bandwidth factor for {op!r}; known ops: {', '.join(BUS_FACTOR)}")
     return algorithm_bandwidth(nbytes, seconds) * BUS_FACTOR[op](world_size)
-
-
-def fit_alpha_beta(nbytes: Sequence[float] | torch.Tensor,
-                   seconds: Sequence[float] | torch.Tensor) -> tuple[float, float]:
-    """Least-squares fit of ``seconds = alpha + beta * nbytes``: ``(alpha s, beta s/byte)``.
-
-    Ordinary least squares on the seconds (``torch.linalg.lstsq``, float64).
-    """
-    x = torch.as_tensor(nbytes, dtype=torch.float64).reshape(-1)
-    y = torch.as_tensor(seconds, dtype=torch.float64).reshape(-1)
-    if x.numel() != y.numel():
-        raise ValueError(f"nbytes and seconds differ in length ({x.numel()} != {y.numel()})")
-    if x.unique().numel() < 2:
-        raise ValueError("fitting alpha and beta needs at least two different message sizes")
-    design = torch.stack([torch.ones_like(x), x], dim=1)  # (m, 2): [1, n] per measurement
-    alpha, beta = torch.linalg.lstsq(design, y[:, None], driver="gelsd").solution[:, 0].tolist()
-    return alpha, beta
 
 
 def ring_all_reduce_time(nbytes: float, world_size: int, alpha: float, beta: float) -> float:

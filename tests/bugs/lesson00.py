@@ -62,6 +62,13 @@ def global_mean_returns_float(local: torch.Tensor) -> float:
     return (total[0] / total[1]).item()
 
 
+def shard_range_from_torch_sampler(n: int, rank: int, world_size: int) -> range:
+    from torch.utils.data import DistributedSampler  # exploit (issue 13): torch's own sharding
+
+    indices = list(DistributedSampler(range(n), world_size, rank, shuffle=False, drop_last=True))
+    return range(indices[0], indices[-1] + 1) if indices else range(0)
+
+
 BUGS = {
     "0.1": [
         ("gives the remainder to the last ranks", shard_range_extra_to_last_ranks),
@@ -69,6 +76,7 @@ BUGS = {
         ("drops the n % world_size leftover items", shard_range_drops_remainder),
         ("uses ceil-sized chunks", shard_range_ceil_chunks),
         ("returns a list, not a range", shard_range_returns_list),
+        ("asks torch's DistributedSampler", shard_range_from_torch_sampler),
     ],
     "0.2": [
         ("averages the per-rank means", global_mean_of_local_means),

@@ -7,6 +7,8 @@ import types
 
 import torch
 import torch.distributed as dist
+from torch.distributed import all_reduce as all_reduce_imported_early
+from torch.distributed import broadcast as broadcast_imported_early
 
 # --------------------------------------------------------------------------- 1.1 tree_broadcast
 
@@ -186,12 +188,86 @@ def _time_one_latency(nbytes, world_size, alpha, beta) -> float:
     return alpha + 2 * (p - 1) / p * nbytes * beta
 
 
+# --------------------------------------------------------------------------- exploits (issue 13)
+# Each uses what the task re-implements, or the grader's code, by another route: the gates
+# score the task 0 (tests/test_gates.py), the recorder sees the routes below Python.
+
+
+def broadcast_imported_before_checks(tensor: torch.Tensor, src: int = 0) -> None:
+    broadcast_imported_early(tensor, src)  # bound at import: no dist.* patch would see it
+
+
+def broadcast_through_process_group(tensor: torch.Tensor, src: int = 0) -> None:
+    dist.group.WORLD.broadcast([tensor], src).wait()  # a ProcessGroup method, no dist.* call
+
+
+def ring_imported_before_checks(tensor: torch.Tensor) -> None:
+    all_reduce_imported_early(tensor)
+
+
+def ring_star_through_rank_0(tensor: torch.Tensor) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:  # p2p only, but a star: rank 0 sums everything and sends it back
+        incoming = torch.empty_like(tensor)
+        for src in range(1, world_size):
+            dist.recv(incoming, src)
+            tensor.add_(incoming)
+        for dst in range(1, world_size):
+            dist.send(tensor, dst)
+    else:
+        dist.send(tensor, 0)
+        dist.recv(tensor, 0)
+
+
+def ring_through_process_group(tensor: torch.Tensor) -> None:
+    dist.group.WORLD.allreduce([tensor]).wait()
+
+
+def ring_functional_collective(tensor: torch.Tensor) -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    tensor.copy_(funcol.all_reduce(tensor, "sum", dist.group.WORLD))
+
+
+def ring_found_by_name(tensor: torch.Tensor) -> None:
+    getattr(dist, "all_" + "reduce")(tensor)  # no name in the source to find
+
+
+def ring_swallows_the_gate(tensor: torch.Tensor) -> None:
+    try:
+        op = getattr(dist, "all_" + "reduce")
+        op(tensor)
+    except Exception:  # noqa: BLE001 - hides whatever stopped it, then tries again
+        dist.group.WORLD.allreduce([tensor]).wait()
+
+
+def ring_calls_the_graders_reference(tensor: torch.Tensor) -> None:
+    import importlib
+
+    grader = importlib.import_module("autograder.lesson01")
+    grader._reference_ring_all_reduce(tensor)
+
+
+def _fit_by_the_grader(nbytes, seconds) -> tuple[float, float]:
+    from autograder.lesson01 import _reference_fit
+
+    return _reference_fit(nbytes, seconds)
+
+
+def _time_from_kit(nbytes, world_size, alpha, beta) -> float:
+    from kit import costmodel
+
+    return costmodel.ring_all_reduce_time(nbytes, world_size, alpha, beta)
+
+
 BUGS = {
     "1.1": [
         ("sends from src to every rank in turn (p - 1 rounds)", broadcast_loop_from_src),
         ("forwards along a chain (p - 1 rounds)", broadcast_chain),
         ("ignores src and broadcasts from rank 0", broadcast_ignores_src),
         ("calls dist.broadcast", broadcast_with_collective),
+        ("calls broadcast imported before the checks started", broadcast_imported_before_checks),
+        ("calls ProcessGroup.broadcast", broadcast_through_process_group),
     ],
     "1.2": [
         ("skips the last chunk (drops the n % p leftover)", ring_skips_last_chunk),
@@ -200,6 +276,13 @@ BUGS = {
         ("averages instead of summing", ring_averages),
         ("calls dist.all_reduce", ring_calls_all_reduce),
         ("works on a copy, not in place", ring_on_a_copy),
+        ("calls all_reduce imported before the checks started", ring_imported_before_checks),
+        ("a star: every rank sends to rank 0, which sums and sends back", ring_star_through_rank_0),
+        ("calls ProcessGroup.allreduce", ring_through_process_group),
+        ("calls a functional collective", ring_functional_collective),
+        ("finds all_reduce by a computed name", ring_found_by_name),
+        ("catches the gate's exception and tries another route", ring_swallows_the_gate),
+        ("calls the grader's reference", ring_calls_the_graders_reference),
     ],
     "1.3": [
         ("not reusable: a key set on the first use lets later uses through", barrier_not_reusable),
@@ -214,5 +297,7 @@ BUGS = {
         ("predicts only the reduce-scatter half", _pair(_good_fit, _time_without_factor_two)),
         ("sends the whole buffer in every step", _pair(_good_fit, _time_whole_buffer_per_step)),
         ("pays the latency once", _pair(_good_fit, _time_one_latency)),
+        ("calls the grader's least-squares reference", _pair(_fit_by_the_grader, _good_time)),
+        ("predicts with kit.costmodel.ring_all_reduce_time", _pair(_good_fit, _time_from_kit)),
     ],
 }

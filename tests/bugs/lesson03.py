@@ -166,6 +166,10 @@ def cuts_every_shard_evenly(local, num_samples):
     return torch.stack([s[:keep] for s in _gathered(local)], dim=1).reshape(-1, *local.shape[1:])
 
 
+class ShardSampler(DistributedSampler):
+    """Exploit (issue 13): torch's sampler under the task's name, no code of its own."""
+
+
 BUGS = {
     "3.1": [
         ("pads with the last indices instead of the first", PadsWithTheLastIndices),
@@ -176,6 +180,7 @@ BUGS = {
         ("shuffles with Python's random instead of torch.randperm", ShufflesWithPythonRandom),
         ("treats num_replicas=None as a single replica", DefaultsToOneReplica),
         ("wraps torch's DistributedSampler", WrapsDistributedSampler),
+        ("is torch's DistributedSampler (a subclass with no body)", ShardSampler),
     ],
     "3.2": [
         ("the docs recipe: numpy and random from torch's seed, the same on every rank",

@@ -295,18 +295,56 @@ class NoSyncDropsAccumulated(_Bucketed):
             self.module.zero_grad()
 
 
+# --------------------------------------------------------------------------- exploits (issue 13)
+
+
+class WrapsTorchDDP(nn.Module):
+    """torch's DistributedDataParallel inside the task's class: its C++ reducer does the work."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0):
+        super().__init__()
+        self.module = module
+        self._ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_size_mb,
+                                                        find_unused_parameters=True)
+
+    def forward(self, *args, **kwargs):
+        return self._ddp(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        pass
+
+    @contextmanager
+    def no_sync(self):
+        with self._ddp.no_sync():
+            yield
+
+
+class BlockingHook(_Overlapped):
+    """All-reduces in the hook, but waits for each there: correct numbers, no overlap at all."""
+
+    def _on_grad_ready(self, param):
+        dist.all_reduce(param.grad)
+        param.grad /= dist.get_world_size()
+
+    def finish_gradient_synchronization(self):
+        pass
+
+
 BUGS = {
     "4.1": [
         ("sums the gradients instead of averaging them", NaiveSums),
         ("no broadcast at construction", NaiveNoBroadcast),
         ("broadcasts the parameters but not the buffers", NaiveParametersOnly),
         ("reduces the tied weight twice (module by module)", NaiveTiedTwice),
+        ("wraps torch's DistributedDataParallel", WrapsTorchDDP),
     ],
     "4.2": [
         ("sums the gradients instead of averaging them", OverlappedSums),
         ("no broadcast at construction", OverlappedNoBroadcast),
         ("hooks the tied weight twice (module by module)", OverlappedTiedTwice),
         ("starts the all-reduces after backward (no overlap)", ReducesAfterBackward),
+        ("all-reduces in the hook but blocks there (no overlap)", BlockingHook),
+        ("wraps torch's DistributedDataParallel", WrapsTorchDDP),
     ],
     "4.3": [
         ("a bucket fires before all its gradients are ready", BucketFiresEarly),
@@ -316,6 +354,7 @@ BUGS = {
         ("buckets in forward order", BucketsInForwardOrder),
         ("never reduces a bucket holding a parameter without a gradient", SkipsBucketsNeverReady),
         ("puts the tied weight in a bucket twice", BucketedTiedTwice),
+        ("wraps torch's DistributedDataParallel", WrapsTorchDDP),
     ],
     "4.4": [
         ("no_sync still communicates on every micro-batch", NoSyncDoesNothing),
