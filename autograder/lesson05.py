@@ -1,0 +1,1009 @@
+"""Checks for Lesson 05, "Sharding training state": tasks 5.1-5.4.
+
+Task 5.1 ``state_bytes`` is run on real ranks beside a trusted count on a model with tied
+weights, on parameters that are views of one buffer, under torch DDP, DDP with torch's
+``ZeroRedundancyOptimizer`` and FSDP2. Task 5.2 ``ShardedOptimizer`` trains on 3 ranks, each
+on its own slice of every batch, and must end where one process on the whole batch ends with
+the unsharded optimizer; each parameter's state must live on one rank only. Task 5.3 ``FSDP``
+trains in fp32, bf16 and fp16 on 3 ranks against one process that casts the same way, while
+the collective tracer counts every unit's all-gathers and reduce-scatters and a probe looks
+for full parameters left after forward (as attributes or saved for backward). Task 5.4
+``apply_fsdp2`` must give DTensors sharded on dim 0 of a 1-D and a 2-D mesh and the losses
+of data parallelism.
+
+One launch serves all the cases of a task (cached per implementation and seed), and the
+trusted expectations are computed once per seed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from autograder.registry import CheckFailed, task
+from kit.models import TinyTransformer, token_batch
+
+# --------------------------------------------------------------------------- shared
+
+
+def _warm() -> None:
+    """Import FSDP2 and Dynamo (which DTensor pulls in) here, once, before forking ranks:
+    otherwise every rank of every launch pays seconds of imports."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.optim  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+
+_LAUNCHES: dict[str, tuple[Any, int, Any]] = {}  # task id -> (implementation, seed, result)
+
+
+def _launch_once(task_id: str, fn: Any, impl: Any, seed: int, world_size: int) -> Any:
+    """``fn(impl, seed)`` on ``world_size`` ranks, once per implementation and seed: a task's
+    cases all read the same launch. The implementation itself is kept, so its id is not reused."""
+    from kit.launcher import run_ranks
+
+    cached = _LAUNCHES.get(task_id)
+    if cached is not None and cached[0] is impl and cached[1] == seed:
+        return cached[2]
+    _warm()
+    result = list(run_ranks(fn, (impl, seed), world_size=world_size, timeout=90.0, echo=False))
+    _LAUNCHES[task_id] = (impl, seed, result)
+    return result
+
+
+_EXPECTED: dict[tuple[str, int], Any] = {}
+
+
+def _expected_once(key: str, seed: int, compute: Any) -> Any:
+    """``compute(seed)`` once per seed, on one thread as each rank runs: some CPU kernels (layer
+    norm's bf16 backward) split their sums by thread count, and so round differently."""
+    if (key, seed) not in _EXPECTED:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _EXPECTED[(key, seed)] = compute(seed)
+        finally:
+            torch.set_num_threads(threads)
+    return _EXPECTED[(key, seed)]
+
+
+def _slice(seed: int, step: int, rank: int, world_size: int, per_rank: int, length: int,
+           vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s ``per_rank`` sequences of step ``step``'s global batch."""
+    x, y = token_batch(world_size * per_rank, length, vocab, seed * 7919 + step)
+    return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float().flatten(0, 1), y.flatten())  # mean over tokens
+
+
+def _short(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return repr(t)[:120]
+    flat = t.flatten()
+    return f"{[round(v, 5) for v in flat[:4].tolist()]}{' ...' if flat.numel() > 4 else ''}"
+
+
+def _diff(got: Any, want: torch.Tensor, rtol: float, atol: float) -> str | None:
+    if not isinstance(got, torch.Tensor):
+        return f"is {type(got).__name__}, expected a tensor of shape {tuple(want.shape)}"
+    if got.shape != want.shape:
+        return f"has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol):
+        return None
+    return f"differs (max abs difference {(got.double() - want.double()).abs().max().item():.3g})"
+
+
+def _held(tensors: Any) -> int:
+    """Trusted: bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _reference_state_bytes(module: nn.Module, optimizer: Any = None) -> dict[str, int]:
+    """Trusted Task 5.1: params, grads and optimizer state held by this rank, storages once."""
+    params = list(module.parameters())
+    state = []
+    if optimizer is not None:
+        for owner in (optimizer, getattr(optimizer, "optim", None)):
+            if owner is not None:
+                state += [v for s in owner.state.values() for v in s.values()
+                          if isinstance(v, torch.Tensor)]
+    return {"params": _held(params), "grads": _held(p.grad for p in params if p.grad is not None),
+            "optimizer": _held(state)}
+
+
+# --------------------------------------------------------------------------- task 5.1
+
+BYTES_RANKS = 2
+
+
+def _views_of_one_buffer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A Linear whose weight and bias are views of one flat buffer, grads too (FSDP1's layout)."""
+    layer = nn.Linear(8, 4)
+    flat = torch.zeros(40)  # 36 elements, padded to 40
+    layer.weight = nn.Parameter(flat[:32].view(4, 8))
+    layer.bias = nn.Parameter(flat[32:36])
+    grads = torch.ones(40)
+    layer.weight.grad, layer.bias.grad = grads[:32].view(4, 8), grads[32:36]
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    optimizer.step()  # momentum buffers: two separate tensors
+    return layer, optimizer
+
+
+def _step(model: nn.Module, optimizer: Any, seed: int, rank: int) -> None:
+    x, y = _slice(seed, 0, rank, BYTES_RANKS, 2, 8, 32)
+    _loss(model(x), y).backward()
+    optimizer.step()
+
+
+def _bytes_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+    """Each scenario's ``impl(...)`` on this rank, as plain data."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+
+    def model() -> TinyTransformer:
+        torch.manual_seed(seed)
+        return TinyTransformer(vocab=32, dim=16, layers=2, heads=2, context=8)
+
+    def plain(result: Any) -> Any:
+        if not isinstance(result, dict):
+            return f"<a {type(result).__name__}, not a dict>"
+        return {str(k): v if isinstance(v, int) and not isinstance(v, bool) else repr(v)[:80]
+                for k, v in result.items()}
+
+    out: dict[str, Any] = {}
+    tied = model()
+    out["tied weights, no gradients yet, no optimizer"] = plain(impl(tied))
+    layer, sgd = _views_of_one_buffer()
+    out["weight and bias views of one buffer, SGD with momentum"] = plain(impl(layer, sgd))
+    m = model()
+    adamw = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    _step(m, adamw, seed, rank)
+    out["tied weights after an AdamW step"] = plain(impl(m, adamw))
+    ddp = DDP(model())
+    adamw = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    _step(ddp, adamw, seed, rank)
+    out["DDP after an AdamW step"] = plain(impl(ddp, adamw))
+    ddp = DDP(model())
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    _step(ddp, zero, seed, rank)
+    out["DDP with ZeroRedundancyOptimizer(AdamW) after a step"] = plain(impl(ddp, zero))
+    sharded = model()
+    mesh = init_device_mesh("cpu", (BYTES_RANKS,))
+    for block in sharded.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    adamw = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    _step(sharded, adamw, seed, rank)
+    out["FSDP2 after an AdamW step"] = plain(impl(sharded, adamw))
+    return out
+
+
+def _bytes_run(impl: Any, seed: int) -> list[Any]:
+    return _launch_once("5.1", _bytes_on_rank, impl, seed, BYTES_RANKS)
+
+
+def _bytes_expected(seed: int) -> list[Any]:
+    from kit.launcher import run_ranks
+
+    def compute(seed: int) -> list[Any]:
+        _warm()
+        return list(run_ranks(_bytes_on_rank, (_reference_state_bytes, seed),
+                              world_size=BYTES_RANKS, timeout=90.0, echo=False))
+
+    return _expected_once("5.1", seed, compute)
+
+
+BYTES_HINTS = {
+    "params": "Walk module.parameters() (a tied parameter is listed once) and add up "
+              "t.untyped_storage().nbytes() for each storage not seen before (key: data_ptr()).",
+    "grads": "The same walk over p.grad for every parameter whose grad is not None.",
+    "optimizer": "Every tensor value in optimizer.state[p] (exp_avg, exp_avg_sq, step, "
+                 "momentum_buffer), and in optimizer.optim.state when the optimizer wraps one.",
+}
+
+
+def _bytes_compare(scenarios: list[str]) -> Any:
+    def compare(got: Any, expected: list[Any]) -> None:
+        for rank, (have, want) in enumerate(zip(got, expected)):
+            for scenario in scenarios:
+                g, w = have.get(scenario), want[scenario]
+                if not isinstance(g, dict) or set(g) != set(w):
+                    raise CheckFailed(f"rank {rank}, {scenario}: expected a dict with keys "
+                                      f"{sorted(w)}", expected=w, got=g)
+                for key, value in w.items():
+                    if g[key] != value:
+                        raise CheckFailed(
+                            f"rank {rank}, {scenario}: {key!r} is {g[key]} bytes, this rank "
+                            f"holds {value}", expected=value, got=g[key],
+                            hint=BYTES_HINTS[key] + (
+                                " A DTensor holds only dtensor.to_local() on this rank."
+                                if "FSDP2" in scenario else ""))
+    return compare
+
+
+BYTES = task(
+    "5.1", "state_bytes", points=2,
+    hint="Count storages, not tensors: t.untyped_storage().nbytes(), each data_ptr() once; "
+         "for a DTensor use to_local() first.",
+)
+
+
+@BYTES.case("one rank's own tensors: tied weights once, views of one buffer once, AdamW state",
+            compare=_bytes_compare(["tied weights, no gradients yet, no optimizer",
+                                    "weight and bias views of one buffer, SGD with momentum",
+                                    "tied weights after an AdamW step"]),
+            expect=_bytes_expected)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _bytes_run(impl, seed)
+
+
+@BYTES.case("on 2 ranks: DDP (full copies) and ZeroRedundancyOptimizer (state on its owner)",
+            compare=_bytes_compare(["DDP after an AdamW step",
+                                    "DDP with ZeroRedundancyOptimizer(AdamW) after a step"]),
+            expect=_bytes_expected)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _bytes_run(impl, seed)
+
+
+@BYTES.case("on 2 ranks: FSDP2, where every parameter, gradient and state is a DTensor shard",
+            compare=_bytes_compare(["FSDP2 after an AdamW step"]), expect=_bytes_expected)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _bytes_run(impl, seed)
+
+
+# --------------------------------------------------------------------------- task 5.2
+
+ZERO_RANKS, ZERO_STEPS, ZERO_PER_RANK, ZERO_LENGTH, ZERO_VOCAB = 3, 10, 2, 8, 32
+ADD_AT, HALVE_AT = 3, 6  # the step at which blocks.1 joins as a new group; lr halves
+# Adam divides by sqrt(v) + eps: a gradient that is zero up to rounding (the key bias of
+# attention) becomes a full +-lr step whose sign depends on summation order. A larger eps
+# keeps such noise small, so sharded and unsharded runs agree to 1e-4.
+EPS = 1e-4
+
+
+def _zero_model(seed: int) -> TinyTransformer:
+    torch.manual_seed(seed)
+    return TinyTransformer(vocab=ZERO_VOCAB, dim=16, layers=2, heads=2, context=8)  # tied head
+
+
+def _adamw_groups(model: TinyTransformer) -> tuple[list[dict], list[nn.Parameter]]:
+    """Two groups (decayed matrices; undecayed vectors, faster) without blocks.1, which is
+    frozen until it joins as a third group at step ADD_AT."""
+    late = list(model.blocks[1].parameters())
+    late_ids = {id(p) for p in late}
+    early = [p for p in model.parameters() if id(p) not in late_ids]
+    groups = [{"params": [p for p in early if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in early if p.dim() < 2], "weight_decay": 0.0, "lr": 2e-2}]
+    for p in late:
+        p.requires_grad_(False)
+    return groups, late
+
+
+def _zero_train(make: Any, seed: int, kind: str, rank: int, world_size: int,
+                closure_losses: list[float] | None = None) -> tuple[TinyTransformer, Any]:
+    """Train on ``rank``'s slices (``world_size`` > 1) or, with rank None, on whole batches."""
+    model = _zero_model(seed)
+    if kind == "adamw":
+        groups, late = _adamw_groups(model)
+        optimizer = make(groups, torch.optim.AdamW, lr=1e-2, weight_decay=0.05, eps=EPS)
+    else:
+        late = []
+        optimizer = make(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    for step in range(ZERO_STEPS):
+        if rank is None:
+            x, y = token_batch(world_size * ZERO_PER_RANK, ZERO_LENGTH, ZERO_VOCAB, seed * 7919 + step)
+        else:
+            x, y = _slice(seed, step, rank, world_size, ZERO_PER_RANK, ZERO_LENGTH, ZERO_VOCAB)
+        if kind == "adamw":
+            if step == ADD_AT:
+                for p in late:
+                    p.requires_grad_(True)
+                optimizer.add_param_group({"params": late, "weight_decay": 0.2})
+            if step == HALVE_AT:
+                for group in optimizer.param_groups:
+                    group["lr"] *= 0.5
+            _loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = _loss(model(x), y)
+                loss.backward()
+                return loss
+
+            loss = optimizer.step(closure)
+            if closure_losses is not None:
+                closure_losses.append(loss.item() if isinstance(loss, torch.Tensor) else loss)
+    return model, optimizer
+
+
+def _unsharded(params: Any, optimizer_cls: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    return optimizer_cls(params, **kwargs)
+
+
+def _zero_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for kind in ("adamw", "sgd"):
+        losses: list[Any] = []
+        model, optimizer = _zero_train(impl, seed, kind, rank, world_size, losses)
+        state = getattr(optimizer, "state", {})
+        owned = []
+        for p in model.parameters():
+            held = state.get(p, {}) if hasattr(state, "get") else {}
+            owned.append(_held(v for v in held.values() if isinstance(v, torch.Tensor)))
+        out[kind] = {"final": {n: t.detach().clone() for n, t in model.state_dict().items()},
+                     "state bytes per parameter": owned,
+                     "closure losses": [v if isinstance(v, float) else repr(v) for v in losses]}
+    return out
+
+
+def _zero_reference(seed: int) -> dict[str, Any]:
+    def compute(seed: int) -> dict[str, Any]:
+        out = {}
+        for kind in ("adamw", "sgd"):
+            losses: list[float] = []
+            model, optimizer = _zero_train(_unsharded, seed, kind, None, ZERO_RANKS, losses)
+            sizes = [p.numel() for p in model.parameters()]
+            per_param = [_held(v for v in optimizer.state[p].values() if isinstance(v, torch.Tensor))
+                         for p in model.parameters()]
+            out[kind] = {"final": {n: t.detach().clone() for n, t in model.state_dict().items()},
+                         "state bytes per parameter": per_param, "sizes": sizes,
+                         "closure losses": losses}
+        return out
+
+    return _expected_once("5.2", seed, compute)
+
+
+def _zero_run(impl: Any, seed: int) -> list[Any]:
+    return _launch_once("5.2", _zero_on_rank, impl, seed, ZERO_RANKS)
+
+
+def _compare_final(kind: str) -> Any:
+    def compare(got: Any, expected: dict[str, Any]) -> None:
+        want = expected[kind]["final"]
+        for rank, run in enumerate(got):
+            have = run[kind]["final"]
+            for name, tensor in want.items():
+                problem = _diff(have.get(name), tensor, rtol=1e-4, atol=1e-5)
+                if problem is not None:
+                    others = [r for r in range(len(got)) if r != rank]
+                    same_elsewhere = all(
+                        _diff(got[r][kind]["final"].get(name), tensor, 1e-4, 1e-5) is None
+                        for r in others)
+                    why = (" (the other ranks have it right: did every owner broadcast its "
+                           "parameters after stepping?)" if same_elsewhere else "")
+                    raise CheckFailed(f"rank {rank}: {name} after {ZERO_STEPS} steps {problem}, "
+                                      f"compared with one process on the whole batch{why}",
+                                      expected=_short(tensor), got=_short(have.get(name)))
+        if kind == "sgd":
+            for rank, run in enumerate(got):
+                losses = run[kind]["closure losses"]
+                want_losses = expected[kind]["closure losses"]
+                if len(losses) != len(want_losses) or not all(isinstance(v, float) for v in losses):
+                    raise CheckFailed(f"rank {rank}: step(closure) must return the closure's loss",
+                                      expected="a loss per step", got=losses[:3])
+    return compare
+
+
+def _compare_ownership(got: Any, expected: dict[str, Any]) -> None:
+    for kind in ("adamw", "sgd"):
+        want = expected[kind]["state bytes per parameter"]
+        sizes = expected[kind]["sizes"]
+        per_rank = [run[kind]["state bytes per parameter"] for run in got]
+        for i, full in enumerate(want):
+            holders = [r for r, owned in enumerate(per_rank) if owned[i]]
+            if len(holders) != 1:
+                raise CheckFailed(
+                    f"{kind}: parameter {i} ({sizes[i]} elements) has optimizer state on "
+                    f"{len(holders)} ranks {holders}; exactly one rank, its owner, keeps it",
+                    expected=1, got=len(holders),
+                    hint="Step only the parameters this rank owns, and keep their state in "
+                         "self.state (the state of the optimizer that steps them).")
+            if per_rank[holders[0]][i] != full:
+                raise CheckFailed(f"{kind}: parameter {i}'s state on rank {holders[0]} is "
+                                  f"{per_rank[holders[0]][i]} bytes; the unsharded optimizer "
+                                  f"keeps {full}", expected=full, got=per_rank[holders[0]][i])
+        elements = [sum(n for n, b in zip(sizes, owned) if b) for owned in per_rank]
+        bound = sum(sizes) / len(got) + max(sizes)
+        for rank, n in enumerate(elements):
+            if n > bound:
+                raise CheckFailed(
+                    f"{kind}: rank {rank} owns {n} of {sum(sizes)} elements; balanced ownership "
+                    f"keeps every rank at most 1/{len(got)} of them plus the largest parameter "
+                    f"({bound:.0f})", expected=f"at most {bound:.0f}", got=elements,
+                    hint="Assign parameters largest first, each to the rank owning the fewest "
+                         "elements so far.")
+
+
+ZERO = task(
+    "5.2", "ShardedOptimizer", points=4,
+    forbidden=("torch.distributed.optim.ZeroRedundancyOptimizer",),
+    hint="Assign owners in add_param_group (largest first, to the least loaded rank); give "
+         "optimizer_cls only this rank's parameters, in the same groups. In step: "
+         "dist.reduce each grad to its owner and divide by the world size there, copy the "
+         "groups' hyperparameters to the inner optimizer, step it, then dist.broadcast each "
+         "parameter from its owner.",
+)
+
+
+@ZERO.case(f"{ZERO_STEPS} AdamW steps on {ZERO_RANKS} ranks (weight decay, two groups, a group "
+           f"added at step {ADD_AT}, lr halved at step {HALVE_AT}, tied weights) equal one "
+           "process on the whole batch", compare=_compare_final("adamw"), weight=2,
+           expect=_zero_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _zero_run(impl, seed)
+
+
+@ZERO.case(f"{ZERO_STEPS} SGD steps with momentum through step(closure) equal one process",
+           compare=_compare_final("sgd"),
+           hint="Every rank's .grad holds its own slice's gradient: the owner needs the mean over "
+                "ranks (reduce to the owner, then divide by the world size).",
+           expect=_zero_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _zero_run(impl, seed)
+
+
+@ZERO.case("each parameter's optimizer state lives on exactly one rank, in self.state, and "
+           "ownership is balanced by elements", compare=_compare_ownership,
+           expect=_zero_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _zero_run(impl, seed)
+
+
+# --------------------------------------------------------------------------- task 5.3
+
+FSDP_RANKS, FSDP_STEPS, FSDP_PER_RANK, FSDP_LENGTH, FSDP_VOCAB = 3, 3, 2, 6, 29
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+UNIT_TYPES = (nn.Linear, nn.Embedding)
+
+
+def _fsdp_model(seed: int) -> TinyTransformer:
+    """A small transformer with its output layer untied (units may not share parameters).
+
+    29 tokens and 6 positions make flat sizes that 3 ranks do not divide (padding matters).
+    """
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab=FSDP_VOCAB, dim=16, layers=1, heads=2, context=FSDP_LENGTH)
+    model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
+    return model
+
+
+def _units(model: nn.Module) -> dict[str, list[tuple[str, torch.Size]]]:
+    """Trusted: ``{unit prefix: [(parameter name, shape), ...]}`` in module order."""
+    return {prefix: [(n, p.shape) for n, p in m.named_parameters(recurse=False)]
+            for prefix, m in model.named_modules()
+            if isinstance(m, UNIT_TYPES) and any(True for _ in m.parameters(recurse=False))}
+
+
+def _padded(numel: int, world_size: int) -> int:
+    return math.ceil(numel / world_size) * world_size
+
+
+def _fsdp_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from kit.trace import trace
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for label, dtype in DTYPES.items():
+        model = _fsdp_model(seed)
+        units = _units(model)
+        unit_modules = {prefix: model.get_submodule(prefix) for prefix in units}
+        weight_shapes = {tuple(s) for params in units.values() for _, s in params if len(s) == 2}
+        weight_shapes |= {s[::-1] for s in weight_shapes}
+        fsdp = impl(model, compute_dtype=dtype)
+        if getattr(fsdp, "module", None) is not model:
+            raise AttributeError(f"{type(fsdp).__name__} must keep the wrapped model as .module")
+        optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-2, weight_decay=0.1, eps=EPS)
+        run: dict[str, Any] = {"params bytes": [], "collectives": [], "left after forward": []}
+        for step in range(FSDP_STEPS):
+            x, y = _slice(seed, step, rank, world_size, FSDP_PER_RANK, FSDP_LENGTH, FSDP_VOCAB)
+            run["params bytes"].append(_reference_state_bytes(model)["params"])
+            saved: list[torch.Tensor] = []
+
+            def probe(t: torch.Tensor, saved: list = saved, shapes: set = weight_shapes) -> Any:
+                if t.dim() == 2 and tuple(t.shape) in shapes:
+                    saved.append(t)  # what autograd keeps of a unit's weight, if anything
+                return t
+
+            with trace() as t:
+                with torch.autograd.graph.saved_tensors_hooks(probe, lambda t: t):
+                    logits = fsdp(x)
+                left = _full_params_left(unit_modules, units, saved)
+                _loss(logits, y).backward()
+                fsdp.finish_gradient_synchronization()
+            run["left after forward"].append(left)
+            run["collectives"].append([(e.op, e.nbytes) for e in t.events if e.kind == "collective"])
+            if step == 0:
+                run["grads"] = _shard_grads(model, unit_modules)
+            optimizer.step()
+            optimizer.zero_grad()
+        run["final"] = {str(k): v.detach().clone() if isinstance(v, torch.Tensor) else repr(v)
+                        for k, v in fsdp.full_state_dict().items()}
+        out[label] = run
+    return out
+
+
+def _full_params_left(unit_modules: dict[str, nn.Module], units: dict[str, Any],
+                      saved: list[torch.Tensor]) -> list[str]:
+    """What of the units' full parameters still holds memory right after the forward."""
+    left = []
+    for prefix, m in unit_modules.items():
+        for name, shape in units[prefix]:
+            value = getattr(m, name, None)
+            if isinstance(value, torch.Tensor) and value.shape == shape \
+                    and value.untyped_storage().nbytes() > 0:
+                left.append(f"{prefix}.{name} (an attribute of the unit)")
+    alive = {t.untyped_storage().data_ptr() for t in saved if t.untyped_storage().nbytes() > 0}
+    if alive:
+        left.append(f"{len(alive)} full weight(s) saved by autograd for backward")
+    return left
+
+
+def _shard_grads(model: nn.Module, unit_modules: dict[str, nn.Module]) -> dict[str, Any]:
+    """Each unit's registered parameters' grads, and the other parameters' grads, by name."""
+    grads: dict[str, Any] = {}
+    unit_ids = set()
+    for prefix, m in unit_modules.items():
+        own = list(m.parameters(recurse=False))
+        unit_ids |= {id(p) for p in own}
+        grads[prefix] = [None if p.grad is None else p.grad.detach().clone() for p in own]
+    for name, p in model.named_parameters():
+        if id(p) not in unit_ids:
+            grads[name] = None if p.grad is None else p.grad.detach().clone()
+    return grads
+
+
+def _fsdp_reference(seed: int) -> dict[str, Any]:
+    """Trusted: one process, AdamW on the mean of the per-slice gradients, each slice's forward
+    with the units' parameters cast to the compute dtype (fp32 gradients, as FSDP reduces)."""
+    from torch.func import functional_call
+
+    def compute(seed: int) -> dict[str, Any]:
+        out = {}
+        for label, dtype in DTYPES.items():
+            model = _fsdp_model(seed)
+            units = _units(model)
+            unit_names = {f"{prefix}.{n}" for prefix, params in units.items() for n, _ in params}
+            params = dict(model.named_parameters())
+            optimizer = torch.optim.AdamW(params.values(), lr=1e-2, weight_decay=0.1, eps=EPS)
+            run: dict[str, Any] = {"units": {p: [(n, tuple(s)) for n, s in v] for p, v in units.items()}}
+            for step in range(FSDP_STEPS):
+                total = {n: torch.zeros_like(p) for n, p in params.items()}
+                for rank in range(FSDP_RANKS):
+                    x, y = _slice(seed, step, rank, FSDP_RANKS, FSDP_PER_RANK, FSDP_LENGTH,
+                                  FSDP_VOCAB)
+                    cast = {n: p.to(dtype) if dtype is not None and n in unit_names else p
+                            for n, p in params.items()}
+                    loss = _loss(functional_call(model, cast, (x,)), y)
+                    for n, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
+                        total[n] += g
+                for n, p in params.items():
+                    p.grad = total[n] / FSDP_RANKS
+                if step == 0:
+                    run["grads"] = {n: p.grad.clone() for n, p in params.items()}
+                optimizer.step()
+                optimizer.zero_grad()
+            run["final"] = {n: p.detach().clone() for n, p in params.items()}
+            run["replicated bytes"] = sum(p.numel() * 4 for n, p in params.items()
+                                          if n not in unit_names)
+            out[label] = run
+        return out
+
+    return _expected_once("5.3", seed, compute)
+
+
+def _fsdp_run(impl: Any, seed: int) -> list[Any]:
+    return _launch_once("5.3", _fsdp_on_rank, impl, seed, FSDP_RANKS)
+
+
+TOLERANCE = {"float32": (1e-4, 1e-5), "bfloat16": (1e-4, 1e-5), "float16": (1e-4, 1e-5)}
+
+
+def _compare_fsdp_grads(got: Any, expected: dict[str, Any]) -> None:
+    want_all = expected["float32"]["grads"]
+    units = expected["float32"]["units"]
+    world_size = len(got)
+    for prefix, params in units.items():
+        pieces = [run["float32"]["grads"].get(prefix) for run in got]
+        for rank, piece in enumerate(pieces):
+            if not (isinstance(piece, list) and len(piece) == 1):
+                raise CheckFailed(
+                    f"rank {rank}: unit {prefix} holds {len(piece) if isinstance(piece, list) else 0}"
+                    " parameters of its own after wrapping; expected one, its flat shard",
+                    expected=1, got=piece if not isinstance(piece, list) else len(piece),
+                    hint="Delete the unit's own parameters (del module._parameters[name]) and "
+                         "register the shard on the unit module in their place.")
+            if piece[0] is None:
+                raise CheckFailed(f"rank {rank}: unit {prefix}'s shard has no .grad after "
+                                  "backward and finish_gradient_synchronization()",
+                                  hint="The backward of the all-gather returns the shard's "
+                                       "gradient: reduce-scatter there.")
+        numel = sum(math.prod(s) for _, s in params)
+        padded = _padded(numel, world_size)
+        sizes = [p[0].numel() for p in pieces]
+        if sizes != [padded // world_size] * world_size:
+            raise CheckFailed(f"unit {prefix} ({numel} elements): shards of {sizes} elements on "
+                              f"the {world_size} ranks; padded to {padded}, each holds "
+                              f"{padded // world_size}", expected=[padded // world_size] * world_size,
+                              got=sizes, hint="Pad the flat buffer with zeros to the next multiple "
+                                              "of the world size, then split it in equal pieces.")
+        flat = torch.cat([p[0].reshape(-1) for p in pieces])
+        offset = 0
+        for name, shape in params:
+            n = math.prod(shape)
+            grad = flat[offset:offset + n].view(shape)
+            offset += n
+            full = f"{prefix}.{name}"
+            problem = _diff(grad, want_all[full], rtol=1e-4, atol=1e-6)
+            if problem is not None:
+                if torch.allclose(grad, want_all[full] * world_size, rtol=1e-4, atol=1e-6):
+                    problem = f"is {world_size}x the expected value: the sum over ranks, not the mean"
+                raise CheckFailed(f"the shards' gradients of {full}, gathered from the ranks, "
+                                  f"{problem}", expected=_short(want_all[full]), got=_short(grad))
+    for rank, run in enumerate(got):
+        for name, want in want_all.items():
+            if name.rsplit(".", 1)[0] in units:
+                continue
+            have = run["float32"]["grads"].get(name)
+            problem = _diff(have, want, rtol=1e-4, atol=1e-6)
+            if problem is not None:
+                raise CheckFailed(f"rank {rank}: the replicated {name}.grad after "
+                                  f"finish_gradient_synchronization() {problem}",
+                                  expected=_short(want), got=_short(have),
+                                  hint="All-reduce every replicated parameter's gradient and "
+                                       "divide by the world size, as in DDP.")
+
+
+def _compare_fsdp_final(labels: list[str]) -> Any:
+    def compare(got: Any, expected: dict[str, Any]) -> None:
+        for label in labels:
+            rtol, atol = TOLERANCE[label]
+            want = expected[label]["final"]
+            for rank, run in enumerate(got):
+                have = run[label]["final"]
+                if set(have) != set(want):
+                    raise CheckFailed(f"rank {rank}, {label}: full_state_dict() has the wrong keys",
+                                      expected=sorted(want), got=sorted(have),
+                                      hint="Key every full tensor by its name in the original "
+                                           "model (prefix of the unit + '.' + parameter name).")
+                for name, tensor in want.items():
+                    problem = _diff(have[name], tensor, rtol, atol)
+                    if problem is not None:
+                        raise CheckFailed(
+                            f"rank {rank}, compute_dtype={label}: {name} after {FSDP_STEPS} "
+                            f"AdamW steps {problem}", expected=_short(tensor),
+                            got=_short(have[name]))
+                    if have[name].dtype != torch.float32:
+                        raise CheckFailed(f"rank {rank}: full_state_dict()[{name!r}] is "
+                                          f"{have[name].dtype}; the master weights are fp32")
+    return compare
+
+
+def _compare_fsdp_bytes(got: Any, expected: dict[str, Any]) -> None:
+    world_size = len(got)
+    units = expected["float32"]["units"]
+    shards = sum(_padded(sum(math.prod(s) for _, s in params), world_size) // world_size
+                 for params in units.values()) * 4
+    bound = shards + expected["float32"]["replicated bytes"]
+    model = sum(math.prod(s) for params in units.values() for _, s in params) * 4
+    for label in DTYPES:
+        for rank, run in enumerate(got):
+            for step, nbytes in enumerate(run[label]["params bytes"]):
+                if nbytes > bound:
+                    raise CheckFailed(
+                        f"rank {rank}, compute_dtype={label}, before step {step}: the model's "
+                        f"parameters() hold {nbytes} bytes on this rank; its shards (1/"
+                        f"{world_size} of the units' {model} bytes, padded) and the replicated "
+                        f"parameters hold {bound}", expected=f"at most {bound}", got=nbytes,
+                        hint="Each unit keeps a clone of its piece (a slice view keeps the whole "
+                             "buffer alive) as the only parameter of the unit module.")
+
+
+def _expected_collectives(units: dict[str, Any], world_size: int, dtype: torch.dtype | None
+                          ) -> tuple[list[int], list[int]]:
+    size = torch.empty(0, dtype=dtype or torch.float32).element_size()
+    padded = [_padded(sum(math.prod(s) for _, s in params), world_size) for params in units.values()]
+    return sorted(p * size for p in padded for _ in range(2)), sorted(p * 4 for p in padded)
+
+
+def _compare_fsdp_collectives(got: Any, expected: dict[str, Any]) -> None:
+    units = expected["float32"]["units"]
+    for label, dtype in DTYPES.items():
+        gathers, scatters = _expected_collectives(units, len(got), dtype)
+        for rank, run in enumerate(got):
+            for step, events in enumerate(run[label]["collectives"]):
+                have_g = sorted(b for op, b in events if "all_gather" in op)
+                have_s = sorted(b for op, b in events if "reduce_scatter" in op)
+                if have_g != gathers or have_s != scatters:
+                    reduces = sum(1 for op, _ in events if op == "all_reduce")
+                    raise CheckFailed(
+                        f"rank {rank}, compute_dtype={label}, step {step}: expected each of the "
+                        f"{len(units)} units all-gathered twice (forward, backward) in "
+                        f"{label} and reduce-scattered once in float32, per step; the tracer saw "
+                        f"{len(have_g)} all-gathers, {len(have_s)} reduce-scatters and "
+                        f"{reduces} all-reduces", expected={"all-gather bytes": gathers,
+                                                           "reduce-scatter bytes": scatters},
+                        got={"all-gather bytes": have_g, "reduce-scatter bytes": have_s},
+                        hint="Gather a unit in its forward pre-hook and again when its backward "
+                             "starts (a hook on its output); reduce-scatter its flat gradient "
+                             "(cast to float32) once, in the backward of the gather.")
+
+
+def _compare_fsdp_freed(got: Any, expected: dict[str, Any]) -> None:
+    for label in DTYPES:
+        for rank, run in enumerate(got):
+            for step, left in enumerate(run[label]["left after forward"]):
+                if left:
+                    raise CheckFailed(
+                        f"rank {rank}, compute_dtype={label}, step {step}: right after the "
+                        f"forward, full parameters still hold memory: {', '.join(left[:4])}",
+                        expected="none", got=left[:4],
+                        hint="Delete the views in the forward hook, and make autograd save a note "
+                             "(torch.autograd.graph.saved_tensors_hooks) instead of the gathered "
+                             "parameters; gather again when backward needs them.")
+
+
+FSDP_TASK = task(
+    "5.3", "FSDP", points=6,
+    forbidden=("torch.distributed.fsdp.fully_shard",
+               "torch.distributed.fsdp.FullyShardedDataParallel",
+               "torch.nn.parallel.DistributedDataParallel"),
+    hint="Per unit: flatten, pad to a multiple of W, keep your piece as a Parameter on the unit; "
+         "gather in a forward pre-hook through an autograd Function whose backward "
+         "reduce-scatters; free in the forward hook; gather again when backward starts.",
+)
+
+
+@FSDP_TASK.case(f"gradients after one backward on {FSDP_RANKS} ranks: each unit's shard holds "
+                "its piece of the mean gradient (padded to a multiple of W); replicated "
+                "parameters hold the mean", compare=_compare_fsdp_grads, weight=2,
+                expect=_fsdp_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp_run(impl, seed)
+
+
+@FSDP_TASK.case(f"{FSDP_STEPS} AdamW steps in fp32, different data per rank, equal one process "
+                "on the whole batch (full_state_dict)", compare=_compare_fsdp_final(["float32"]),
+                weight=2, expect=_fsdp_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp_run(impl, seed)
+
+
+@FSDP_TASK.case("the same with compute_dtype bf16 and fp16, against one process that casts "
+                "the units the same way", compare=_compare_fsdp_final(["bfloat16", "float16"]),
+                hint="Cast the shard to compute_dtype before the all-gather; cast the gradient "
+                     "back to float32 before the reduce-scatter; the shards stay float32.",
+                expect=_fsdp_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp_run(impl, seed)
+
+
+@FSDP_TASK.case("between steps, parameters per rank are 1/W of the units (plus padding) and "
+                "the replicated ones", compare=_compare_fsdp_bytes, expect=_fsdp_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp_run(impl, seed)
+
+
+@FSDP_TASK.case("each unit is all-gathered twice per step and reduce-scattered once, as the "
+                "tracer sees it", compare=_compare_fsdp_collectives, weight=2,
+                expect=_fsdp_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp_run(impl, seed)
+
+
+@FSDP_TASK.case("no unit's full parameters survive its forward (not as attributes, not saved "
+                "for backward)", compare=_compare_fsdp_freed, expect=_fsdp_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp_run(impl, seed)
+
+
+# --------------------------------------------------------------------------- task 5.4
+
+FSDP2_RANKS, FSDP2_STEPS, FSDP2_PER_RANK, FSDP2_LENGTH, FSDP2_VOCAB = 4, 3, 2, 8, 32
+MESHES = {"1-D mesh (4,)": ((4,), ("shard",)),
+          "2-D mesh (2, 2) replicate x shard": ((2, 2), ("replicate", "shard"))}
+PLACEMENTS = {"1-D mesh (4,)": "(Shard(dim=0),)",
+              "2-D mesh (2, 2) replicate x shard": "(Replicate(), Shard(dim=0))"}
+
+
+def _fsdp2_model(seed: int) -> TinyTransformer:
+    torch.manual_seed(seed)
+    return TinyTransformer(vocab=FSDP2_VOCAB, dim=16, layers=2, heads=2, context=FSDP2_LENGTH)
+
+
+def _fsdp2_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for label, (shape, names) in MESHES.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model = _fsdp2_model(seed)
+        returned = impl(model, mesh)
+        model = returned if isinstance(returned, nn.Module) else model
+        run: dict[str, Any] = {
+            "placements": {n: str(tuple(p.placements)) if isinstance(p, DTensor) else "a plain tensor"
+                           for n, p in model.named_parameters()},
+            "fully_shard applied to": [name or "the root" for name, m in model.named_modules()
+                                       if isinstance(m, FSDPModule)],
+            "params bytes": _reference_state_bytes(model)["params"],
+            "losses": [],
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(FSDP2_STEPS):
+            x, y = _slice(seed, step, rank, world_size, FSDP2_PER_RANK, FSDP2_LENGTH, FSDP2_VOCAB)
+            loss = _loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            run["losses"].append(loss.item())
+        out[label] = run
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = _fsdp2_model(seed)
+    returned = impl(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = returned if isinstance(returned, nn.Module) else model
+    seen: list[str] = []
+    model.blocks[0].qkv.register_forward_pre_hook(lambda m, a: seen.append(str(m.weight.dtype)))
+    x, y = _slice(seed, 0, rank, world_size, FSDP2_PER_RANK, FSDP2_LENGTH, FSDP2_VOCAB)
+    logits = model(x)
+    _loss(logits, y).backward()
+    grad = model.blocks[0].qkv.weight.grad
+    out["bf16"] = {"forward weight dtype": seen, "logits dtype": str(logits.dtype),
+                   "grad dtype": str(grad.dtype) if grad is not None else "None"}
+    return out
+
+
+def _fsdp2_reference(seed: int) -> dict[str, Any]:
+    """Trusted: data parallelism in one process: each rank's slice loss, AdamW on their mean."""
+
+    def compute(seed: int) -> dict[str, Any]:
+        model = _fsdp2_model(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        losses = [[] for _ in range(FSDP2_RANKS)]
+        for step in range(FSDP2_STEPS):
+            for rank in range(FSDP2_RANKS):
+                x, y = _slice(seed, step, rank, FSDP2_RANKS, FSDP2_PER_RANK, FSDP2_LENGTH,
+                              FSDP2_VOCAB)
+                loss = _loss(model(x), y) / FSDP2_RANKS
+                loss.backward()
+                losses[rank].append(loss.item() * FSDP2_RANKS)
+            optimizer.step()
+            optimizer.zero_grad()
+        sizes = {n: (p.shape[0], p[0].numel()) for n, p in model.named_parameters()}
+        return {"losses": losses, "sizes": sizes,
+                "names": [n for n, _ in model.named_parameters()],
+                "blocks": [f"blocks.{i}" for i in range(len(model.blocks))]}
+
+    return _expected_once("5.4", seed, compute)
+
+
+def _fsdp2_run(impl: Any, seed: int) -> list[Any]:
+    return _launch_once("5.4", _fsdp2_on_rank, impl, seed, FSDP2_RANKS)
+
+
+def _compare_placements(got: Any, expected: dict[str, Any]) -> None:
+    for label in MESHES:
+        for rank, run in enumerate(got):
+            placed = run[label]["placements"]
+            for name in expected["names"]:
+                if placed.get(name) != PLACEMENTS[label]:
+                    raise CheckFailed(
+                        f"rank {rank}, {label}: {name} is {placed.get(name)}, expected a DTensor "
+                        f"placed {PLACEMENTS[label]}", expected=PLACEMENTS[label],
+                        got=placed.get(name),
+                        hint="fully_shard(block, mesh=mesh) for each block, then "
+                             "fully_shard(model, mesh=mesh): the root owns the parameters no "
+                             "block holds (embeddings, final norm, output layer).")
+            wrapped = set(run[label]["fully_shard applied to"])
+            want = set(expected["blocks"]) | {"the root"}
+            if wrapped != want:
+                raise CheckFailed(f"rank {rank}, {label}: fully_shard applied to {sorted(wrapped)}",
+                                  expected=sorted(want), got=sorted(wrapped),
+                                  hint="One fully_shard per block (each its own all-gather), then "
+                                       "one on the root.")
+
+
+def _compare_losses(got: Any, expected: dict[str, Any]) -> None:
+    for label in MESHES:
+        for rank, run in enumerate(got):
+            have, want = run[label]["losses"], expected["losses"][rank]
+            if len(have) != len(want) or not all(
+                    math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5) for a, b in zip(have, want)):
+                raise CheckFailed(f"rank {rank}, {label}: the losses of {FSDP2_STEPS} AdamW steps "
+                                  "differ from data parallelism's (one process, mean gradient)",
+                                  expected=[round(v, 5) for v in want],
+                                  got=[round(v, 5) for v in have])
+
+
+def _compare_fsdp2_bytes(got: Any, expected: dict[str, Any]) -> None:
+    for label, (shape, _) in MESHES.items():
+        shard = shape[-1]
+        bound = sum(math.ceil(rows / shard) * rest * 4 for rows, rest in expected["sizes"].values())
+        total = sum(rows * rest * 4 for rows, rest in expected["sizes"].values())
+        for rank, run in enumerate(got):
+            nbytes = run[label]["params bytes"]
+            if nbytes > bound:
+                raise CheckFailed(f"rank {rank}, {label}: the parameters hold {nbytes} bytes on "
+                                  f"this rank; sharded over {shard} ranks, at most {bound} "
+                                  f"(1/{shard} of {total}, rows padded)",
+                                  expected=f"at most {bound}", got=nbytes)
+
+
+def _compare_mixed(got: Any, expected: dict[str, Any]) -> None:
+    for rank, run in enumerate(got):
+        mixed = run["bf16"]
+        if not mixed["forward weight dtype"] or set(mixed["forward weight dtype"]) != {"torch.bfloat16"}:
+            raise CheckFailed(f"rank {rank}: with param_dtype=torch.bfloat16, blocks.0.qkv runs "
+                              f"with weights of {mixed['forward weight dtype']}",
+                              expected=["torch.bfloat16"], got=mixed["forward weight dtype"],
+                              hint="Pass mp_policy=MixedPrecisionPolicy(param_dtype=..., "
+                                   "reduce_dtype=...) to every fully_shard call.")
+        if mixed["grad dtype"] != "torch.float32":
+            raise CheckFailed(f"rank {rank}: the sharded gradient is {mixed['grad dtype']}; "
+                              "FSDP2 keeps fp32 shards and gradients", expected="torch.float32",
+                              got=mixed["grad dtype"])
+
+
+FSDP2 = task(
+    "5.4", "apply_fsdp2", points=3,
+    hint="for block in model.blocks: fully_shard(block, mesh=mesh, ...); then "
+         "fully_shard(model, mesh=mesh, ...); add mp_policy=MixedPrecisionPolicy(...) when a "
+         "dtype is given.",
+)
+
+
+@FSDP2.case("every parameter a DTensor sharded on dim 0: (Shard(0),) on a 1-D mesh, "
+            "(Replicate(), Shard(0)) on a 2-D mesh; each block and the root wrapped",
+            compare=_compare_placements, weight=2, expect=_fsdp2_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp2_run(impl, seed)
+
+
+@FSDP2.case(f"{FSDP2_STEPS} AdamW steps on {FSDP2_RANKS} ranks, FSDP and HSDP, give the losses "
+            "of data parallelism", compare=_compare_losses, expect=_fsdp2_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp2_run(impl, seed)
+
+
+@FSDP2.case("parameter bytes per rank: 1/shard-size of the model", compare=_compare_fsdp2_bytes,
+            expect=_fsdp2_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp2_run(impl, seed)
+
+
+@FSDP2.case("param_dtype=bfloat16: blocks compute in bf16, shards and gradients stay fp32",
+            compare=_compare_mixed, expect=_fsdp2_reference)
+def _(impl: Any, seed: int) -> list[Any]:
+    return _fsdp2_run(impl, seed)

@@ -1,0 +1,510 @@
+"""Seeded bugs for Lesson 05: the typical mistakes each check of tasks 5.1-5.4 must catch.
+
+``BUGS[task_id]`` lists ``(what is wrong, implementation)``; tests/test_checks.py proves every
+one of them fails its task's checks. Each bug is a working implementation with one step
+replaced, and a few simply wrap what the task re-implements (the hard gates).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+
+# --------------------------------------------------------------------------- task 5.1
+
+
+def _storages(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def _optimizer_tensors(optimizer, wrapped=True):
+    owners = [optimizer, getattr(optimizer, "optim", None)] if wrapped else [optimizer]
+    return [v for o in owners if o is not None for s in o.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _bytes(params, optimizer, count=_storages, wrapped=True):
+    return {"params": count(params), "grads": count(p.grad for p in params if p.grad is not None),
+            "optimizer": count(_optimizer_tensors(optimizer, wrapped)) if optimizer else 0}
+
+
+def state_bytes_counts_numel(module, optimizer=None):
+    """numel * element_size per tensor: views of one padded buffer miss its padding."""
+    def count(tensors):
+        seen, total = set(), 0
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                t = t.to_local() if isinstance(t, DTensor) else t
+                total += t.numel() * t.element_size()
+        return total
+
+    return _bytes(list(module.parameters()), optimizer, count)
+
+
+def state_bytes_module_by_module(module, optimizer=None):
+    """Walks module by module: the tied embedding/output weight counts twice."""
+    params = [p for m in module.modules() for p in m.parameters(recurse=False)]
+
+    def count(tensors):
+        return sum(t.untyped_storage().nbytes() if not isinstance(t, DTensor)
+                   else t.to_local().untyped_storage().nbytes() for t in tensors)
+
+    return _bytes(params, optimizer, count)
+
+
+def state_bytes_global_dtensor(module, optimizer=None):
+    """A DTensor counted at its global size, as if every rank held all of it."""
+    def count(tensors):
+        seen, total = set(), 0
+        for t in tensors:
+            if isinstance(t, DTensor):
+                total += t.numel() * t.element_size()
+                continue
+            s = t.untyped_storage()
+            if s.nbytes() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+        return total
+
+    return _bytes(list(module.parameters()), optimizer, count)
+
+
+def state_bytes_ignores_wrapped_optimizer(module, optimizer=None):
+    """Reads optimizer.state only: ZeroRedundancyOptimizer keeps its state in .optim."""
+    return _bytes(list(module.parameters()), optimizer, wrapped=False)
+
+
+# --------------------------------------------------------------------------- task 5.2
+
+
+class _Sharded(torch.optim.Optimizer):
+    """A correct ZeRO-1 with override points for the bugs."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.owner, self._elements, self.optim = {}, [0] * self.world_size, None
+        super().__init__(params, kwargs)
+        self.optim = optimizer_cls([self._mine(g) for g in self.param_groups], **kwargs)
+        self.state = self.optim.state
+
+    def _mine(self, group):
+        return {**group, "params": [p for p in group["params"] if self._steps(p)]}
+
+    def _steps(self, p):
+        return self.owner[p] == self.rank
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
+            rank = min(range(self.world_size), key=lambda r: self._elements[r])
+            self.owner[p] = rank
+            self._elements[rank] += p.numel()
+        if self.optim is not None:
+            self.optim.add_param_group(self._mine(group))
+
+    def _average(self, params):
+        for p in params:
+            dist.reduce(p.grad, dst=self.owner[p])
+            if self.owner[p] == self.rank:
+                p.grad /= self.world_size
+
+    def _broadcast(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                dist.broadcast(p, src=self.owner[p])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._average([p for g in self.param_groups for p in g["params"] if p.grad is not None])
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        self.optim.step()
+        self._broadcast()
+        return loss
+
+
+class ShardedOptimizerSums(_Sharded):
+    """Reduces the gradients to their owners but never divides by the world size."""
+
+    def _average(self, params):
+        for p in params:
+            dist.reduce(p.grad, dst=self.owner[p])
+
+
+class ShardedOptimizerStepsEverything(_Sharded):
+    """Every rank all-reduces and steps every parameter: DDP, with W copies of the state."""
+
+    def _steps(self, p):
+        return True
+
+    def _average(self, params):
+        for p in params:
+            dist.all_reduce(p.grad)
+            p.grad /= self.world_size
+
+
+class ShardedOptimizerNoBroadcast(_Sharded):
+    """Owners step their parameters but never send them: the other ranks fall behind."""
+
+    def _broadcast(self):
+        pass
+
+
+class ShardedOptimizerLocalState(_Sharded):
+    """Keeps the owner's state on the inner optimizer only; self.state stays empty."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        super().__init__(params, optimizer_cls, **kwargs)
+        self.state = {}
+
+
+def sharded_optimizer_wraps_zero(params, optimizer_cls, **kwargs):
+    """torch's ZeroRedundancyOptimizer itself: no averaging, its state kept in .optim."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, **kwargs)
+
+
+# --------------------------------------------------------------------------- task 5.3
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, unit):
+        ctx.unit = unit
+        return unit.gather(unit.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        return ctx.unit.reduce_scatter(grad_full), None
+
+
+class _Unit:
+    """A correct unit (see the solution) with override points."""
+
+    keep_after_forward = False  # bug: the views stay attributes after forward
+    save_full = False  # bug: autograd keeps the gathered parameters (no saved-tensor hooks)
+
+    def __init__(self, module, prefix, dtype):
+        self.module, self.prefix = module, prefix
+        self.dtype = dtype or torch.float32
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.names = [n for n, _ in module.named_parameters(recurse=False)]
+        originals = [getattr(module, n) for n in self.names]
+        self.shapes = [p.shape for p in originals]
+        flat = torch.cat([p.detach().reshape(-1).float() for p in originals])
+        self.numel = flat.numel()
+        self.shard = nn.Parameter(self.split(flat))
+        for n in self.names:
+            del module._parameters[n]
+        module.register_parameter("flat_shard", self.shard)
+        self.for_backward = None
+        module.register_forward_pre_hook(self.before_forward)
+        module.register_forward_hook(self.after_forward)
+
+    def split(self, flat):
+        padded = math.ceil(flat.numel() / self.world_size) * self.world_size
+        return F.pad(flat, (0, padded - flat.numel())).chunk(self.world_size)[self.rank].clone()
+
+    def gather(self, dtype):
+        full = torch.empty(self.shard.numel() * self.world_size, dtype=dtype)
+        dist.all_gather_into_tensor(full, self.shard.detach().to(dtype))
+        return full
+
+    def views(self, full):
+        out, offset = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            out[name] = full[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return out
+
+    def before_forward(self, module, args):
+        full = _Gather.apply(self.shard, self)
+        for name, view in self.views(full).items():
+            setattr(module, name, view)
+        self.storage = full.untyped_storage().data_ptr()
+        if not self.save_full:
+            self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self.saving.__enter__()
+
+    def after_forward(self, module, args, output):
+        if not self.save_full:
+            self.saving.__exit__(None, None, None)
+        if not self.keep_after_forward:
+            for name in self.names:
+                delattr(module, name)
+        if output.requires_grad:
+            output.register_hook(self.before_backward)
+
+    def pack(self, t):
+        if t.untyped_storage().data_ptr() == self.storage:
+            return ("unit", t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(self, packed):
+        if isinstance(packed, tuple):
+            if self.for_backward is None:
+                self.for_backward = self.gather(self.dtype)
+            return self.for_backward.as_strided(*packed[1:])
+        return packed
+
+    def before_backward(self, grad):
+        if self.for_backward is None:
+            self.for_backward = self.gather(self.dtype)
+        return grad
+
+    def reduce_scatter(self, grad_full):
+        self.for_backward = None
+        grad = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(grad, grad_full.float().contiguous())
+        return grad / self.world_size
+
+
+class _FSDP(nn.Module):
+    unit = _Unit
+    average_replicated = True
+
+    def __init__(self, module, wrap=(nn.Linear, nn.Embedding), compute_dtype=None):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        self.units = [self.unit(m, prefix, compute_dtype) for prefix, m in module.named_modules()
+                      if isinstance(m, wrap) and any(True for _ in m.parameters(recurse=False))]
+        shards = {id(u.shard) for u in self.units}
+        self.replicated = [p for p in module.parameters() if id(p) not in shards]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        if not self.average_replicated:
+            return
+        for p in self.replicated:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world_size
+
+    def full_state_dict(self):
+        shards = {id(u.shard) for u in self.units}
+        state = {n: p.detach().clone() for n, p in self.module.named_parameters()
+                 if id(p) not in shards}
+        for u in self.units:
+            full = u.gather(torch.float32)
+            for name, view in u.views(full).items():
+                state[f"{u.prefix}.{name}" if u.prefix else name] = view.clone()
+        return state
+
+
+class _AllReduceUnit(_Unit):
+    def reduce_scatter(self, grad_full):
+        self.for_backward = None
+        grad = grad_full.float().clone()
+        dist.all_reduce(grad)  # every rank gets every gradient, then keeps its piece
+        return grad.chunk(self.world_size)[self.rank] / self.world_size
+
+
+class FSDPAllReducesGradients(_FSDP):
+    """All-reduces each unit's full gradient and slices it: right values, W times the traffic."""
+
+    unit = _AllReduceUnit
+
+
+class _KeptUnit(_Unit):
+    keep_after_forward = True
+    save_full = True
+
+
+class FSDPKeepsFullParameters(_FSDP):
+    """Never frees the gathered parameters after forward (and so never gathers for backward)."""
+
+    unit = _KeptUnit
+
+
+class _SavedUnit(_Unit):
+    save_full = True
+
+
+class FSDPLetsAutogradKeepThem(_FSDP):
+    """Deletes the attributes, but autograd still holds the gathered weights for backward."""
+
+    unit = _SavedUnit
+
+
+class _FloorUnit(_Unit):
+    def split(self, flat):
+        size = flat.numel() // self.world_size  # the tail of a size W does not divide is lost
+        return flat[self.rank * size:(self.rank + 1) * size].clone()
+
+    def views(self, full):
+        full = F.pad(full, (0, max(0, self.numel - full.numel())))
+        return super().views(full)
+
+
+class FSDPDropsTheRemainder(_FSDP):
+    """Splits numel // W elements per rank: a unit W does not divide loses its last elements."""
+
+    unit = _FloorUnit
+
+
+class FSDPReplicatedNotAveraged(_FSDP):
+    """Forgets the replicated parameters: every rank's layer norms drift apart."""
+
+    average_replicated = False
+
+
+class _BF16ReduceUnit(_Unit):
+    def reduce_scatter(self, grad_full):
+        self.for_backward = None
+        grad = torch.empty(self.shard.numel(), dtype=grad_full.dtype)
+        dist.reduce_scatter_tensor(grad, grad_full.contiguous())  # in the compute dtype
+        return grad.float() / self.world_size
+
+
+class FSDPReducesInComputeDtype(_FSDP):
+    """Reduce-scatters the gradients in bf16/fp16 instead of fp32."""
+
+    unit = _BF16ReduceUnit
+
+
+class FSDPWrapsFullyShard(nn.Module):
+    """torch's FSDP2 on every unit and the root: the gate, and the wrong traffic."""
+
+    def __init__(self, module, wrap=(nn.Linear, nn.Embedding), compute_dtype=None):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        super().__init__()
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for m in module.modules():
+            if isinstance(m, wrap):
+                fully_shard(m, mesh=mesh, mp_policy=policy)
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        pass
+
+    def full_state_dict(self):
+        return {n: p.full_tensor().detach().clone() for n, p in self.module.named_parameters()}
+
+
+class FSDPWrapsDDP(nn.Module):
+    """torch's DDP: right values, but every rank holds every parameter."""
+
+    def __init__(self, module, wrap=(nn.Linear, nn.Embedding), compute_dtype=None):
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().__init__()
+        self.module = module
+        self.ddp = DistributedDataParallel(module)
+
+    def forward(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        pass
+
+    def full_state_dict(self):
+        return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
+
+# --------------------------------------------------------------------------- task 5.4
+
+
+def apply_fsdp2_root_unsharded(model, mesh, param_dtype=None, reduce_dtype=None):
+    """Shards the blocks only: embeddings, final norm and output layer stay whole everywhere."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def apply_fsdp2_ignores_dtypes(model, mesh, param_dtype=None, reduce_dtype=None):
+    """Never passes a MixedPrecisionPolicy: bf16 was asked for, fp32 runs."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def apply_fsdp2_root_only(model, mesh, param_dtype=None, reduce_dtype=None):
+    """One fully_shard on the root: right values, but the whole model is gathered at once."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                                  reduce_dtype=reduce_dtype))
+    return model
+
+
+def apply_fsdp2_flattens_the_mesh(model, mesh, param_dtype=None, reduce_dtype=None):
+    """Shards over every rank of a 2-D mesh: FSDP where HSDP was asked for."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    flat = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=flat, mp_policy=policy)
+    fully_shard(model, mesh=flat, mp_policy=policy)
+    return model
+
+
+BUGS = {
+    "5.1": [
+        ("counts numel * element_size per tensor, not storages", state_bytes_counts_numel),
+        ("walks module by module: a tied weight counts twice", state_bytes_module_by_module),
+        ("counts a DTensor at its global size", state_bytes_global_dtensor),
+        ("ignores the state ZeroRedundancyOptimizer keeps in .optim",
+         state_bytes_ignores_wrapped_optimizer),
+    ],
+    "5.2": [
+        ("sums the gradients instead of averaging them", ShardedOptimizerSums),
+        ("every rank steps every parameter", ShardedOptimizerStepsEverything),
+        ("skips the broadcast after the step", ShardedOptimizerNoBroadcast),
+        ("keeps the state off self.state", ShardedOptimizerLocalState),
+        ("wraps torch's ZeroRedundancyOptimizer", sharded_optimizer_wraps_zero),
+    ],
+    "5.3": [
+        ("all-reduces the gradients instead of reduce-scattering", FSDPAllReducesGradients),
+        ("keeps the full parameters after forward", FSDPKeepsFullParameters),
+        ("deletes the attributes but lets autograd keep the full weights", FSDPLetsAutogradKeepThem),
+        ("drops the remainder when W does not divide a unit", FSDPDropsTheRemainder),
+        ("does not average the replicated parameters", FSDPReplicatedNotAveraged),
+        ("reduce-scatters in the compute dtype", FSDPReducesInComputeDtype),
+        ("wraps torch's fully_shard", FSDPWrapsFullyShard),
+        ("wraps torch's DistributedDataParallel", FSDPWrapsDDP),
+    ],
+    "5.4": [
+        ("leaves the root unsharded", apply_fsdp2_root_unsharded),
+        ("ignores param_dtype and reduce_dtype", apply_fsdp2_ignores_dtypes),
+        ("wraps the root only, not each block", apply_fsdp2_root_only),
+        ("shards over the whole 2-D mesh", apply_fsdp2_flattens_the_mesh),
+    ],
+}
