@@ -1,0 +1,692 @@
+"""Checks for Lesson 09, "Protein language models at scale": tasks 9.1-9.4.
+
+* 9.1 ``mask_tokens``: ESM/BERT masking checked by its invariants, exactly, on real peptides;
+  by its frequencies within binomial bounds (6 standard deviations) on a large batch; by
+  per-sequence counts that vary as independent draws do; and by determinism under a generator.
+* 9.2 ``token_budget_batches``: against fair-esm's own ``get_batch_indices`` (the batches) and
+  ``DistributedSampler``'s padding rule (every rank the same count, repeats spread evenly).
+* 9.3 ``ring_attention``: on real ranks against ``F.scaled_dot_product_attention`` on the whole
+  sequence in one process; the recorder (:mod:`kit.trace`) must see only point-to-point
+  traffic to the right neighbour, W-1 chunks of K and V; :class:`kit.proteins.LiveBytes`
+  must never see a tensor as large as the gathered K/V or a full row of logits.
+* 9.4 ``chunked``: against the unchunked triangle-attention module, with the rows and logits
+  each call saw recorded by the module and by a hook of the check's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from autograder.registry import CheckFailed, assert_same, plain, task
+
+SIGMAS = 6.0  # binomial bounds: a correct implementation fails about once in 5e8 draws
+
+
+@functools.cache
+def _alphabet() -> Any:
+    from kit.proteins import alphabet
+
+    return alphabet()
+
+
+def _specials(alphabet: Any) -> list[int]:
+    return [alphabet.cls_idx, alphabet.eos_idx, alphabet.padding_idx]
+
+
+def _canonical(alphabet: Any) -> list[int]:
+    from kit.proteins import CANONICAL
+
+    return [alphabet.get_idx(a) for a in CANONICAL]
+
+
+def _within(count: int, n: int, p: float) -> bool:
+    return abs(count - n * p) <= SIGMAS * math.sqrt(n * p * (1 - p)) + 1
+
+
+# --------------------------------------------------------------------------- task 9.1
+
+MASK = task(
+    "9.1", "mask_tokens", points=3,
+    hint="Draw every random number from the generator you are given. Choose positions with one "
+         "uniform draw per position compared with mask_prob, never on cls, eos or pad; a second "
+         "uniform draw per position splits the chosen ones 80/10/10; the random tokens come "
+         "from the 20 canonical amino acids only. Labels: the original token where chosen, "
+         "-100 elsewhere.",
+)
+
+
+def _peptide_tokens(seed: int, n: int = 256) -> torch.Tensor:
+    """``(n, L)`` real peptides from modlamp, tokenised with <cls>, <eos> and <pad>."""
+    from kit.proteins import load_peptides, tokenize
+
+    sequences, _, _ = load_peptides("AMPvsUniProt")
+    pick = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(seed))[:n]
+    return tokenize([sequences[i] for i in pick.tolist()], _alphabet())
+
+
+def _uniform_tokens(seed: int, rows: int = 512, length: int = 130) -> torch.Tensor:
+    """``(rows, length)``: uniform canonical amino acids between <cls> and <eos>, random padding."""
+    alphabet = _alphabet()
+    g = torch.Generator().manual_seed(seed + 1)
+    canonical = torch.tensor(_canonical(alphabet))
+    tokens = canonical[torch.randint(20, (rows, length), generator=g)]
+    lengths = torch.randint(length // 2, length - 1, (rows,), generator=g)
+    positions = torch.arange(length)
+    tokens[:, 0] = alphabet.cls_idx
+    tokens[positions[None, :] == lengths[:, None] + 1] = alphabet.eos_idx
+    tokens[positions[None, :] > lengths[:, None] + 1] = alphabet.padding_idx
+    return tokens
+
+
+def _masked(mask_tokens: Any, tokens: torch.Tensor, seed: int, **kwargs: Any) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    out = mask_tokens(tokens.clone(), _alphabet(), g, **kwargs)
+    if not isinstance(out, tuple) or len(out) != 2:
+        return {"result": f"a {type(out).__name__}", "inputs": None, "labels": None}
+    return {"result": "a pair", "inputs": plain(out[0]), "labels": plain(out[1])}
+
+
+def _check_pair(got: dict[str, Any], tokens: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if got["result"] != "a pair":
+        raise CheckFailed(f"{where}: mask_tokens must return (inputs, labels)", expected="a pair",
+                          got=got["result"])
+    for name in ("inputs", "labels"):
+        t = got[name]
+        if not isinstance(t, torch.Tensor) or t.shape != tokens.shape or t.dtype != torch.int64:
+            raise CheckFailed(f"{where}: {name} must be an int64 tensor shaped like tokens",
+                              expected=f"int64 {tuple(tokens.shape)}",
+                              got=f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    return got["inputs"], got["labels"]
+
+
+def _check_invariants(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor, where: str) -> None:
+    alphabet = _alphabet()
+    special = torch.isin(tokens, torch.tensor(_specials(alphabet)))
+    chosen = labels != -100
+    if (chosen & special).any():
+        i = (chosen & special).nonzero()[0].tolist()
+        raise CheckFailed(f"{where}: a special token (cls, eos or pad) was selected at {i}",
+                          expected=-100, got=labels[tuple(i)].item(),
+                          hint="Exclude positions holding alphabet.cls_idx, eos_idx or "
+                               "padding_idx before choosing.")
+    if not torch.equal(labels[chosen], tokens[chosen]):
+        raise CheckFailed(f"{where}: labels at selected positions must hold the original token",
+                          expected="the original tokens", got="other values",
+                          hint="Take the labels from the tokens before you replace any.")
+    bad = labels[~chosen]
+    if (bad != -100).any():
+        raise CheckFailed(f"{where}: labels must be -100 where nothing was selected",
+                          expected=-100, got=bad[bad != -100][0].item())
+    if not torch.equal(inputs[~chosen], tokens[~chosen]):
+        raise CheckFailed(f"{where}: positions that were not selected changed in inputs",
+                          expected="unchanged", got="changed",
+                          hint="Only selected positions may change; labels mark them.")
+    allowed = torch.tensor([alphabet.mask_idx, *_canonical(alphabet)])
+    changed = chosen & (inputs != tokens)
+    outside = changed & ~torch.isin(inputs, allowed)
+    if outside.any():
+        tok = inputs[outside][0].item()
+        raise CheckFailed(f"{where}: a selected position became {alphabet.get_tok(tok)!r} "
+                          f"(index {tok}), which is neither <mask> nor a canonical amino acid",
+                          expected="<mask> or one of ACDEFGHIKLMNPQRSTVWY", got=alphabet.get_tok(tok),
+                          hint="Draw the random replacement from the 20 canonical amino acids "
+                               "(their indices in the alphabet), not from the whole vocabulary.")
+
+
+def _compare_invariants(got: Any, tokens: torch.Tensor) -> None:
+    inputs, labels = _check_pair(got, tokens, "256 peptides")
+    _check_invariants(inputs, labels, tokens, "256 peptides")
+    if not (labels != -100).any():
+        raise CheckFailed("256 peptides: nothing was selected", expected="about 15% of residues",
+                          got=0)
+
+
+@MASK.case("the invariants, exactly, on 256 real peptides (cls, eos and pad never selected)",
+           compare=_compare_invariants, expect=lambda seed: _peptide_tokens(seed))
+def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
+    return _masked(mask_tokens, _peptide_tokens(seed), seed)
+
+
+def _compare_frequencies(got: Any, expected: dict[str, Any]) -> None:
+    alphabet = _alphabet()
+    for key, tokens in expected.items():
+        p = float(key.split("=")[1])
+        inputs, labels = _check_pair(got[key], tokens, key)
+        _check_invariants(inputs, labels, tokens, key)
+        eligible = ~torch.isin(tokens, torch.tensor(_specials(alphabet)))
+        chosen = labels != -100
+        n, k = int(eligible.sum()), int(chosen.sum())
+        if not _within(k, n, p):
+            raise CheckFailed(f"{key}: {k} of {n} eligible positions selected ({k / n:.4f})",
+                              expected=f"{p} within binomial bounds", got=round(k / n, 4),
+                              hint="Compare one uniform draw per position with mask_prob (the "
+                                   "argument, not a constant).")
+        masked = int((inputs[chosen] == alphabet.mask_idx).sum())
+        same = int((inputs[chosen] == tokens[chosen]).sum())
+        replaced = k - masked - same
+        # A random canonical token equals the original 1 time in 20: "unchanged" is 10% + 0.5%.
+        for what, count, q in (("became <mask>", masked, 0.8), ("stayed unchanged", same, 0.105),
+                               ("became another amino acid", replaced, 0.095)):
+            if not _within(count, k, q):
+                raise CheckFailed(f"{key}: {count / k:.4f} of the selected positions {what}",
+                                  expected=q, got=round(count / k, 4),
+                                  hint="Split the selected positions 80/10/10 with a second "
+                                       "uniform draw: < 0.8 mask, 0.8-0.9 random, else keep.")
+        draws = inputs[chosen & (inputs != tokens) & (inputs != alphabet.mask_idx)]
+        counts = torch.bincount(draws, minlength=len(alphabet.all_toks))[_canonical(alphabet)]
+        for aa, c in zip(_canonical(alphabet), counts.tolist()):
+            if not _within(c, len(draws), 1 / 20):
+                raise CheckFailed(f"{key}: the random replacements are not uniform over the 20 "
+                                  f"amino acids ({alphabet.get_tok(aa)} drawn {c} times of "
+                                  f"{len(draws)})", expected=round(len(draws) / 20, 1), got=c)
+
+
+@MASK.case("frequencies within binomial bounds on 66,000 residues (mask_prob 0.15 and 0.3)",
+           compare=_compare_frequencies, weight=2,
+           expect=lambda seed: {"mask_prob=0.15": _uniform_tokens(seed),
+                                "mask_prob=0.3": _uniform_tokens(seed + 7)})
+def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
+    return {"mask_prob=0.15": _masked(mask_tokens, _uniform_tokens(seed), seed),
+            "mask_prob=0.3": _masked(mask_tokens, _uniform_tokens(seed + 7), seed + 1, mask_prob=0.3)}
+
+
+def _compare_independent(got: Any, tokens: torch.Tensor) -> None:
+    inputs, labels = _check_pair(got, tokens, "per-sequence counts")
+    eligible = ~torch.isin(tokens, torch.tensor(_specials(_alphabet())))
+    counts = (labels != -100).sum(1).double()
+    sizes = eligible.sum(1).double()
+    # Independent draws: each count is Binomial(size, 0.15); its variance is size * p * (1 - p).
+    expected_var = (sizes * 0.15 * 0.85).mean().item()
+    var = ((counts - sizes * 0.15) ** 2).mean().item()
+    if not expected_var / 2 < var < expected_var * 2:
+        raise CheckFailed("the number of selected positions per sequence varies "
+                          f"{'too little' if var < expected_var else 'too much'} for independent "
+                          "draws", expected=f"variance about {expected_var:.1f}", got=round(var, 2),
+                          hint="Select each position on its own (a uniform draw < mask_prob); do "
+                               "not pick a fixed 15% of every sequence.")
+
+
+@MASK.case("each position independently (per-sequence counts vary as binomials do)",
+           compare=_compare_independent, expect=lambda seed: _uniform_tokens(seed + 3))
+def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
+    return _masked(mask_tokens, _uniform_tokens(seed + 3), seed + 2)
+
+
+@MASK.case("the same generator state gives the same output; another seed another one",
+           expect=lambda seed: {"same seed, same output": True, "another seed, another output": True},
+           hint="Pass generator=generator to every torch.rand / torch.randint call: the global "
+                "random state must not matter.")
+def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
+    tokens = _peptide_tokens(seed, 64)
+    torch.manual_seed(seed + 11)
+    first = _masked(mask_tokens, tokens, seed)
+    torch.manual_seed(seed + 12)  # another global state: must not matter
+    again = _masked(mask_tokens, tokens, seed)
+    other = _masked(mask_tokens, tokens, seed + 1)
+    return {"same seed, same output": _same(first, again),
+            "another seed, another output": not _same(first, other)}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(isinstance(a[k], torch.Tensor) and isinstance(b[k], torch.Tensor) and torch.equal(a[k], b[k])
+               for k in ("inputs", "labels"))
+
+
+
+# --------------------------------------------------------------------------- task 9.2
+
+BUDGET = task(
+    "9.2", "token_budget_batches", points=3,
+    hint="First build every batch from all the lengths (sort by length, fill a batch while "
+         "longest * count fits max_tokens), then shuffle the list of batches with a generator "
+         "seeded from seed + epoch, pad the list by repeating its start until it divides by "
+         "world_size, and give rank r every world_size-th batch from position r.",
+)
+
+
+def _fair_esm_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Trusted: fair-esm's own ``get_batch_indices`` on sequences of these lengths."""
+    from esm.data import FastaBatchedDataset
+
+    data = FastaBatchedDataset([str(i) for i in range(len(lengths))], ["A" * n for n in lengths])
+    return data.get_batch_indices(max_tokens)
+
+
+def _peptide_lengths(name: str) -> list[int]:
+    from kit.proteins import load_peptides
+
+    return [len(s) + 2 for s in load_peptides(name)[0]]  # + <cls> and <eos>
+
+
+def _layouts(seed: int) -> dict[str, tuple[list[int], int, int]]:
+    """Name -> (lengths, max_tokens, world_size)."""
+    g = torch.Generator().manual_seed(seed)
+    mixed = (torch.randint(5, 60, (37,), generator=g)).tolist()
+    return {
+        "AMPvsUniProt (5,200 peptides), 1024 tokens, 4 ranks": (_peptide_lengths("AMPvsUniProt"), 1024, 4),
+        "AMPvsTMset (412 peptides), 600 tokens, 3 ranks": (_peptide_lengths("AMPvsTMset"), 600, 3),
+        "one sequence longer than max_tokens, 4 ranks": (mixed[:20] + [300] + mixed[20:], 120, 4),
+        "all the same length, 4 ranks": ([17] * 45, 100, 4),
+        "fewer batches than ranks (3 batches, 4 ranks)": (mixed[:9], 160, 4),
+        "one batch, 2 ranks": ([12, 9, 30], 1000, 2),
+        "37 random lengths, 64 tokens, 3 ranks": (mixed, 64, 3),
+    }
+
+
+def _deal(token_budget_batches: Any, lengths: list[int], max_tokens: int, world_size: int,
+          seed: int, epoch: int) -> list[Any]:
+    out = []
+    for rank in range(world_size):
+        got = token_budget_batches(list(lengths), max_tokens, rank, world_size, seed=seed, epoch=epoch)
+        try:
+            out.append([[int(i) for i in b] for b in got])
+        except TypeError:
+            out.append(f"a {type(got).__name__}, not a list of lists of indices")
+    return out
+
+
+def _check_deal(where: str, got: Any, fair: list[list[int]], world_size: int) -> None:
+    if not isinstance(got, list) or len(got) != world_size:
+        raise CheckFailed(f"{where}: one list of batches per rank expected", expected=world_size,
+                          got=repr(got)[:200])
+    for rank, batches in enumerate(got):
+        if isinstance(batches, str):
+            raise CheckFailed(f"{where}: rank {rank} returned {batches}")
+    counts = [len(b) for b in got]
+    per_rank = math.ceil(len(fair) / world_size)
+    if len(set(counts)) != 1:
+        raise CheckFailed(f"{where}: ranks get different numbers of batches {counts}: the rank "
+                          "with fewer steps leaves the others waiting forever in a collective",
+                          expected=[per_rank] * world_size, got=counts,
+                          hint="Build all batches first, then deal them: pad the shuffled list by "
+                               "repeating its start until it divides by world_size.")
+    want = {tuple(sorted(b)) for b in fair}
+    have = [tuple(sorted(b)) for batches in got for b in batches]
+    missing, extra = want - set(have), set(have) - want
+    if missing or extra:
+        sample = sorted(extra or missing)[0]
+        raise CheckFailed(f"{where}: the batches are not fair-esm's get_batch_indices batches "
+                          f"({len(missing)} of its {len(want)} batches missing, {len(extra)} "
+                          "others)", expected=f"{len(want)} batches, e.g. {sorted(want)[0]}",
+                          got=f"e.g. {'extra' if extra else 'missing'} batch {sample}",
+                          hint="Sort the indices by (length, index) and start a new batch when "
+                               "the longest length times the batch size would exceed max_tokens.")
+    if counts[0] != per_rank:
+        raise CheckFailed(f"{where}: {counts[0]} batches per rank for {len(fair)} batches on "
+                          f"{world_size} ranks", expected=per_rank, got=counts[0])
+    total = per_rank * world_size
+    copies: dict[tuple[int, ...], int] = {}
+    for b in have:
+        copies[b] = copies.get(b, 0) + 1
+    lo, hi = total // len(want), -(-total // len(want))
+    if any(not lo <= c <= hi for c in copies.values()):
+        raise CheckFailed(f"{where}: some batches are repeated more than others need",
+                          expected=f"each batch {lo} or {hi} times", got=sorted(set(copies.values())),
+                          hint="Pad as DistributedSampler does: repeat the start of the shuffled "
+                               "order, as often as needed, to reach a multiple of world_size.")
+
+
+def _compare_layouts(got: Any, expected: dict[str, Any]) -> None:
+    for key, (fair, world_size) in expected.items():
+        _check_deal(key, got.get(key) if isinstance(got, dict) else None, fair, world_size)
+
+
+def _budget_case(name: str, keys: list[str], hint: str = "") -> None:
+    def run(token_budget_batches: Any, seed: int) -> dict[str, Any]:
+        layouts = _layouts(seed)
+        return {k: _deal(token_budget_batches, *layouts[k], seed, 0) for k in keys}
+
+    def expect(seed: int) -> dict[str, Any]:
+        layouts = _layouts(seed)
+        return {k: (_fair_esm_batches(layouts[k][0], layouts[k][1]), layouts[k][2]) for k in keys}
+
+    BUDGET.case(name, compare=_compare_layouts, hint=hint, expect=expect)(run)
+
+
+_KEYS = list(_layouts(0))
+_budget_case("fair-esm's batches on the real peptide sets, the same count on every rank", _KEYS[:2])
+_budget_case("adversarial lengths: one over-long sequence, all equal, fewer batches than ranks",
+             _KEYS[2:],
+             hint="A sequence longer than max_tokens still gets a batch of its own; with fewer "
+                  "batches than ranks, repeat the batches until every rank has one.")
+
+
+_DETERMINISM = ("the same (seed, epoch) gives the same batches", "another epoch deals another order",
+                "another seed deals another order", "not in length order")
+
+
+@BUDGET.case("the deal is shuffled by (seed, epoch) and deterministic",
+             expect=lambda seed: dict.fromkeys(_DETERMINISM, True),
+             hint="Seed a torch.Generator with seed + epoch and use torch.randperm on the list "
+                  "of batches; nothing else may be random.")
+def _(token_budget_batches: Any, seed: int) -> dict[str, bool]:
+    lengths, max_tokens, world_size = _layouts(seed)["37 random lengths, 64 tokens, 3 ranks"]
+    deal = functools.partial(_deal, token_budget_batches, lengths, max_tokens, world_size)
+    first = deal(seed, 0)
+    torch.manual_seed(seed + 5)  # the global random state must not matter
+    return {"the same (seed, epoch) gives the same batches": first == deal(seed, 0),
+            "another epoch deals another order": first != deal(seed, 1),
+            "another seed deals another order": first != deal(seed + 1, 0),
+            "not in length order": any(
+                [max(lengths[i] for i in b) for b in r] != sorted(max(lengths[i] for i in b) for b in r)
+                for r in first)}
+
+
+
+def _random_fixed_padding(lengths: list[int], batch_size: int, seed: int) -> int:
+    from kit.proteins import padded_tokens
+
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+    return padded_tokens(lengths, [order[i:i + batch_size] for i in range(0, len(order), batch_size)])
+
+
+def _compare_padding(got: Any, expected: dict[str, Any]) -> None:
+    from kit.proteins import padded_tokens
+
+    lengths = expected["lengths"]
+    _check_deal("AMPvsUniProt", got, expected["fair"], 4)
+    distinct = {tuple(sorted(b)) for r in got for b in r}
+    ours = padded_tokens(lengths, [list(b) for b in distinct])
+    if not ours * 2 <= expected["random"]:
+        raise CheckFailed("token-budget batches must hold at least 2x fewer padding tokens than "
+                          "random batches of the same mean size", expected=f"<= {expected['random'] // 2}",
+                          got=ours)
+
+
+@BUDGET.case("at least 2x less padding than random fixed-size batches of the same mean size",
+             compare=_compare_padding,
+             expect=lambda seed: (lambda lengths, fair: {
+                 "lengths": lengths, "fair": fair,
+                 "random": _random_fixed_padding(lengths, round(len(lengths) / len(fair)), seed)})(
+                 _peptide_lengths("AMPvsUniProt"), _fair_esm_batches(_peptide_lengths("AMPvsUniProt"), 1024)))
+def _(token_budget_batches: Any, seed: int) -> list[Any]:
+    return _deal(token_budget_batches, _peptide_lengths("AMPvsUniProt"), 1024, 4, seed, 1)
+
+
+# --------------------------------------------------------------------------- task 9.3
+
+RING = task(
+    "9.3", "ring_attention", points=4,
+    forbidden=("torch.distributed.all_gather", "torch.distributed.all_gather_into_tensor",
+               "torch.distributed.all_gather_object", "torch.distributed.all_to_all",
+               "torch.distributed.all_to_all_single", "torch.distributed.broadcast",
+               "torch.distributed.all_reduce", "torch.distributed._functional_collectives",
+               "torch.nn.functional.scaled_dot_product_attention"),
+    hint="Keep a running row max m, a running sum l of exp(scores - m) and an unnormalised "
+         "output o. For each K/V block (your own first, then W-1 received from the left): "
+         "scores = q k^T / sqrt(d) with padded keys at -inf, new max m', rescale o and l by "
+         "exp(m - m'), add exp(scores - m') v and its row sums. Send the block you hold to the "
+         "right neighbour and receive the next from the left, mask included. Return o / l.",
+)
+
+BATCH, HEADS, CHUNK, DIM = 2, 2, 8, 8  # q, k, v on each rank: (BATCH, HEADS, CHUNK, DIM)
+
+
+def _ring_inputs(seed: int, world_size: int, dtype: torch.dtype, padded: bool) -> dict[str, Any]:
+    """The whole sequence: q, k, v ``(B, H, W*CHUNK, D)`` and the key padding mask ``(B, L)``.
+
+    Chunks get very different scales (uneven-looking content: the running max moves), and
+    sequence 1 ends after 1.5 chunks, so whole chunks of keys are padding on the last ranks.
+    """
+    g = torch.Generator().manual_seed(seed * 31 + world_size)
+    length = world_size * CHUNK
+    q, k, v = (torch.randn(BATCH, HEADS, length, DIM, generator=g, dtype=torch.float64) for _ in range(3))
+    scale = torch.tensor([0.2, 2.5, 0.7, 4.0, 1.0, 3.0][:world_size], dtype=torch.float64)
+    k = k * scale.repeat_interleave(CHUNK)[None, None, :, None]
+    mask = None
+    if padded:
+        mask = torch.zeros(BATCH, length, dtype=torch.bool)
+        mask[1, CHUNK + CHUNK // 2:] = True  # sequence 1: 12 real tokens, then padding
+        mask[0, 3] = True  # a pad in the middle of sequence 0, as after a crop
+    return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype), "mask": mask}
+
+
+def _reference_attention(inputs: dict[str, Any]) -> torch.Tensor:
+    """Trusted: torch's SDPA on the whole sequence in one process. ``mask``: True = padding."""
+    mask = inputs["mask"]
+    attn_mask = None if mask is None else ~mask[:, None, None, :]  # True = take part
+    return F.scaled_dot_product_attention(inputs["q"], inputs["k"], inputs["v"], attn_mask=attn_mask)
+
+
+RING_RUNS = {  # name -> (dtype, padded, tolerance)
+    "fp32, no padding": (torch.float32, False, 1e-5),
+    "fp32, padding": (torch.float32, True, 1e-5),
+    "fp64, padding": (torch.float64, True, 1e-10),
+}
+
+
+def _ring_on_rank(ring_attention: Any, seed: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from kit.proteins import LiveBytes
+    from kit.trace import trace
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine = slice(rank * CHUNK, (rank + 1) * CHUNK)
+    out: dict[str, Any] = {}
+    for name, (dtype, padded, _) in RING_RUNS.items():
+        inputs = _ring_inputs(seed, world_size, dtype, padded)
+        q, k, v = (inputs[n][:, :, mine].clone() for n in ("q", "k", "v"))
+        mask = None if inputs["mask"] is None else inputs["mask"][:, mine].clone()
+        with torch.no_grad(), trace() as t, LiveBytes() as live:
+            result = ring_attention(q, k, v, key_padding_mask=mask)
+        out[name] = plain(result)
+        if name == "fp32, padding":
+            out["events"] = [{"op": e.op, "kind": e.kind, "peer": e.peer, "nbytes": e.nbytes}
+                             for e in t.events]
+            out["largest"], out["peak"] = live.largest, live.peak
+    return out
+
+
+@functools.lru_cache(maxsize=6)
+def _ring_launch(ring_attention: Any, seed: int, world_size: int) -> tuple[Any, ...]:
+    from kit.launcher import run_ranks
+
+    return tuple(run_ranks(_ring_on_rank, (ring_attention, seed), world_size=world_size,
+                           timeout=30.0, echo=False))
+
+
+def _expected_ring(seed: int, world_size: int) -> dict[str, Any]:
+    return {name: (_reference_attention(_ring_inputs(seed, world_size, dtype, padded)), tol)
+            for name, (dtype, padded, tol) in RING_RUNS.items()}
+
+
+def _compare_ring(got: Any, expected: dict[str, Any]) -> None:
+    for name, (want, tol) in expected.items():
+        world_size = want.shape[2] // CHUNK
+        for rank in range(world_size):
+            have = got[rank][name]
+            chunk = want[:, :, rank * CHUNK:(rank + 1) * CHUNK]
+            where = f"{world_size} ranks, {name}, rank {rank}"
+            if not isinstance(have, torch.Tensor) or have.shape != chunk.shape:
+                raise CheckFailed(f"{where}: expected this rank's chunk of the output",
+                                  expected=f"{chunk.dtype} {tuple(chunk.shape)}",
+                                  got=f"{getattr(have, 'dtype', type(have).__name__)} "
+                                      f"{tuple(getattr(have, 'shape', ()))}")
+            if have.dtype != chunk.dtype:
+                raise CheckFailed(f"{where}: wrong dtype", expected=chunk.dtype, got=have.dtype)
+            diff = (have.double() - chunk.double()).abs().max().item()
+            if not diff <= tol:  # also catches nan
+                raise CheckFailed(f"{where}: differs from scaled_dot_product_attention on the "
+                                  f"whole sequence by {diff:.3g} (tolerance {tol:g})",
+                                  expected=chunk.flatten()[:4].tolist(), got=have.flatten()[:4].tolist())
+
+
+def _ring_case(world_size: int, name: str, hint: str = "") -> None:
+    def run(ring_attention: Any, seed: int) -> list[Any]:
+        return [{k: r[k] for k in RING_RUNS} for r in _ring_launch(ring_attention, seed, world_size)]
+
+    RING.case(name, compare=_compare_ring, hint=hint,
+              expect=lambda seed: _expected_ring(seed, world_size))(run)
+
+
+_ring_case(4, "equals scaled_dot_product_attention on the whole sequence: 4 ranks, fp32 and fp64, "
+              "with and without padding")
+_ring_case(3, "the same on 3 ranks")
+_ring_case(2, "the same on 2 ranks")
+
+
+def _kv_bytes(world_size: int) -> int:
+    return 2 * BATCH * HEADS * CHUNK * DIM * 4  # one chunk of K and one of V, fp32
+
+
+def _compare_traffic(got: Any, world_size: int) -> None:
+    kv, mask = _kv_bytes(world_size), BATCH * CHUNK
+    low, high = (world_size - 1) * (kv + mask), (world_size - 1) * (kv + 8 * mask)
+    for rank, r in enumerate(got):
+        events = r["events"]
+        collectives = sorted({e["op"] for e in events if e["kind"] != "p2p"})
+        if collectives:
+            raise CheckFailed(f"rank {rank} called {', '.join(collectives)}: ring attention moves "
+                              "K and V with point-to-point calls only", expected="isend/irecv",
+                              got=collectives)
+        right, left = (rank + 1) % world_size, (rank - 1) % world_size
+        sends = [e for e in events if e["op"] in ("send", "isend")]
+        recvs = [e for e in events if e["op"] in ("recv", "irecv")]
+        if not sends:
+            raise CheckFailed(f"rank {rank} sent nothing the recorder saw", expected="W-1 sends",
+                              got=0, hint="Use dist.isend/dist.irecv (or dist.batch_isend_irecv).")
+        for e in sends:
+            if e["peer"] != right:
+                raise CheckFailed(f"rank {rank} sent to rank {e['peer']}: K, V and the mask all go "
+                                  f"to the right neighbour {right}", expected=right, got=e["peer"])
+        for e in recvs:
+            if e["peer"] != left:
+                raise CheckFailed(f"rank {rank} received from rank {e['peer']}: blocks come from "
+                                  f"the left neighbour {left}", expected=left, got=e["peer"])
+        sent = sum(e["nbytes"] for e in sends)
+        if not low <= sent <= high:
+            raise CheckFailed(f"rank {rank} sent {sent} bytes: {world_size - 1} steps of one K "
+                              f"chunk, one V chunk ({kv} bytes together) and one mask chunk",
+                              expected=f"{low} to {high}", got=sent,
+                              hint="Exactly W-1 steps: each step passes on the block you hold "
+                                   "(K, V, mask) and receives the next one.")
+
+
+@RING.case("only point-to-point traffic: W-1 steps of K, V and mask to the right neighbour",
+           compare=_compare_traffic, expect=lambda seed: 4)
+def _(ring_attention: Any, seed: int) -> list[Any]:
+    return [{"events": r["events"]} for r in _ring_launch(ring_attention, seed, 4)]
+
+
+def _compare_memory(got: Any, world_size: int) -> None:
+    unit = BATCH * HEADS * CHUNK * max(CHUNK, DIM) * 4  # one block of logits, one chunk of K
+    for rank, r in enumerate(got):
+        if r["largest"] > 2.5 * unit:
+            raise CheckFailed(
+                f"rank {rank} created a tensor of {r['largest']} bytes: as large as the gathered "
+                f"K or V ({world_size * BATCH * HEADS * CHUNK * DIM * 4} bytes) or a full row of "
+                "logits, which ring attention never holds", expected=f"<= {int(2.5 * unit)} bytes",
+                got=r["largest"], hint="Work one received block at a time and merge it into the "
+                                       "running max, sum and output; never concatenate blocks.")
+
+
+@RING.case("never holds all of K/V: no tensor larger than two blocks (4 ranks)",
+           compare=_compare_memory, expect=lambda seed: 4)
+def _(ring_attention: Any, seed: int) -> list[Any]:
+    return [{"largest": r["largest"], "peak": r["peak"]} for r in _ring_launch(ring_attention, seed, 4)]
+
+
+# --------------------------------------------------------------------------- task 9.4
+
+CHUNKED = task(
+    "9.4", "chunked",
+    points=2,
+    hint="Compute the pair bias once from the whole z (module.pair_bias(z)); then call the module "
+         "on z[start:start + chunk_size] (the first axis: rows i) with that bias, for start in "
+         "steps of chunk_size, and concatenate the outputs along the first axis.",
+)
+
+C_Z, HEADS_TRI, C_TRI = 16, 4, 8
+
+
+def _triangle(seed: int, dtype: torch.dtype) -> Any:
+    from kit.proteins import TriangleAttentionStartingNode
+
+    return TriangleAttentionStartingNode(C_Z, C_TRI, HEADS_TRI, seed=seed, dtype=dtype)
+
+
+def _pair(seed: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(length, length, C_Z, generator=torch.Generator().manual_seed(seed + length),
+                       dtype=dtype)
+
+
+CHUNK_RUNS = {  # name -> (L, chunk_size, dtype, tolerance)
+    "L=13, chunk 4 (the last chunk holds 1 row), fp64": (13, 4, torch.float64, 1e-10),
+    "L=16, chunk 5, fp32": (16, 5, torch.float32, 1e-5),
+    "L=9, chunk 1": (9, 1, torch.float64, 1e-10),
+    "L=7, chunk 32 (one chunk)": (7, 32, torch.float64, 1e-10),
+}
+
+
+def _run_chunked(chunked: Any, seed: int) -> dict[str, Any]:
+    out = {}
+    for name, (length, chunk, dtype, _) in CHUNK_RUNS.items():
+        module, z = _triangle(seed, dtype), _pair(seed, length, dtype)
+        seen: list[int] = []  # the check's own record, beside the module's
+        handle = module.register_forward_pre_hook(
+            lambda m, args, seen=seen: seen.append(int(args[0].shape[0])))
+        with torch.no_grad():
+            result = chunked(module, z.clone(), chunk)
+        handle.remove()
+        out[name] = {"output": plain(result), "rows": seen, "module rows": list(module.rows_seen),
+                     "peak logits": int(module.peak_logits)}
+    return out
+
+
+def _expected_chunked(seed: int) -> dict[str, Any]:
+    out = {}
+    for name, (length, chunk, dtype, tol) in CHUNK_RUNS.items():
+        with torch.no_grad():
+            out[name] = (_triangle(seed, dtype)(_pair(seed, length, dtype)), length, chunk, tol)
+    return out
+
+
+def _compare_values(got: Any, expected: dict[str, Any]) -> None:
+    for name, (want, _, _, tol) in expected.items():
+        have = got[name]["output"]
+        if not isinstance(have, torch.Tensor) or have.shape != want.shape or have.dtype != want.dtype:
+            raise CheckFailed(f"{name}: expected the whole output (L, L, c_z)",
+                              expected=f"{want.dtype} {tuple(want.shape)}",
+                              got=f"{getattr(have, 'dtype', type(have).__name__)} "
+                                  f"{tuple(getattr(have, 'shape', ()))}")
+        assert_same(have, want, rtol=0, atol=tol, path=f"{name}: output")
+
+
+def _compare_rows(got: Any, expected: dict[str, Any]) -> None:
+    for name, (_, length, chunk, _) in expected.items():
+        rows = got[name]["rows"]
+        if rows != got[name]["module rows"]:
+            raise CheckFailed(f"{name}: the module's own record of the rows it saw was changed",
+                              expected=rows, got=got[name]["module rows"])
+        if not rows:
+            raise CheckFailed(f"{name}: the module was never called", expected="calls", got=0)
+        if max(rows) > chunk:
+            raise CheckFailed(f"{name}: the module saw {max(rows)} rows at once (chunk_size "
+                              f"{chunk})", expected=f"<= {chunk} rows per call", got=rows,
+                              hint="Call the module once per block z[start:start + chunk_size].")
+        if sum(rows) != length:
+            raise CheckFailed(f"{name}: the calls covered {sum(rows)} rows of {length}: every row "
+                              "exactly once", expected=length, got=sum(rows))
+        limit = HEADS_TRI * min(chunk, length) * length * length
+        if got[name]["peak logits"] > limit:
+            raise CheckFailed(f"{name}: the largest logits tensor held {got[name]['peak logits']} "
+                              "values", expected=f"<= heads * chunk_size * L^2 = {limit}",
+                              got=got[name]["peak logits"])
+
+
+@CHUNKED.case("equal to the unchunked module (fp64 within 1e-10, fp32 within 1e-5)",
+              compare=_compare_values, expect=_expected_chunked, weight=2)
+def _(chunked: Any, seed: int) -> dict[str, Any]:
+    return _run_chunked(chunked, seed)
+
+
+@CHUNKED.case("the module never sees more than chunk_size rows, logits at most heads*chunk*L^2",
+              compare=_compare_rows, expect=_expected_chunked)
+def _(chunked: Any, seed: int) -> dict[str, Any]:
+    return _run_chunked(chunked, seed)

@@ -1,0 +1,323 @@
+"""Seeded bugs for Lesson 09: the typical mistakes each check of tasks 9.1-9.4 must catch.
+
+``BUGS[task_id]`` lists ``(what is wrong, implementation)``; tests/test_checks.py proves every
+one of them fails its task's checks. Each bug is a correct implementation with one step
+replaced, written as a student would write it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+CANONICAL = "ACDEFGHIKLMNPQRSTVWY"
+
+# --------------------------------------------------------------------------- task 9.1
+
+
+def _mask(tokens, alphabet, generator, mask_prob=0.15, *, specials=True, vocabulary=None,
+          rand=None, random_share=0.1, labels_everywhere=False, fixed_count=False, prob=None):
+    rand = rand or (lambda shape: torch.rand(shape, generator=generator))
+    p = mask_prob if prob is None else prob
+    special = (tokens == alphabet.cls_idx) | (tokens == alphabet.eos_idx) | (tokens == alphabet.padding_idx)
+    if fixed_count:  # exactly round(p * n) positions of every sequence
+        scores = rand(tokens.shape).masked_fill(special, 2.0)
+        n = (~special).sum(1, keepdim=True)
+        rank = scores.argsort(1).argsort(1)
+        selected = rank < (n * p).round()
+    else:
+        selected = rand(tokens.shape) < p
+    if specials:
+        selected &= ~special
+    split = rand(tokens.shape)
+    pool = torch.tensor(vocabulary if vocabulary is not None else [alphabet.get_idx(a) for a in CANONICAL])
+    draws = pool[(rand(tokens.shape) * len(pool)).long().clamp(max=len(pool) - 1)]
+    inputs = tokens.clone()
+    inputs[selected & (split < 0.8)] = alphabet.mask_idx
+    replace = selected & (split >= 0.8) & (split < 0.8 + random_share)
+    inputs[replace] = draws[replace]
+    labels = tokens.clone() if labels_everywhere else torch.where(selected, tokens, torch.full_like(tokens, -100))
+    return inputs, labels
+
+
+def mask_special_tokens(tokens, alphabet, generator, mask_prob=0.15):
+    return _mask(tokens, alphabet, generator, mask_prob, specials=False)
+
+
+def random_from_all_tokens(tokens, alphabet, generator, mask_prob=0.15):
+    return _mask(tokens, alphabet, generator, mask_prob, vocabulary=list(range(len(alphabet.all_toks))))
+
+
+def random_from_10_percent_of_the_rest(tokens, alphabet, generator, mask_prob=0.15):
+    return _mask(tokens, alphabet, generator, mask_prob, random_share=0.02)
+
+
+def global_random_state(tokens, alphabet, generator, mask_prob=0.15):
+    return _mask(tokens, alphabet, generator, mask_prob, rand=lambda shape: torch.rand(shape))
+
+
+def fixed_fraction_per_sequence(tokens, alphabet, generator, mask_prob=0.15):
+    return _mask(tokens, alphabet, generator, mask_prob, fixed_count=True)
+
+
+def ignores_mask_prob(tokens, alphabet, generator, mask_prob=0.15):
+    return _mask(tokens, alphabet, generator, mask_prob, prob=0.15)
+
+
+def labels_everywhere(tokens, alphabet, generator, mask_prob=0.15):
+    return _mask(tokens, alphabet, generator, mask_prob, labels_everywhere=True)
+
+
+# --------------------------------------------------------------------------- task 9.2
+
+
+def _build(lengths, indices, max_tokens):
+    batches, current, longest = [], [], 0
+    for i in sorted(indices, key=lambda i: (lengths[i], i)):
+        if current and max(longest, lengths[i]) * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, lengths[i])
+    return batches + [current] if current else batches
+
+
+def _deal(batches, rank, world_size, seed, epoch, *, pad=True, shuffle=True, drop_last=False):
+    if not batches:
+        return []
+    order = list(range(len(batches)))
+    if shuffle:
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    if drop_last:
+        order = order[: len(order) // world_size * world_size]
+    elif pad:
+        total = math.ceil(len(order) / world_size) * world_size
+        order = (order * math.ceil(total / len(order)))[:total]
+    return [batches[b] for b in order[rank::world_size]]
+
+
+def batches_built_per_rank(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
+    """Deals the sequences first (as DistributedSampler would), then batches each rank's share:
+    ranks end with different numbers of batches."""
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return _build(lengths, order[rank::world_size], max_tokens)
+
+
+def no_padding(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
+    return _deal(_build(lengths, range(len(lengths)), max_tokens), rank, world_size, seed, epoch, pad=False)
+
+
+def drops_the_remainder(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
+    return _deal(_build(lengths, range(len(lengths)), max_tokens), rank, world_size, seed, epoch,
+                 drop_last=True)
+
+
+def not_shuffled(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
+    return _deal(_build(lengths, range(len(lengths)), max_tokens), rank, world_size, seed, epoch,
+                 shuffle=False)
+
+
+def shuffled_with_global_random(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
+    batches = _build(lengths, range(len(lengths)), max_tokens)
+    random.shuffle(batches)
+    return _deal(batches, rank, world_size, seed, epoch, shuffle=False)
+
+
+def fixed_size_sorted_batches(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
+    """Sorted by length but a fixed 16 sequences per batch, whatever the budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches = [order[i:i + 16] for i in range(0, len(order), 16)]
+    return _deal(batches, rank, world_size, seed, epoch)
+
+
+def fixed_size_random_batches(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
+    """The padding-heavy baseline: random batches of the same mean size as fair-esm's."""
+    n_batches = len(_build(lengths, range(len(lengths)), max_tokens))
+    size = max(1, round(len(lengths) / max(1, n_batches)))
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+    return _deal([order[i:i + size] for i in range(0, len(order), size)], rank, world_size, seed, epoch)
+
+
+# --------------------------------------------------------------------------- task 9.3
+
+
+def _ring(q, k, v, key_padding_mask=None, group=None, *, rescale=True, mask_direction=1,
+          use_mask=True, steps=None, keep_blocks=False):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    mask_to, mask_from = (right, left) if mask_direction == 1 else (left, right)
+    batch, heads, chunk, dim = q.shape
+    m = torch.full((batch, heads, chunk, 1), -math.inf, dtype=q.dtype)
+    s = torch.zeros((batch, heads, chunk, 1), dtype=q.dtype)
+    o = torch.zeros_like(q)
+    kv, mask = [k, v], key_padding_mask
+    kept_k, kept_v, kept_mask = [k], [v], [mask]
+    steps = world_size - 1 if steps is None else steps
+    for step in range(steps + 1):
+        if step < steps:
+            incoming = [torch.empty_like(t) for t in kv]
+            ops = [dist.P2POp(dist.isend, t, right) for t in kv] + [dist.P2POp(dist.irecv, t, left) for t in incoming]
+            if mask is not None:
+                next_mask = torch.empty_like(mask)
+                ops += [dist.P2POp(dist.isend, mask, mask_to), dist.P2POp(dist.irecv, next_mask, mask_from)]
+            works = dist.batch_isend_irecv(ops)
+        if not keep_blocks:
+            scores = q @ kv[0].transpose(-1, -2) / math.sqrt(dim)
+            if mask is not None and use_mask:
+                scores = scores.masked_fill(mask[:, None, None, :], -math.inf)
+            m_block = scores.amax(dim=-1, keepdim=True)
+            m_new = torch.maximum(m, m_block) if rescale else m_block
+            shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(scores - shift)
+            factor = torch.exp(m - shift) if rescale else torch.ones_like(m)
+            s = s * factor + p.sum(dim=-1, keepdim=True)
+            o = o * factor + p @ kv[1]
+            m = m_new
+        if step < steps:
+            for w in works:
+                w.wait()
+            kv = incoming
+            if mask is not None:
+                mask = next_mask
+            if keep_blocks:
+                kept_k.append(kv[0])
+                kept_v.append(kv[1])
+                kept_mask.append(mask)
+    if keep_blocks:  # every block arrived: attend over the concatenation
+        # blocks arrived from ranks rank, rank-1, ...: put them back in sequence order
+        order = sorted(range(world_size), key=lambda i: (rank - i) % world_size)
+        k_all = torch.cat([kept_k[i] for i in order], dim=2)
+        v_all = torch.cat([kept_v[i] for i in order], dim=2)
+        attn_mask = None if mask is None else ~torch.cat([kept_mask[i] for i in order], dim=1)[:, None, None, :]
+        scores = q @ k_all.transpose(-1, -2) / math.sqrt(dim)
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        return scores.softmax(-1) @ v_all
+    return o / s
+
+
+def merged_without_rescaling(q, k, v, key_padding_mask=None, group=None):
+    return _ring(q, k, v, key_padding_mask, group, rescale=False)
+
+
+def mask_travels_the_wrong_way(q, k, v, key_padding_mask=None, group=None):
+    return _ring(q, k, v, key_padding_mask, group, mask_direction=-1)
+
+
+def ignores_the_padding_mask(q, k, v, key_padding_mask=None, group=None):
+    return _ring(q, k, v, key_padding_mask, group, use_mask=False)
+
+
+def one_step_too_many(q, k, v, key_padding_mask=None, group=None):
+    """W steps: the last one sends the block back to where it started and counts it twice."""
+    return _ring(q, k, v, key_padding_mask, group, steps=dist.get_world_size())
+
+
+def keeps_every_block_then_concatenates(q, k, v, key_padding_mask=None, group=None):
+    """Right values and the right traffic, but all of K and V end up on every rank."""
+    return _ring(q, k, v, key_padding_mask, group, keep_blocks=True)
+
+
+def all_gather_then_sdpa(q, k, v, key_padding_mask=None, group=None):
+    """Wraps what the task re-implements: gathers K, V and the mask and calls torch's SDPA."""
+    world_size = dist.get_world_size(group)
+    ks, vs = [torch.empty_like(k) for _ in range(world_size)], [torch.empty_like(v) for _ in range(world_size)]
+    dist.all_gather(ks, k.contiguous(), group=group)
+    dist.all_gather(vs, v.contiguous(), group=group)
+    attn_mask = None
+    if key_padding_mask is not None:
+        masks = [torch.empty_like(key_padding_mask) for _ in range(world_size)]
+        dist.all_gather(masks, key_padding_mask.contiguous(), group=group)
+        attn_mask = ~torch.cat(masks, dim=1)[:, None, None, :]
+    return F.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=attn_mask)
+
+
+def ring_by_direct_sends(q, k, v, key_padding_mask=None, group=None):
+    """Point-to-point only, but every rank sends its block straight to every other rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    blocks = [t for t in (k, v, key_padding_mask) if t is not None]
+    received = {rank: blocks}
+    ops = []
+    for peer in range(world_size):
+        if peer != rank:
+            received[peer] = [torch.empty_like(t) for t in blocks]
+            ops += [dist.P2POp(dist.isend, t, peer) for t in blocks]
+            ops += [dist.P2POp(dist.irecv, t, peer) for t in received[peer]]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    k_all = torch.cat([received[r][0] for r in range(world_size)], 2)
+    v_all = torch.cat([received[r][1] for r in range(world_size)], 2)
+    scores = q @ k_all.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if key_padding_mask is not None:
+        mask = torch.cat([received[r][2] for r in range(world_size)], 1)
+        scores = scores.masked_fill(mask[:, None, None, :], -math.inf)
+    return scores.softmax(-1) @ v_all
+
+
+# --------------------------------------------------------------------------- task 9.4
+
+
+def chunks_along_the_wrong_axis(module, z, chunk_size):
+    """Blocks of columns z[:, a:b] (with the matching block of the bias): attention then only
+    sees the edges inside each block."""
+    bias = module.pair_bias(z)
+    return torch.cat([module(z[:, a:a + chunk_size], bias[:, a:a + chunk_size, a:a + chunk_size])
+                      for a in range(0, z.shape[1], chunk_size)], dim=1)
+
+
+def whole_then_sliced(module, z, chunk_size):
+    out = module(z)
+    return torch.cat([out[a:a + chunk_size] for a in range(0, z.shape[0], chunk_size)])
+
+
+def one_row_too_many(module, z, chunk_size):
+    """Overlapping blocks of chunk_size + 1 rows, the extra row dropped afterwards."""
+    bias = module.pair_bias(z)
+    return torch.cat([module(z[a:a + chunk_size + 1], bias)[:chunk_size] for a in range(0, z.shape[0], chunk_size)])
+
+
+def bias_left_out(module, z, chunk_size):
+    """A zero bias in place of the bias of the whole z (b_jk^h carries the third edge)."""
+    zero = torch.zeros(module.heads, z.shape[0], z.shape[0], dtype=z.dtype)
+    return torch.cat([module(z[a:a + chunk_size], zero) for a in range(0, z.shape[0], chunk_size)])
+
+
+BUGS = {
+    "9.1": [
+        ("special tokens (cls, eos, pad) can be masked", mask_special_tokens),
+        ("the 10% random replacement is drawn from all 33 tokens", random_from_all_tokens),
+        ("random replacement on 10% of the remaining 20% (2% instead of 10%)", random_from_10_percent_of_the_rest),
+        ("uses the global random state, not the generator", global_random_state),
+        ("masks exactly 15% of every sequence", fixed_fraction_per_sequence),
+        ("ignores mask_prob", ignores_mask_prob),
+        ("labels hold the original token everywhere", labels_everywhere),
+    ],
+    "9.2": [
+        ("batches built per rank before dealing: ranks get different counts", batches_built_per_rank),
+        ("no padding: the last ranks get one batch fewer", no_padding),
+        ("drops the batches that do not divide evenly", drops_the_remainder),
+        ("deals in length order, never shuffled", not_shuffled),
+        ("shuffled with Python's global random state", shuffled_with_global_random),
+        ("fixed 16 sequences per batch, sorted by length", fixed_size_sorted_batches),
+        ("random fixed-size batches of the same mean size", fixed_size_random_batches),
+    ],
+    "9.3": [
+        ("the softmax merged without rescaling by exp(m_old - m_new)", merged_without_rescaling),
+        ("the mask travels the ring the wrong way", mask_travels_the_wrong_way),
+        ("ignores the padding mask", ignores_the_padding_mask),
+        ("W steps instead of W - 1", one_step_too_many),
+        ("keeps every block and attends over their concatenation", keeps_every_block_then_concatenates),
+        ("all-gathers K/V and calls scaled_dot_product_attention (the forbidden route)", all_gather_then_sdpa),
+        ("sends its block straight to every rank", ring_by_direct_sends),
+    ],
+    "9.4": [
+        ("chunks along the wrong axis (columns)", chunks_along_the_wrong_axis),
+        ("runs the whole module, then slices its output", whole_then_sliced),
+        ("blocks of chunk_size + 1 rows", one_row_too_many),
+        ("a zero bias instead of the bias of the whole z", bias_left_out),
+    ],
+}
