@@ -6,7 +6,8 @@ raises at import) are graded through
 1. ``check()``: what a student's check cell runs, on the code the notebook defines;
 2. ``kit grade NOTEBOOK`` (in this process, JSON report);
 3. ``kit grade --out`` (the sandboxed batch);
-4. nbgrader's ``generate_assignment`` + ``autograde`` (points only: nbgrader has no statuses).
+4. nbgrader's ``generate_assignment`` + ``autograde`` (points only: nbgrader has no statuses),
+   whose release must be exactly the ``lessons/`` notebook ``kit build`` wrote.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from autograder.grade.notebook import main as grade_main
 from autograder.grade.reports import run_batch
 from autograder.loading import load_tasks
 from autograder.registry import lesson_tasks
+from autograder.results import unloaded
 
 NAME = "00_launching_ranks"
 MEAN_OF_MEANS = '''def global_mean(local: torch.Tensor) -> torch.Tensor:
@@ -32,7 +34,8 @@ MEAN_OF_MEANS = '''def global_mean(local: torch.Tensor) -> torch.Tensor:
     return mean / dist.get_world_size()
 '''
 RENAMED = "def global_average(local):\n    return local.mean()\n"
-RAISES_AT_IMPORT = "\nraise RuntimeError('this cell crashes when it runs')\n"  # after the solution
+# The definition itself raises when the cell runs (a default evaluated at definition time).
+RAISES_AT_IMPORT = "def shard_range(n, rank, world_size=1 // 0):\n    return range(n)\n"
 
 # notebook -> task -> (status, points) every route must give
 EXPECTED = {
@@ -49,7 +52,7 @@ def _notebooks(folder: Path) -> dict[str, Path]:
     solutions = {c.id: c.source for c in source_notebook(ROOT / "solutions" / f"{NAME}.py").cells}
     edits = {"solved": {}, "untouched": None, "seeded_bug": {"task-0-2": MEAN_OF_MEANS},
              "task_missing": {"task-0-2": RENAMED},
-             "crash_at_import": {"task-0-1": solutions["task-0-1"] + RAISES_AT_IMPORT}}
+             "crash_at_import": {"task-0-1": RAISES_AT_IMPORT}}
     paths = {}
     for student, edit in edits.items():
         nb = json.loads(json.dumps(release))
@@ -64,9 +67,13 @@ def _notebooks(folder: Path) -> dict[str, Path]:
 
 
 def _by_check(path: Path) -> dict[str, tuple[str, float]]:
+    """check() on every task the notebook defines; in the notebook, a task whose cell failed or
+    defines nothing never reaches check() (its check cell raises NameError)."""
     module = load_tasks(path)
-    return {t.id: (r.status, r.score) for t in lesson_tasks(0)
-            for r in [run_checks(t.id, getattr(module, t.name, None))]}
+    missing = module.__load_report__.missing
+    reports = [unloaded(t, missing[t.id]) if t.id in missing else run_checks(t.id, getattr(module, t.name))
+               for t in lesson_tasks(0)]
+    return {r.task_id: (r.status, r.score) for r in reports}
 
 
 def _by_kit_grade(path: Path, tmp: Path) -> dict[str, tuple[str, float]]:
@@ -95,6 +102,11 @@ def test_every_route_gives_the_same_status_and_points(tmp_path):
     course = tmp_path / "course"
     assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
     run_nbgrader(course, "generate_assignment", NAME, "--force")
+    release = json.loads((course / "release" / NAME / f"{NAME}.ipynb").read_text())
+    built = json.loads((ROOT / "lessons" / f"{NAME}.ipynb").read_text())
+    # nbgrader's own release and kit build's lessons/ are the same notebook.
+    assert [(c["id"], c["source"], c["metadata"]) for c in release["cells"]] == \
+        [(c["id"], c["source"], c["metadata"]) for c in built["cells"]]
     for student, path in notebooks.items():
         folder = course / "submitted" / student / NAME
         folder.mkdir(parents=True)
