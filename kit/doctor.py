@@ -154,12 +154,28 @@ def check_launch(world_size: int) -> Finding:
     return Finding("launch + all_reduce", OK, f"{world_size} ranks in {got.wall_time:.2f} s")
 
 
+def check_isolation() -> Finding:
+    """Which isolation ``kit grade`` gives each submission's worker here (probed: imports torch once)."""
+    from autograder.grade.sandbox import isolation
+
+    found = isolation()
+    if found.missing is None:
+        return Finding("grading isolation", OK, found.describe())
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0):  # a student's machine: nothing to fix
+        return Finding("grading isolation", OK, f"{found.describe()} (instructors: grade as root "
+                       "with bubblewrap for a uid and namespaces per worker)")
+    return Finding("grading isolation", WARN, f"{found.describe()}; {found.missing}",
+                   "apt-get install bubblewrap, and let the container create namespaces "
+                   "(Docker: --privileged; or grade in a VM); see CONTRIBUTING.md, Isolation")
+
+
 def run_checks(world_size: int = 4) -> list[Finding]:
     findings = [check_python(), check_torch()]
     if findings[-1].status == FAIL:
         return findings
     findings += check_backends()
-    findings += [check_fork(), check_loopback(), check_shm(), check_cores(world_size), check_widgets()]
+    findings += [check_fork(), check_loopback(), check_shm(), check_cores(world_size), check_widgets(),
+                 check_isolation()]
     if not any(f.status == FAIL for f in findings):
         findings.append(check_launch(world_size))
     return findings

@@ -13,15 +13,24 @@ Limits, and who enforces them:
 * the parent enforces wall time per case, total output size and the number of processes (it
   counts them in ``/proc``: ``RLIMIT_NPROC`` is per user and not enforced for root), and kills
   the whole group when one is exceeded;
-* run as root, the worker runs as an unprivileged uid of its own (``UID_BASE + slot``): the kernel
-  then enforces ``RLIMIT_NPROC``, the submission cannot write to the output folder or read the
-  run's secret, and every process of that uid is killed afterwards, even ones that left the
-  session. Run as another user, the worker keeps that user (documented in CONTRIBUTING.md).
+* run as root with bubblewrap (``bwrap``) installed, each worker runs in mount, PID, network
+  and IPC namespaces of its own as an unprivileged uid of its own (see :func:`sandbox_uid`, dropped
+  with util-linux's ``setpriv``). It sees the system directories, the interpreter, the venv and
+  the project read-only, a private writable work folder, an empty ``/tmp`` and ``/dev/shm``, and
+  a loopback interface of its own (gloo's ranks meet there); nothing of the output folder, the
+  run's secret, the submissions, other workers or the host's processes and network. When the
+  worker ends, its PID namespace ends with it: nothing it started survives;
+* run as root without namespaces (no bubblewrap, or a container that forbids them), the worker
+  still runs as its own uid when that uid can run the interpreter; run as another user, the
+  worker keeps that user. :func:`isolation_note` says, in one line, what is missing
+  (documented in CONTRIBUTING.md, reported by ``kit doctor``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import itertools
 import json
 import os
 import resource
@@ -33,13 +42,15 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Limits", "WorkerExit", "isolation_note", "run_worker", "sandbox_uid"]
+__all__ = ["Isolation", "Limits", "WorkerExit", "isolation", "isolation_note", "run_worker", "sandbox_uid"]
 
-UID_BASE = 61000  # unprivileged uids used for sandboxes when grading as root: UID_BASE + slot
+UID_BASE = 61000  # unprivileged uids used for sandboxes when grading as root: UID_BASE and up
+UID_COUNT = 1000
 CONTROL_FD_ENV = "KIT_SANDBOX_CONTROL_FD"
 
 
@@ -68,38 +79,209 @@ class WorkerExit:
     messages: list[str] = field(default_factory=list)
 
 
-_DROP: list[bool] = []  # whether an unprivileged uid can run this Python: probed once
+@dataclass(frozen=True)
+class Isolation:
+    """What separates a sandboxed worker from the grader on this machine (see :func:`isolation`)."""
+
+    namespaces: bool  # own mount, PID, network and IPC namespaces (bubblewrap)
+    own_uid: bool  # an unprivileged uid of its own (UID_BASE and up)
+    missing: str | None  # None, or one line: the isolation this machine does not give, and why
+
+    def describe(self) -> str:
+        if self.namespaces:
+            return (f"bubblewrap: each worker runs as a uid of its own (from {UID_BASE}) in mount, PID and network "
+                    "namespaces of its own (read-only project, own loopback)")
+        if self.own_uid:
+            return f"each worker runs as a uid of its own (from {UID_BASE}); no namespaces"
+        return "none: workers run as the grader's own user"
+
+
+_ISOLATION: list[Isolation] = []  # probed once per process
+_PROBE = "import torch, autograder.grade.sandbox"
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def _probe(cmd: list[str], **kwargs: Any) -> str | None:
+    """None when ``cmd`` runs this interpreter and imports torch, else why not (one line)."""
+    try:
+        done = subprocess.run(cmd, cwd="/", stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=180, **kwargs)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {e}"
+    if done.returncode == 0:
+        return None
+    lines = [ln.strip() for ln in (done.stderr or done.stdout).decode(errors="replace").splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else f"exit code {done.returncode}"
+
+
+def isolation() -> Isolation:
+    """Probe (once) which isolation this machine gives a worker; the probe imports torch there."""
+    if _ISOLATION:
+        return _ISOLATION[0]
+    if not _is_root():
+        found = Isolation(False, False, "not root: workers run as your user, with no namespaces and "
+                          "no uid of their own")
+    else:
+        tools = [shutil.which(t) for t in ("bwrap", "setpriv")]
+        if None in tools:
+            why = "bubblewrap is not installed (apt-get install bubblewrap)" if tools[0] is None \
+                else "setpriv (util-linux) is not installed"
+        else:
+            work = Path(tempfile.mkdtemp(prefix=f"kit-grade-{os.getpid()}-"))
+            nss = _offline_nsswitch()
+            try:
+                os.chmod(work, 0o711)
+                os.chown(work, _uid(0), _uid(0))
+                why = _probe(_namespaced(work, _uid(0), [sys.executable, "-I", "-c", _PROBE], (), nss),
+                             pass_fds=(nss,))
+            finally:
+                os.close(nss)
+                shutil.rmtree(work, ignore_errors=True)
+            why = None if why is None else f"bubblewrap could not start a sandbox here ({why})"
+        if why is None:
+            found = Isolation(True, True, None)
+        else:
+            uid = _probe([sys.executable, "-I", "-c", _PROBE], user=_uid(0), group=_uid(0), extra_groups=[])
+            found = Isolation(False, uid is None, f"no namespaces: {why}" + (
+                "" if uid is None else f"; and uid {UID_BASE} cannot run {sys.executable} (a Python "
+                "under a private /root?), so workers run as root"))
+    _ISOLATION.append(found)
+    return found
 
 
 def sandbox_uid(slot: int) -> int | None:
     """The uid a worker in ``slot`` runs as: its own unprivileged uid when grading as root.
 
     None (the grader's own uid) when not root, or when that uid cannot run this interpreter
-    (e.g. Python installed under a private ``/root``): see :func:`isolation_note`.
+    (e.g. Python installed under a private ``/root`` and no namespaces): see :func:`isolation_note`.
     """
-    if not (hasattr(os, "geteuid") and os.geteuid() == 0):
-        return None
-    if not _DROP:
-        try:
-            probe = subprocess.run([sys.executable, "-I", "-c", "import torch, autograder.grade.sandbox"],
-                                   user=UID_BASE, group=UID_BASE, extra_groups=[], cwd="/",
-                                   capture_output=True, timeout=120)
-            _DROP.append(probe.returncode == 0)
-        except (OSError, subprocess.SubprocessError):
-            _DROP.append(False)
-    return UID_BASE + slot if _DROP[0] else None
+    return _uid(slot) if isolation().own_uid else None
+
+
+_UIDS: dict[int, tuple[int, int]] = {}  # slot -> (uid, fd of its lock, held while this process lives)
+_UIDS_LOCK = threading.Lock()
+
+
+def _uid(slot: int) -> int:
+    """The uid reserved for ``slot`` in this process: the first from ``UID_BASE`` no other grader
+    on this machine holds. Every process of a worker's uid is killed after it, and ``RLIMIT_NPROC``
+    counts per uid: two graders must never share one. The reservation is an ``flock`` on a file
+    only root may open, released by the kernel when this process ends, however it ends."""
+    with _UIDS_LOCK:
+        if slot in _UIDS:
+            return _UIDS[slot][0]
+        taken = {uid for uid, _ in _UIDS.values()}
+        for uid in range(UID_BASE, UID_BASE + UID_COUNT):
+            if uid in taken:
+                continue
+            try:
+                fd = os.open(Path(tempfile.gettempdir()) / f"kit-grade-uid-{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            os.set_inheritable(fd, False)
+            _UIDS[slot] = (uid, fd)
+            return uid
+        raise RuntimeError(f"all {UID_COUNT} sandbox uids from {UID_BASE} are held by other graders")
 
 
 def isolation_note() -> str | None:
-    """A warning when submissions run as the grader's own user, else None."""
-    if sandbox_uid(0) is not None:
+    """One line naming the isolation a worker lacks on this machine, else None."""
+    found = isolation()
+    if found.missing is None:
         return None
-    who = "root" if hasattr(os, "geteuid") and os.geteuid() == 0 else "your user"
-    why = (f" (uid {UID_BASE} cannot run {sys.executable}: install Python where other users can "
-           "read it)") if who == "root" else ""
-    return (f"submissions run as {who}{why}: limits and the process cap apply, but their code "
-            "could read or write your files. Grade as root with a world-readable Python for a "
-            "separate uid per worker.")
+    return (f"sandbox isolation is incomplete ({found.missing}): limits, the process cap and the "
+            "signed records still apply, but a submission could "
+            + ("see this machine's files, processes and network" if found.own_uid else
+               "read or write your files and signal your processes")
+            + ". Grade as root with bubblewrap installed for full isolation.")
+
+
+_SYSTEM = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
+
+
+def _inside(path: str, trees: list[str]) -> bool:
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in trees)
+
+
+def _offline_nsswitch() -> int:
+    """A pipe's read end holding this machine's ``/etc/nsswitch.conf`` with every database served
+    from files: the sandbox has no network, and a DNS lookup there fails slowly and noisily."""
+    try:
+        lines = Path("/etc/nsswitch.conf").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [ln.split(":", 1)[0].strip() for ln in lines if ":" in ln and not ln.lstrip().startswith("#")]
+    text = "".join(f"{name}: files\n" for name in dict.fromkeys(names + ["passwd", "group", "hosts"]))
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, text.encode())
+    os.close(write_fd)
+    return read_fd
+
+
+def _namespaced(workdir: Path, uid: int, argv: list[str], hide: Any, nsswitch_fd: int) -> list[str]:
+    """``argv`` run by bubblewrap in namespaces of its own as ``uid``, seeing ``workdir`` writable.
+
+    Read-only: the system directories, the interpreter's prefixes (the venv, the Python it was
+    made from) and the project (the folder holding ``autograder/`` and ``kit/``). Each ``hide``
+    path that lies inside one of them (the output folder, submissions) is covered by an empty
+    folder or ``/dev/null``. ``nsswitch_fd``: from :func:`_offline_nsswitch` (pass it on).
+    """
+    cmd = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+           "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    # First the empty places, so that a tree below them (a project cloned under /tmp) stays visible.
+    cmd += ["--dev", "/dev", "--proc", "/proc",
+            "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs", "/dev/shm"]
+    trees: list[str] = []
+    for name in _SYSTEM:
+        path = Path("/") / name
+        if path.is_symlink():
+            cmd += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            cmd += ["--ro-bind", str(path), str(path)]
+            trees.append(str(path))
+    project = Path(__file__).resolve().parents[2]
+    wanted = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                            sys.base_exec_prefix, project)}
+    made = {"/", "/tmp", "/dev"}
+    for tree in sorted(wanted, key=lambda t: (t.count("/"), t)):
+        if _inside(tree, trees) or not os.path.isdir(tree):
+            continue
+        for parent in reversed(Path(tree).parents):  # bwrap would make missing parents 0700
+            if str(parent) not in made and not _inside(str(parent), trees):
+                cmd += ["--perms", "0755", "--dir", str(parent)]
+                made.add(str(parent))
+        cmd += ["--ro-bind", tree, tree]
+        trees.append(tree)
+    gpus = sorted(str(p) for p in Path("/dev").glob("nvidia*"))
+    for dev in gpus:  # CUDA cases need the devices and the driver's view of the hardware
+        cmd += ["--dev-bind", dev, dev]
+    if gpus:
+        cmd += ["--ro-bind", "/sys", "/sys"]
+    if os.path.exists("/etc/nsswitch.conf"):
+        cmd += ["--perms", "0644", "--ro-bind-data", str(nsswitch_fd), "/etc/nsswitch.conf"]
+    for path in hide:
+        real = os.path.realpath(path)
+        if _inside(real, trees) and os.path.exists(real):
+            cmd += ["--tmpfs", real] if os.path.isdir(real) else ["--ro-bind", "/dev/null", real]
+    work = os.path.realpath(workdir)
+    cmd += ["--bind", work, work, "--chdir", work,
+            "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--",
+            "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs", *argv]
+    return cmd
+
+
+_SERIAL = itertools.count()
+# Join each cgroup given ($1 of them), then become the rest of the command line.
+_JOIN = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" 2>/dev/null; shift; n=$((n - 1)); done; exec "$@"'
 
 
 def _set_subreaper() -> None:
@@ -263,11 +445,14 @@ def _read_control(fd: int, messages: list[tuple[float, str]]) -> None:
 
 
 def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
-               keep_output: int = 4000) -> WorkerExit:
+               keep_output: int = 4000, hide: Iterable[Path] = ()) -> WorkerExit:
     """Run ``python -m autograder.grade.sandbox workdir/job.json`` under ``limits`` and wait for it.
 
     ``workdir`` holds the job and receives the results; it is handed to the worker's uid.
-    ``cases`` bounds the total wall time (``case_wall_s`` per case, plus start-up).
+    ``cases`` bounds the total wall time (``case_wall_s`` per case, plus start-up). ``hide``:
+    paths the worker must not see even where they lie inside the project it sees read-only
+    (the output folder, the submissions); with namespaces they are covered, else they rely on
+    the worker's uid.
     """
     _set_subreaper()
     uid = sandbox_uid(slot)
@@ -279,15 +464,28 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
            "TMPDIR": str(workdir), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONHASHSEED": "0", CONTROL_FD_ENV: str(write_fd),
            "KIT_SANDBOX_LIMITS": json.dumps(limits.__dict__)}
+    argv = [sys.executable, "-I", "-m", "autograder.grade.sandbox", str(workdir / "job.json")]
+    cgroups = _Cgroups(f"kit-grade-{os.getpid()}-{slot}-{next(_SERIAL)}", limits)
+    fds = [write_fd]
+    if isolation().namespaces:
+        fds.append(_offline_nsswitch())
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # the only interface in the worker's network namespace
+        # A shell joins the cgroups and becomes bwrap: everything the sandbox starts is counted from
+        # its first fork. setpriv kills bwrap if this grader dies; bwrap then ends the namespace.
+        cmd = ["/bin/sh", "-c", _JOIN, "sh", str(len(cgroups.paths)),
+               *[str(path / "cgroup.procs") for path in cgroups.paths],
+               "setpriv", "--pdeathsig", "KILL", *_namespaced(workdir, uid, argv, hide, fds[1])]
+        drop = {}
+    else:
+        cmd = argv
+        drop = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-m", "autograder.grade.sandbox", str(workdir / "job.json")], cwd=workdir, env=env,
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True, pass_fds=(write_fd,),
-        **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}))
-    os.close(write_fd)
-    cgroups = _Cgroups(f"kit-grade-{os.getpid()}-{slot}-{proc.pid}", limits)
-    cgroups.add(proc.pid)  # before any submission code: the worker first imports torch
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds, **drop)
+    for fd in fds:
+        os.close(fd)
+    if not isolation().namespaces:
+        cgroups.add(proc.pid)  # before any submission code: the worker first imports torch
     head, tail, count = bytearray(), deque(), [0]
     messages: list[tuple[float, str]] = []
     readers = [threading.Thread(target=_read_output, args=(proc.stdout, head, tail, count, keep_output),
@@ -322,7 +520,10 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
     rest = b"".join(tail).decode(errors="replace")
     if count[0] > len(head):
         text += "\n...\n" + rest[-keep_output:]
-    return WorkerExit(proc.returncode, reason, messages[-1][1] if messages else None, text,
+    code = proc.returncode
+    if isolation().namespaces and code is not None and 128 < code <= 128 + 64:
+        code = 128 - code  # bwrap reports a child killed by signal N as 128 + N: as Popen would, -N
+    return WorkerExit(code, reason, messages[-1][1] if messages else None, text,
                       count[0], time.monotonic() - start, [m for _, m in messages])
 
 
