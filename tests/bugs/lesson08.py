@@ -1,0 +1,519 @@
+"""Seeded bugs for Lesson 08: the typical mistakes each check of tasks 8.1-8.4 must catch.
+
+``BUGS[task_id]`` lists ``(what is wrong, implementation)``; tests/test_checks.py proves every one
+fails at least one case of its task. Each bug is a correct implementation with one step
+replaced, plus the cheats that wrap what the task re-implements (DTensor's
+``parallelize_module``, ``torch.distributed.pipelining``): the registry's ``forbidden`` gate
+scores those 0, and until it is enforced the recorded communication already fails them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+# The cheats' libraries are imported here, before the checks fork their ranks, so that a cheat
+# fails on what the checks see rather than on each rank's slow first import (over 12 s for
+# torch.distributed.pipelining on 4 ranks sharing 2 cores).
+import torch.distributed.pipelining  # noqa: E402, F401
+import torch.distributed.tensor.parallel  # noqa: E402, F401
+from torch import nn
+from torch.nn import functional as F
+
+# --------------------------------------------------------------------------- task 8.1
+
+
+class _Copy(torch.autograd.Function):  # f
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Reduce(torch.autograd.Function):  # g
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        t, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(t, dim=-1)[r].contiguous(), None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(t, dim=-1)[r].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=-1), None
+
+
+def _rank(group):
+    return dist.get_rank(group)
+
+
+class _Row(nn.Module):
+    f_in, g_out = _Identity, _Reduce
+
+    def __init__(self, linear, group=None, input_is_parallel=True):
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        t, r = dist.get_world_size(group), self._rank(group)
+        cols = slice(r * linear.in_features // t, (r + 1) * linear.in_features // t)
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    def _rank(self, group):
+        return _rank(group)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = _Scatter.apply(x, self.group)
+        return self.g_out.apply(F.linear(x, self.weight), self.group) + self.bias
+
+
+class _Column(nn.Module):
+    RowParallelLinear = _Row
+    f_in = _Copy
+
+    def __init__(self, linear, group=None, gather_output=False):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        t, r = dist.get_world_size(group), self._rank(group)
+        rows = slice(r * linear.out_features // t, (r + 1) * linear.out_features // t)
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone())
+
+    def _rank(self, group):
+        return _rank(group)
+
+    def forward(self, x):
+        y = F.linear(self.f_in.apply(x, self.group), self.weight, self.bias)
+        return _Gather.apply(y, self.group) if self.gather_output else y
+
+
+class _RowIdentityOut(_Row):  # g replaced by f: identity forward, all-reduce backward
+    g_out = _Copy
+
+
+class ColumnWrongDirection(_Column):
+    """f and g swapped: all-reduce the input in forward, the output's gradient in backward."""
+
+    f_in = _Reduce
+    RowParallelLinear = _RowIdentityOut
+
+
+class _RowBiasEverywhere(_Row):
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = _Scatter.apply(x, self.group)
+        return _Reduce.apply(F.linear(x, self.weight, self.bias), self.group)
+
+
+class ColumnBiasOnEveryRank(_Column):
+    RowParallelLinear = _RowBiasEverywhere
+
+
+class ColumnNoInputReduce(_Column):
+    """f forgotten: the input's gradient is this rank's part only."""
+
+    f_in = _Identity
+
+
+def _global_rank(self, group):
+    return dist.get_rank()
+
+
+class _RowGlobalRank(_Row):
+    _rank = _global_rank
+
+
+class ColumnGlobalRank(_Column):
+    """Slices by the global rank instead of the rank in the group."""
+
+    _rank = _global_rank
+    RowParallelLinear = _RowGlobalRank
+
+
+class _DTensorLinear(nn.Module):
+    style = "colwise"
+
+    def __init__(self, linear, group=None, **options):
+        super().__init__()
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+        self.linear = copy.deepcopy(linear)
+        plan = ColwiseParallel() if self.style == "colwise" else RowwiseParallel()
+        parallelize_module(self.linear, mesh, plan)
+        self.weight, self.bias = self.linear.weight, self.linear.bias
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class _DTensorRow(_DTensorLinear):
+    style = "rowwise"
+
+
+class ColumnDTensor(_DTensorLinear):
+    """The cheat: torch's ColwiseParallel / RowwiseParallel through parallelize_module."""
+
+    RowParallelLinear = _DTensorRow
+
+
+# --------------------------------------------------------------------------- task 8.2
+
+
+def _all_gather_seq(x, group):
+    t = dist.get_world_size(group)
+    x = x.transpose(0, 1).contiguous()
+    out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x, group):
+    t = dist.get_world_size(group)
+    x = x.transpose(0, 1).contiguous()
+    out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out.transpose(0, 1)
+
+
+class _SeqGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _SeqGatherSliceBackward(_SeqGather):
+    @staticmethod
+    def backward(ctx, grad):
+        t, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(t, dim=1)[r].contiguous(), None
+
+
+class _SeqScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _SeqAllReduceThenSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(t, dim=1)[r].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _SequenceParallelMLP(nn.Module):
+    gather, scatter, reduce_norm, reduce_bias = _SeqGather, _SeqScatter, _Copy, _Copy
+
+    def __init__(self, norm, linear1, linear2, group=None):
+        super().__init__()
+        self.group, self.norm = group, norm
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        f = linear1.out_features
+        cols = slice(r * f // t, (r + 1) * f // t)
+        self.linear1 = nn.Linear(linear1.in_features, f // t)
+        self.linear2 = nn.Linear(f // t, linear2.out_features)
+        with torch.no_grad():
+            self.linear1.weight.copy_(linear1.weight[cols])
+            self.linear1.bias.copy_(linear1.bias[cols])
+            self.linear2.weight.copy_(linear2.weight[:, cols])
+            self.linear2.bias.copy_(linear2.bias)
+
+    def _norm(self, x):
+        weight = self.reduce_norm.apply(self.norm.weight, self.group)
+        bias = self.reduce_norm.apply(self.norm.bias, self.group)
+        return F.layer_norm(x, self.norm.normalized_shape, weight, bias, self.norm.eps)
+
+    def forward(self, x):
+        h = self.gather.apply(self._norm(x), self.group)
+        h = F.linear(F.gelu(self.linear1(h)), self.linear2.weight)
+        return self.scatter.apply(h, self.group) + self.reduce_bias.apply(self.linear2.bias, self.group)
+
+
+class SPNormGradsNotReduced(_SequenceParallelMLP):
+    reduce_norm = _Identity
+
+
+class SPBiasGradNotReduced(_SequenceParallelMLP):
+    reduce_bias = _Identity
+
+
+class SPNormOnGatheredSequence(_SequenceParallelMLP):
+    """All-gathers first and normalises the whole sequence: right values, t times the memory."""
+
+    reduce_norm = _Identity  # every rank saw the whole sequence: no sum needed
+
+    def forward(self, x):
+        h = self._norm(self.gather.apply(x, self.group))
+        h = F.linear(F.gelu(self.linear1(h)), self.linear2.weight)
+        return self.scatter.apply(h, self.group) + _Copy.apply(self.linear2.bias, self.group)
+
+
+class SPAllReduceThenSlice(_SequenceParallelMLP):
+    scatter = _SeqAllReduceThenSlice
+
+
+class SPGatherBackwardSlices(_SequenceParallelMLP):
+    gather = _SeqGatherSliceBackward
+
+
+class SPNormReducedOnAccumulatedGrad(_SequenceParallelMLP):
+    """Sums the LayerNorm's .grad after it accumulated: the second pass counts the first t times."""
+
+    reduce_norm = _Identity
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for p in self.norm.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p: dist.all_reduce(p.grad, group=self.group))
+
+
+class SPDTensor(nn.Module):
+    """The cheat: SequenceParallel, ColwiseParallel and RowwiseParallel through parallelize_module."""
+
+    def __init__(self, norm, linear1, linear2, group=None):
+        super().__init__()
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        self.norm, self.linear1, self.linear2 = norm, copy.deepcopy(linear1), copy.deepcopy(linear2)
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+        parallelize_module(self, mesh, {"norm": SequenceParallel(),
+                                        "linear1": ColwiseParallel(input_layouts=Shard(1)),
+                                        "linear2": RowwiseParallel(output_layouts=Shard(1))})
+
+    def forward(self, x):
+        return self.linear2(F.gelu(self.linear1(self.norm(x))))
+
+
+# --------------------------------------------------------------------------- task 8.3
+
+
+def _gpipe(stage, microbatches, targets, loss_fn, *, scale=True, grad_dst=None):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    m = len(microbatches)
+    inputs, outputs = [], []
+    for i in range(m):
+        if rank == 0:
+            x = microbatches[i]
+        else:
+            x = torch.empty_like(microbatches[i])
+            dist.recv(x, src=rank - 1)
+            x.requires_grad_()
+        y = stage(x)
+        if rank < p - 1:
+            dist.send(y.detach(), dst=rank + 1)
+        inputs.append(x)
+        outputs.append(y)
+    total = torch.zeros(())
+    for i in reversed(range(m)):
+        if rank == p - 1:
+            loss = loss_fn(outputs[i], targets[i]) / (m if scale else 1)
+            loss.backward()
+            total += loss.detach() / (1 if scale else m)
+        else:
+            grad = torch.empty_like(outputs[i])
+            dist.recv(grad, src=rank + 1)
+            outputs[i].backward(grad)
+        if rank > 0:
+            dist.send(inputs[i].grad, dst=rank - 1 if grad_dst is None else grad_dst(rank))
+    return total if rank == p - 1 else None
+
+
+def gpipe_unscaled(stage, microbatches, targets, loss_fn):
+    """Micro-batch losses not divided by m: gradients m times too large (the loss is right)."""
+    return _gpipe(stage, microbatches, targets, loss_fn, scale=False)
+
+
+def gpipe_grads_to_first_stage(stage, microbatches, targets, loss_fn):
+    """Every stage sends its input's gradient to stage 0 instead of the previous stage."""
+    return _gpipe(stage, microbatches, targets, loss_fn, grad_dst=lambda rank: 0)
+
+
+def gpipe_interleaved(stage, microbatches, targets, loss_fn):
+    """Backward of each micro-batch right after its forward: correct gradients, but not GPipe
+    (and it holds one activation instead of m)."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    m = len(microbatches)
+    total = torch.zeros(())
+    for i in range(m):
+        if rank == 0:
+            x = microbatches[i]
+        else:
+            x = torch.empty_like(microbatches[i])
+            dist.recv(x, src=rank - 1)
+            x.requires_grad_()
+        y = stage(x)
+        if rank < p - 1:
+            dist.send(y.detach(), dst=rank + 1)
+            grad = torch.empty_like(y)
+            dist.recv(grad, src=rank + 1)
+            y.backward(grad)
+        else:
+            loss = loss_fn(y, targets[i]) / m
+            loss.backward()
+            total += loss.detach()
+        if rank > 0:
+            dist.send(x.grad, dst=rank - 1)
+    return total if rank == p - 1 else None
+
+
+def gpipe_with_torch_pipelining(stage, microbatches, targets, loss_fn):
+    """The cheat: torch.distributed.pipelining's PipelineStage and ScheduleGPipe."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    m = len(microbatches)
+    schedule = ScheduleGPipe(PipelineStage(stage, rank, p, torch.device("cpu")), n_microbatches=m,
+                             loss_fn=loss_fn)
+    if rank == 0:
+        schedule.step(torch.cat(microbatches))
+    elif rank == p - 1:
+        losses = []
+        schedule.step(target=torch.cat(targets), losses=losses)
+        return torch.stack(losses).mean().detach()
+    else:
+        schedule.step()
+    return None
+
+
+# --------------------------------------------------------------------------- task 8.4
+
+
+def _one_f_one_b(stage, num_stages, num_microbatches, warmup):
+    warmup = max(0, min(warmup, num_microbatches))
+    order = [("F", i) for i in range(warmup)]
+    for i in range(num_microbatches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
+
+
+def one_f_one_b_long_warmup(stage, num_stages, num_microbatches):
+    """Warm-up of num_stages - stage forwards: one too many."""
+    return _one_f_one_b(stage, num_stages, num_microbatches, num_stages - stage)
+
+
+def one_f_one_b_short_warmup(stage, num_stages, num_microbatches):
+    """Warm-up of num_stages - stage - 2 forwards: a backward waits for a forward not yet sent."""
+    return _one_f_one_b(stage, num_stages, num_microbatches, num_stages - stage - 2)
+
+
+def one_f_one_b_is_gpipe(stage, num_stages, num_microbatches):
+    """All forwards, then all backwards: correct, but m activations in flight."""
+    return [("F", i) for i in range(num_microbatches)] + [("B", i) for i in range(num_microbatches)]
+
+
+def one_f_one_b_backwards_reversed(stage, num_stages, num_microbatches):
+    """1F1B shape, but the cool-down runs its backwards last micro-batch first."""
+    order = _one_f_one_b(stage, num_stages, num_microbatches, num_stages - stage - 1)
+    k = min(num_stages - stage - 1, num_microbatches)
+    if k > 1:
+        tail = order[-k:]
+        order = order[:-k] + tail[::-1]
+    return order
+
+
+BUGS = {
+    "8.1": [
+        ("all-reduce in the wrong direction (f and g swapped)", ColumnWrongDirection),
+        ("the row layer's bias added on every rank before the all-reduce", ColumnBiasOnEveryRank),
+        ("f forgotten: the input gradient is not all-reduced", ColumnNoInputReduce),
+        ("slices by the global rank instead of the rank in the group", ColumnGlobalRank),
+        ("wraps parallelize_module (ColwiseParallel, RowwiseParallel)", ColumnDTensor),
+    ],
+    "8.2": [
+        ("the LayerNorm gradients not reduced", SPNormGradsNotReduced),
+        ("linear2's bias gradient not reduced (it is used on a shard)", SPBiasGradNotReduced),
+        ("the LayerNorm runs on the gathered sequence", SPNormOnGatheredSequence),
+        ("all-reduce then slice instead of reduce-scatter", SPAllReduceThenSlice),
+        ("the all-gather's backward slices instead of reduce-scattering", SPGatherBackwardSlices),
+        ("the LayerNorm .grad reduced after accumulation", SPNormReducedOnAccumulatedGrad),
+        ("wraps parallelize_module (SequenceParallel)", SPDTensor),
+    ],
+    "8.3": [
+        ("micro-batch losses not scaled by 1/m", gpipe_unscaled),
+        ("gradients sent to the wrong stage (stage 0)", gpipe_grads_to_first_stage),
+        ("backward right after each forward (not GPipe)", gpipe_interleaved),
+        ("wraps torch.distributed.pipelining (ScheduleGPipe)", gpipe_with_torch_pipelining),
+    ],
+    "8.4": [
+        ("a warm-up one too long", one_f_one_b_long_warmup),
+        ("a warm-up one too short", one_f_one_b_short_warmup),
+        ("GPipe's order: all forwards, then all backwards", one_f_one_b_is_gpipe),
+        ("the cool-down's backwards in reverse", one_f_one_b_backwards_reversed),
+    ],
+}
