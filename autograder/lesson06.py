@@ -1,0 +1,996 @@
+"""Checks for Lesson 06, "Distributed Checkpoint": tasks 6.1 to 6.3.
+
+Task 6.1 ``save_shards``/``load_shards`` saves 1-D tensors on 1 to 4 ranks with uneven pieces
+(some empty) and loads other uneven splits: values must be exact, a load may open only the files
+of the pieces it overlaps (seen by an audit hook on ``open`` inside the ranks) and may read no
+more bytes than those pieces (``/proc/self/io``). Task 6.2 ``TrainingState`` must make k steps,
+``dcp.save``, a fresh launch, ``dcp.load`` and N - k steps bit-identical to N straight steps of a
+trusted loop, for DDP (with a GradScaler) and FSDP2, with dropout, three RNGs and a shuffling
+sampler; an FSDP2 checkpoint of 4 ranks must load on 2. Task 6.3 ``train_with_checkpoints``
+runs with the trusted TrainingState in place of the student's (so 6.3 grades the checkpoint
+logic alone): under ``kit.launch`` with a half-written newest checkpoint and lying mtimes, then
+under real ``torchrun --max-restarts=2`` with one rank SIGKILLed mid-save and one at a step
+picked from the seed; it must end bit-identical to an uninterrupted trusted run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import kit.resume  # noqa: F401 - imports DDP's, FSDP2's and DCP's modules once, before ranks fork
+from autograder.registry import CheckFailed, assert_same, task
+
+# --------------------------------------------------------------------------- task 6.1
+
+# Save layouts: piece sizes per rank (0 = an empty piece). Float pieces are large (tens of
+# thousands of elements) so that reading one extra piece shows in the bytes read.
+WEIGHT_NUMEL, STEPS_NUMEL = 100_000, 777
+SAVE_SPLITS = {
+    1: ([100_000], [777]),
+    2: ([61_000, 39_000], [0, 777]),
+    3: ([7, 69_993, 30_000], [300, 300, 177]),
+    4: ([30_000, 0, 45_000, 25_000], [1, 500, 276, 0]),
+}
+# Load layouts: ranges per rank for W' = 1..4, with borders one element off the saved ones.
+LOAD_SPLITS = {
+    1: [100_000],
+    2: [50_000, 50_000],
+    3: [29_999, 31_002, 38_999],
+    4: [1, 29_999, 45_001, 24_999],
+}
+STEPS_LOAD_SPLITS = {1: [777], 2: [301, 476], 3: [0, 600, 177], 4: [1, 299, 200, 277]}
+BYTES_SLACK = 32 * 1024  # per piece file and for the metadata: headers, buffers (torch.load: ~20 KB)
+
+
+@functools.lru_cache(maxsize=2)
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"weight": torch.randn(WEIGHT_NUMEL, generator=g),
+            "steps": torch.randint(-2**40, 2**40, (STEPS_NUMEL,), generator=g)}
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _load_jobs() -> list[tuple[int, str, int, int, str]]:
+    """Every load the checks make: (saved on W ranks, tensor, offset, numel, purpose)."""
+    jobs = []
+    for w in SAVE_SPLITS:
+        for splits, name in ((LOAD_SPLITS, "weight"), (STEPS_LOAD_SPLITS, "steps")):
+            for sizes in splits.values():
+                jobs += [(w, name, o, n, "split") for o, n in zip(_offsets(sizes), sizes)]
+        # One element in the middle of each non-empty weight piece: which files does each need?
+        sizes = SAVE_SPLITS[w][0]
+        jobs += [(w, "weight", o + n // 2, 1, "probe") for o, n in zip(_offsets(sizes), sizes) if n]
+    return jobs
+
+
+# Audit hooks cannot be removed, so each rank installs one, once, and switches it with a flag.
+_OPENED: list[str] | None = None
+_HOOK_INSTALLED = False
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _OPENED is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        try:
+            _OPENED.append(os.path.abspath(os.fsdecode(os.fspath(args[0]))))
+        except (TypeError, ValueError):
+            pass
+
+
+def _install_audit_hook() -> None:
+    global _HOOK_INSTALLED
+    if not _HOOK_INSTALLED:
+        sys.addaudithook(_audit)
+        _HOOK_INSTALLED = True
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read with read()/pread() so far (Linux), or -1."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return -1
+
+
+def _save_on_rank(save_shards: Any, root: str, seed: int) -> None:
+    w, rank = dist.get_world_size(), dist.get_rank()
+    tensors = _tensors(seed)
+    for name, sizes in zip(("weight", "steps"), SAVE_SPLITS[w]):
+        o, n = _offsets(sizes)[rank], sizes[rank]
+        save_shards(os.path.join(root, f"saved-on-{w}"), name, tensors[name][o:o + n].clone(), o,
+                    tensors[name].numel())
+
+
+def _load_on_rank(load_shards: Any, root: str, jobs: list[tuple]) -> list[dict[str, Any]]:
+    global _OPENED
+    _install_audit_hook()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    load_shards(os.path.join(root, "saved-on-1"), "steps", 0, STEPS_NUMEL)  # warm up (imports)
+    out = []
+    for i, (w, name, offset, numel, _) in enumerate(jobs):
+        if i % world_size != rank:
+            continue
+        folder = os.path.abspath(os.path.join(root, f"saved-on-{w}"))
+        opened: list[str] = []
+        before = _bytes_read()
+        _OPENED = opened
+        try:
+            value = load_shards(folder, name, offset, numel)
+        finally:
+            _OPENED = None
+        after = _bytes_read()
+        files = sorted({os.path.relpath(p, folder) for p in opened
+                        if p == folder or p.startswith(folder + os.sep)})
+        out.append({"job": i, "value": value.detach().clone() if isinstance(value, torch.Tensor)
+                    else f"<a {type(value).__name__}, not a tensor>",
+                    "opened": files, "bytes": after - before if before >= 0 and after >= 0 else -1})
+    return out
+
+
+_SHARDS_CACHE: dict[tuple[int, int], tuple[Any, list[dict[str, Any]]]] = {}
+
+
+def _shards_run(save_shards: Any, seed: int) -> list[dict[str, Any]]:
+    """Save on 1, 2, 3 and 4 ranks, then every load of :func:`_load_jobs` on 4 ranks; one set
+    of launches serves all cases of task 6.1."""
+    from kit.launcher import run_ranks
+
+    key = (id(save_shards), seed)
+    if key in _SHARDS_CACHE and _SHARDS_CACHE[key][0] is save_shards:
+        return _SHARDS_CACHE[key][1]
+    load_shards = getattr(save_shards, "__globals__", {}).get("load_shards")
+    if load_shards is None:
+        raise CheckFailed("no load_shards function was found next to save_shards",
+                          hint="Define load_shards(ckpt_dir, name, offset, numel) in the task's cell.")
+    jobs = _load_jobs()
+    with tempfile.TemporaryDirectory(prefix="kit-shards-") as root:
+        for w in SAVE_SPLITS:
+            run_ranks(_save_on_rank, (save_shards, root, seed), world_size=w, timeout=30.0, echo=False)
+        per_rank = run_ranks(_load_on_rank, (load_shards, root, jobs), world_size=4, timeout=30.0,
+                             echo=False)
+    got = sorted((r for rank in per_rank for r in rank), key=lambda r: r["job"])
+    _SHARDS_CACHE.clear()  # only the latest implementation is worth keeping
+    _SHARDS_CACHE[key] = (save_shards, got)
+    return got
+
+
+def _reference_slice(seed: int, name: str, offset: int, numel: int) -> torch.Tensor:
+    return _tensors(seed)[name][offset:offset + numel].clone()
+
+
+SHARDS = task(
+    "6.1", "save_shards", points=4,
+    forbidden=("torch.distributed.checkpoint.save", "torch.distributed.checkpoint.load",
+               "torch.distributed.checkpoint.state_dict_saver.save",
+               "torch.distributed.checkpoint.state_dict_loader.load"),
+    hint="Each rank writes its piece to a file of its own; the offsets and sizes of all pieces go "
+         "in metadata (gather them to rank 0, or put them in the file names). A load reads the "
+         "metadata, skips every piece whose [offset, offset + numel) does not intersect the "
+         "requested range, and copies the intersection of the others into place.",
+)
+
+
+def _value_case(name: str, select: Callable[[tuple], bool], hint: str = "") -> None:
+    jobs = _load_jobs()
+    chosen = [i for i, job in enumerate(jobs) if select(job)]
+
+    def run(save_shards: Any, seed: int) -> list[Any]:
+        got = _shards_run(save_shards, seed)
+        return [got[i]["value"] for i in chosen]
+
+    def expect(seed: int) -> list[torch.Tensor]:
+        return [_reference_slice(seed, jobs[i][1], jobs[i][2], jobs[i][3]) for i in chosen]
+
+    def compare(got: Any, expected: list[torch.Tensor]) -> None:
+        for i, g, e in zip(chosen, got, expected):
+            w, tname, offset, numel, _ = jobs[i]
+            where = f"saved on {w} ranks, load_shards({tname!r}, offset={offset}, numel={numel})"
+            if not isinstance(g, torch.Tensor):
+                raise CheckFailed(f"{where} returned {g}", expected="a 1-D tensor", got=g)
+            assert_same(g, e, rtol=0.0, atol=0.0, path=where)
+
+    SHARDS.case(name, compare=compare, expect=expect, hint=hint)(run)
+
+
+_value_case("saved on 2 ranks, loaded on 2 ranks with another split: exact values",
+            lambda j: j[0] == 2 and j[1] == "weight" and j[4] == "split" and j[3] in LOAD_SPLITS[2])
+_value_case("saved on 4 ranks (one piece empty), loaded on 1, 2, 3 and 4 ranks with uneven "
+            "splits whose borders are one element off the saved ones",
+            lambda j: j[0] == 4 and j[1] == "weight" and j[4] == "split",
+            hint="At a border, the range [offset, offset + numel) and a piece [start, start + n) "
+                 "overlap on [max(offset, start), min(offset + numel, start + n)) when that is "
+                 "not empty; both ends are exclusive.")
+_value_case("saved on 1 and on 3 ranks (a 7-element piece), loaded on 1 to 4 ranks",
+            lambda j: j[0] in (1, 3) and j[1] == "weight" and j[4] == "split")
+_value_case("an int64 tensor in the same folder, with empty pieces and empty ranges: its dtype "
+            "and values", lambda j: j[1] == "steps",
+            hint="Several tensors share one folder: name files and metadata after the tensor. Keep "
+                 "the dtype in the metadata, and return an empty tensor of it for an empty range.")
+
+
+def _probe_files(got: list[dict[str, Any]], jobs: list[tuple], w: int) -> tuple[set[str], list[set[str]]]:
+    """What loading one element of each non-empty piece opened: files common to all (metadata)
+    and, per piece, the files only some loads opened (its own data)."""
+    probes = [set(got[i]["opened"]) for i, j in enumerate(jobs) if j[0] == w and j[4] == "probe"]
+    common = set.intersection(*probes) if probes else set()
+    return common, [p - common for p in probes]
+
+
+def _compare_opened(got: Any, expected: Any) -> None:
+    jobs = _load_jobs()
+    for w, sizes in ((w, s[0]) for w, s in SAVE_SPLITS.items()):
+        pieces = [(o, n) for o, n in zip(_offsets(sizes), sizes) if n]
+        if len(pieces) < 2:
+            continue
+        common, own = _probe_files(got, jobs, w)
+        for k, files in enumerate(own):
+            o, n = pieces[k]
+            if not files:
+                raise CheckFailed(
+                    f"saved on {w} ranks: loading one element of the piece [{o}, {o + n}) opened "
+                    f"the same files as loading one element of any other piece: {sorted(common)}",
+                    expected="each load opens the metadata and only the files of the pieces it "
+                             "overlaps", got=sorted(common),
+                    hint="Read the metadata first and open a piece's file only if the piece "
+                         "intersects the requested range; a piece file that also holds the "
+                         "offsets forces every load to open every file.")
+            for m, other in enumerate(own):
+                if m != k and files & other:
+                    raise CheckFailed(
+                        f"saved on {w} ranks: loads of one element in two different pieces both "
+                        f"opened {sorted(files & other)}", expected="disjoint files per piece",
+                        got=sorted(files & other),
+                        hint="Check the overlap test: a load must not open a neighbouring piece.")
+        for i, (sw, name, offset, numel, purpose) in enumerate(jobs):
+            if sw != w or name != "weight" or purpose != "split":
+                continue
+            needed = set(common)
+            for k, (o, n) in enumerate(pieces):
+                if max(offset, o) < min(offset + numel, o + n):
+                    needed |= own[k]
+            extra = set(got[i]["opened"]) - needed
+            if extra:
+                raise CheckFailed(
+                    f"saved on {w} ranks, load_shards('weight', offset={offset}, numel={numel}) "
+                    f"opened {sorted(extra)}, which belong to pieces outside that range",
+                    expected=sorted(needed), got=sorted(got[i]["opened"]),
+                    hint="Open only the pieces that overlap [offset, offset + numel).")
+
+
+@SHARDS.case("a load opens only the metadata and the files of the pieces it overlaps (an audit "
+             "hook sees every open)", compare=_compare_opened, weight=2)
+def _(save_shards: Any, seed: int) -> list[dict[str, Any]]:
+    return [{"opened": r["opened"]} for r in _shards_run(save_shards, seed)]
+
+
+def _allowed_bytes(job: tuple) -> int:
+    w, name, offset, numel, _ = job
+    sizes = SAVE_SPLITS[w][0 if name == "weight" else 1]
+    itemsize = 4 if name == "weight" else 8
+    overlap = [n for o, n in zip(_offsets(sizes), sizes) if max(offset, o) < min(offset + numel, o + n)]
+    return sum(overlap) * itemsize + BYTES_SLACK * (len(overlap) + 1)
+
+
+def _compare_bytes(got: Any, expected: list[int]) -> None:
+    jobs = _load_jobs()
+    for job, g, allowed in zip(jobs, got, expected):
+        if g < 0:  # no /proc/self/io here: the audit-hook case still grades the files opened
+            continue
+        if g > allowed:
+            w, name, offset, numel, _ = job
+            raise CheckFailed(
+                f"saved on {w} ranks, load_shards({name!r}, offset={offset}, numel={numel}) read "
+                f"{g:,} bytes, more than the pieces it overlaps plus {BYTES_SLACK // 1024} KiB "
+                "per file for headers and metadata",
+                expected=f"at most {allowed:,} bytes", got=f"{g:,} bytes",
+                hint="Read only the overlapping pieces, and save each piece alone: torch.save of "
+                     "a view writes its whole storage.")
+
+
+@SHARDS.case("no load reads more bytes than the pieces it overlaps (plus 32 KiB per file for "
+             "headers and metadata; /proc/self/io)",
+             compare=_compare_bytes, expect=lambda seed: [_allowed_bytes(j) for j in _load_jobs()])
+def _(save_shards: Any, seed: int) -> list[int]:
+    return [r["bytes"] for r in _shards_run(save_shards, seed)]
+
+
+# --------------------------------------------------------------------------- task 6.2
+# A trusted TrainingState: the reference of 6.2, and what 6.3's checks give the student's loop.
+
+
+class ReferenceTrainingState:
+    """Trusted Stateful: model and optimizer via get_state_dict, step, per-rank RNGs and sampler."""
+
+    def __init__(self, model: Any, optimizer: Any, sampler: Any, scaler: Any = None):
+        self.model, self.optimizer, self.sampler, self.scaler = model, optimizer, sampler, scaler
+        self.step = 0
+
+    @staticmethod
+    def _rank_key() -> str:
+        return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state, "step": self.step,
+                 self._rank_key(): {
+                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()},
+                     "sampler": {"epoch": self.sampler.epoch, "position": self.sampler.position}}}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.step = int(state["step"])
+        mine = state[self._rank_key()]
+        torch.set_rng_state(mine["rng"]["torch"])
+        random.setstate(mine["rng"]["python"])
+        np.random.set_state(mine["rng"]["numpy"])
+        self.sampler.set_epoch(int(mine["sampler"]["epoch"]))
+        self.sampler.position = int(mine["sampler"]["position"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+SAVE_AT, TOTAL = 8, 11  # 6 batches per epoch on 2 ranks: the save lands mid-epoch 1
+SAVE_AT_4 = 3  # FSDP2 on 4 ranks, then loaded on 2
+
+
+def _build(kind: str, state_cls: Any) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from kit.resume import make_model, make_optimizer, make_sampler, shard_model
+
+    if kind == "ddp":
+        model = DistributedDataParallel(make_model())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    else:
+        model, scaler = shard_model(make_model()), None
+    return state_cls(model, make_optimizer(model), make_sampler(), scaler)
+
+
+def _snapshot(state: Any) -> dict[str, Any]:
+    """Everything a resume must restore, as plain data, taken right before the next step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from kit.resume import full_parameters
+
+    optim = get_optimizer_state_dict(state.model, state.optimizer,
+                                     options=StateDictOptions(full_state_dict=True))
+    optim_tensors = {f"{fqn}.{k}": torch.as_tensor(v).detach().clone()
+                     for fqn, per in optim["state"].items() for k, v in per.items()}
+    py = random.getstate()
+    np_state = np.random.get_state()
+    scaler = getattr(state, "scaler", None)
+    return {
+        "step": int(getattr(state, "step", -1)),
+        "params": full_parameters(state.model),
+        "optimizer": optim_tensors,
+        "sampler": [int(state.sampler.epoch), int(state.sampler.position)],
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": torch.tensor([*py[1], -1 if py[2] is None else 1]),
+        "numpy_rng": torch.from_numpy(np.array([*np_state[1], np_state[2]], dtype=np.int64)),
+        "scaler": None if scaler is None else [float(scaler.get_scale()),
+                                               int(scaler.state_dict()["_growth_tracker"])],
+    }
+
+
+def _straight_on_rank(kind: str, seed: int, total: int, at: int) -> dict[str, Any]:
+    from kit.resume import full_parameters, seed_everything, train_step
+
+    seed_everything(seed)
+    state = _build(kind, ReferenceTrainingState)
+    losses, snap = [], None
+    for _ in range(total):
+        if state.step == at:
+            snap = _snapshot(state)
+        losses.append(train_step(state))
+    return {"snapshot": snap, "losses": losses[at:], "final": full_parameters(state.model)}
+
+
+def _save_on_rank_62(impl: Any, kind: str, seed: int, steps: int, ckpt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from kit.resume import seed_everything, train_step
+
+    seed_everything(seed)
+    state = _build(kind, impl)
+    for _ in range(steps):
+        train_step(state)
+    dcp.save({"train": state}, checkpoint_id=ckpt)
+
+
+def _resume_on_rank(impl: Any, kind: str, seed: int, steps: int, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from kit.resume import full_parameters, seed_everything, train_step
+
+    seed_everything(seed + 1000)  # a fresh process draws other numbers until the load
+    state = _build(kind, impl)
+    dcp.load({"train": state}, checkpoint_id=ckpt)
+    snap = _snapshot(state)
+    losses = [train_step(state) for _ in range(steps)]
+    return {"snapshot": snap, "losses": losses, "final": full_parameters(state.model)}
+
+
+def _save_both(impl: Any, seed: int, root: str) -> None:
+    for kind in ("ddp", "fsdp"):
+        _save_on_rank_62(impl, kind, seed, SAVE_AT, os.path.join(root, kind))
+
+
+def _resume_all(impl: Any, seed: int, root: str) -> dict[str, Any]:
+    out = {kind: _resume_on_rank(impl, kind, seed, TOTAL - SAVE_AT, os.path.join(root, kind))
+           for kind in ("ddp", "fsdp")}
+    out["reshard"] = _resume_on_rank(impl, "fsdp", seed, 0, os.path.join(root, "fsdp4"))["snapshot"]["params"]
+    return out
+
+
+_RESUME_CACHE: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def _resume_run(impl: Any, seed: int) -> list[dict[str, Any]]:
+    """Save DDP and FSDP2 after SAVE_AT steps on 2 ranks and FSDP2 after SAVE_AT_4 on 4 ranks,
+    then resume all three in one fresh 2-rank launch."""
+    from kit.launcher import run_ranks
+
+    key = (id(impl), seed)
+    if key in _RESUME_CACHE and _RESUME_CACHE[key][0] is impl:
+        return _RESUME_CACHE[key][1]
+    with tempfile.TemporaryDirectory(prefix="kit-resume-") as root:
+        run_ranks(_save_both, (impl, seed, root), world_size=2, timeout=60.0, echo=False)
+        run_ranks(_save_on_rank_62, (impl, "fsdp", seed, SAVE_AT_4, os.path.join(root, "fsdp4")),
+                  world_size=4, timeout=60.0, echo=False)
+        got = list(run_ranks(_resume_all, (impl, seed, root), world_size=2, timeout=60.0, echo=False))
+    _RESUME_CACHE.clear()
+    _RESUME_CACHE[key] = (impl, got)
+    return got
+
+
+def _straight_both(seed: int) -> dict[str, Any]:
+    return {kind: _straight_on_rank(kind, seed, TOTAL, SAVE_AT) for kind in ("ddp", "fsdp")}
+
+
+@functools.lru_cache(maxsize=4)
+def _expected_straight(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from kit.launcher import run_ranks
+
+    two = list(run_ranks(_straight_both, (seed,), world_size=2, timeout=60.0, echo=False))
+    four = list(run_ranks(_straight_on_rank, ("fsdp", seed, SAVE_AT_4, SAVE_AT_4), world_size=4,
+                          timeout=60.0, echo=False))
+    return two, four
+
+
+STATE = task(
+    "6.2", "TrainingState", points=4,
+    hint="state_dict() returns get_state_dict(model, optimizer) as two entries, the step, and "
+         "under a key that names this rank: torch.get_rng_state(), random.getstate(), "
+         "np.random.get_state() and the sampler's epoch and position (plus the scaler's "
+         "state_dict when there is one). load_state_dict() calls set_state_dict and sets each "
+         "piece back.",
+)
+
+_SNAPSHOT_PARTS = [
+    ("step", "the step counter", "Save self.step and set it back in load_state_dict."),
+    ("params", "the model's parameters",
+     "Put get_state_dict's model state in state_dict() and pass it to set_state_dict."),
+    ("optimizer", "the optimizer's state (AdamW's exp_avg, exp_avg_sq and step)",
+     "A fresh optimizer has no state to load into: optimizer.state_dict() of it is empty. "
+     "get_state_dict(model, optimizer) initialises it and names it by parameter, for DDP and "
+     "FSDP2 alike; give its optimizer half to set_state_dict."),
+    ("sampler", "the sampler's [epoch, position]",
+     "Save sampler.epoch and sampler.position; restore with set_epoch(epoch), then position "
+     "(set_epoch resets it to 0)."),
+    ("torch_rng", "torch's RNG state (dropout masks)",
+     "Save torch.get_rng_state() under a key that names the rank: DCP keeps one copy of a key "
+     "every rank saves, so all ranks would get one rank's state."),
+    ("python_rng", "Python's RNG state (the random crop)",
+     "Save random.getstate() (per rank) and restore it with random.setstate()."),
+    ("numpy_rng", "NumPy's RNG state (the token masking)",
+     "Save np.random.get_state() (per rank) and restore it with np.random.set_state()."),
+    ("scaler", "the GradScaler's [scale, growth tracker]",
+     "When a scaler is given, save scaler.state_dict() and load it back."),
+]
+
+
+def _compare_resume(kind: str) -> Callable[[Any, Any], None]:
+    steps = TOTAL - SAVE_AT
+
+    def compare(got: Any, expected: Any) -> None:
+        for rank, (g, e) in enumerate(zip(got, expected)):
+            for part, what, hint in _SNAPSHOT_PARTS:
+                try:
+                    assert_same(g["snapshot"][part], e["snapshot"][part], rtol=0.0, atol=0.0)
+                except CheckFailed as f:
+                    raise CheckFailed(
+                        f"rank {rank}: right after dcp.load, {what} is not what it was when the "
+                        f"checkpoint was saved ({f.message})", expected=f.expected, got=f.got,
+                        hint=hint) from None
+            assert_same(g["losses"], e["losses"], rtol=0.0, atol=0.0,
+                        path=f"rank {rank}: losses of the {steps} resumed steps")
+            assert_same(g["final"], e["final"], rtol=0.0, atol=0.0,
+                        path=f"rank {rank}: parameters after {TOTAL} steps")
+
+    return compare
+
+
+def _resume_case(kind: str, label: str) -> None:
+    def run(impl: Any, seed: int) -> list[dict[str, Any]]:
+        return [r[kind] for r in _resume_run(impl, seed)]
+
+    def expect(seed: int) -> list[dict[str, Any]]:
+        return [r[kind] for r in _expected_straight(seed)[0]]
+
+    STATE.case(f"{label}: {SAVE_AT} steps, dcp.save, a fresh launch, dcp.load and "
+               f"{TOTAL - SAVE_AT} more steps equal {TOTAL} straight steps bit for bit (dropout, "
+               "3 RNGs, a shuffling sampler)", compare=_compare_resume(kind), expect=expect,
+               weight=2)(run)
+
+
+_resume_case("ddp", "DDP with a GradScaler on 2 ranks")
+_resume_case("fsdp", "FSDP2 on 2 ranks")
+
+
+@STATE.case(f"FSDP2 saved on 4 ranks after {SAVE_AT_4} steps, loaded on 2: equal full parameters",
+            expect=lambda seed: [_expected_straight(seed)[1][0]["final"]] * 2,
+            compare=lambda got, expected: assert_same(got, expected, rtol=0.0, atol=0.0,
+                                                      path="full parameters after loading on 2 ranks"),
+            hint="get_state_dict gives FSDP2's DTensors, and DCP reshards them at load time: save "
+                 "those, not each rank's local shard.")
+def _(impl: Any, seed: int) -> list[Any]:
+    return [r["reshard"] for r in _resume_run(impl, seed)]
+
+
+# --------------------------------------------------------------------------- task 6.3
+
+QUICK_FIRST, QUICK_TOTAL, EVERY = 8, 12, 2
+RUN_TOTAL = 12
+
+
+def _with_globals(impl: Any, **replace: Any) -> Any:
+    """``impl`` with some of its globals replaced (the names it does not use are ignored)."""
+    globs = getattr(impl, "__globals__", None)
+    if not isinstance(impl, types.FunctionType) or globs is None:
+        return None
+    new = {**globs, **{k: v for k, v in replace.items() if k in globs}}
+    return types.FunctionType(impl.__code__, new, impl.__name__, impl.__defaults__, impl.__closure__)
+
+
+_NOT_A_FUNCTION = ("train_with_checkpoints must be a function that calls the setup's "
+                   "train_step(state) once per step (the check watches those calls)")
+
+
+class _Watch:
+    """What a rank's run did: steps started, saves started (and whether one was in flight),
+    loads (and whether the folder held .metadata)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.saves: list[str] = []
+        self.overlapping = 0
+        self.pending: Any = None
+        self.loads: list[list[Any]] = []
+
+    def install(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+
+        original_async, original_load = state_dict_saver.async_save, state_dict_loader.load
+
+        def async_save(*args: Any, **kwargs: Any) -> Any:
+            if self.pending is not None and not self.pending.done():
+                self.overlapping += 1
+            self.saves.append(_checkpoint_name(args, kwargs))
+            self.pending = original_async(*args, **kwargs)
+            return self.pending
+
+        def load(*args: Any, **kwargs: Any) -> Any:
+            folder = _checkpoint_name(args, kwargs, full=True)
+            self.loads.append([os.path.basename(folder), os.path.exists(os.path.join(folder, ".metadata"))])
+            return original_load(*args, **kwargs)
+
+        for module in (dcp, state_dict_saver):
+            module.async_save = async_save
+        for module in (dcp, state_dict_loader):
+            module.load = load
+
+    def train_step(self, original: Callable[[Any], float], before: Callable[[Any], None] = lambda s: None
+                   ) -> Callable[[Any], float]:
+        def train_step(state: Any) -> float:
+            self.steps.append(int(state.step))
+            before(state)
+            return original(state)
+        return train_step
+
+
+def _checkpoint_name(args: tuple, kwargs: dict, full: bool = False) -> str:
+    where = kwargs.get("checkpoint_id")
+    if where is None and kwargs.get("storage_writer") is not None:
+        where = getattr(kwargs["storage_writer"], "path", None)
+    if where is None and kwargs.get("storage_reader") is not None:
+        where = getattr(kwargs["storage_reader"], "path", None)
+    where = os.fspath(where) if where is not None else "?"
+    return where if full else os.path.basename(where)
+
+
+def _prepared(impl: Any, watch: _Watch, before: Callable[[Any], None] = lambda s: None) -> Any:
+    from kit import resume
+
+    return _with_globals(impl, TrainingState=ReferenceTrainingState,
+                         train_step=watch.train_step(resume.train_step, before))
+
+
+def _complete_steps(root: str) -> list[int]:
+    return sorted(int(p.name[5:]) for p in Path(root).glob("step-*")
+                  if p.name[5:].isdigit() and (p / ".metadata").exists())
+
+
+def _lie_about_mtimes(root: str) -> None:
+    """Make older checkpoints look newer, as a restore from a backup or a copy without -p does."""
+    folders = sorted(Path(root).glob("step-*"))
+    for i, folder in enumerate(folders):
+        t = 1_700_000_000 + 1000 * (len(folders) - i)
+        for f in folder.iterdir():
+            os.utime(f, (t, t))
+        os.utime(folder, (t, t))
+
+
+def _quick_on_rank(impl: Any, root: str) -> dict[str, Any]:
+    watch = _Watch()
+    watch.install()
+    fn = _prepared(impl, watch)
+    first = fn(root, QUICK_FIRST, EVERY)
+    done = watch.pending is None or watch.pending.done()
+    complete = _complete_steps(root)
+    dist.barrier()
+    if dist.get_rank() == 0:  # the newest checkpoint loses its metadata; mtimes lie
+        meta = Path(root) / f"step-{QUICK_FIRST:06d}" / ".metadata"
+        if meta.exists():
+            meta.unlink()
+        _lie_about_mtimes(root)
+    dist.barrier()
+    resume_steps_from = len(watch.steps)
+    second = fn(root, QUICK_TOTAL, EVERY)
+    return {"first": _plain_state(first), "complete": complete, "saves": list(watch.saves),
+            "overlapping": watch.overlapping, "done_at_return": done,
+            "resumed_steps": watch.steps[resume_steps_from:], "loads": watch.loads,
+            "second": _plain_state(second)}
+
+
+def _plain_state(params: Any) -> Any:
+    if isinstance(params, dict) and all(isinstance(v, torch.Tensor) for v in params.values()):
+        return {str(k): v.detach().clone() for k, v in params.items()}
+    return f"<a {type(params).__name__}, not a dict of tensors>"
+
+
+_QUICK_CACHE: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def _quick_run(impl: Any, seed: int) -> list[dict[str, Any]]:
+    from kit.launcher import run_ranks
+
+    key = (id(impl), seed)
+    if key in _QUICK_CACHE and _QUICK_CACHE[key][0] is impl:
+        outcome = _QUICK_CACHE[key][1]
+    else:
+        if _with_globals(impl) is None:
+            raise CheckFailed(_NOT_A_FUNCTION)
+        with tempfile.TemporaryDirectory(prefix="kit-ckpts-") as root:
+            try:
+                outcome = ("ok", list(run_ranks(_quick_on_rank, (impl, root), world_size=2,
+                                                timeout=90.0, echo=False)))
+            except Exception as e:  # noqa: BLE001 - kept, so every case reports the same error
+                outcome = ("error", e)
+        _QUICK_CACHE.clear()
+        _QUICK_CACHE[key] = (impl, outcome)
+    if outcome[0] == "error":
+        raise outcome[1]
+    return outcome[1]
+
+
+def _reference_run_on_rank(totals: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+    from kit.resume import (
+        full_parameters,
+        make_model,
+        make_optimizer,
+        make_sampler,
+        seed_everything,
+        shard_model,
+        train_step,
+    )
+
+    seed_everything(0)
+    model = shard_model(make_model())
+    state = ReferenceTrainingState(model, make_optimizer(model), make_sampler())
+    out = []
+    for total in totals:
+        while state.step < total:
+            train_step(state)
+        out.append(full_parameters(model))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_params() -> dict[int, dict[str, torch.Tensor]]:
+    """An uninterrupted trusted run on 2 ranks (the same for every seed: the loop seeds 0)."""
+    from kit.launcher import run_ranks
+
+    totals = tuple(sorted({QUICK_FIRST, QUICK_TOTAL, RUN_TOTAL}))
+    got = run_ranks(_reference_run_on_rank, (totals,), world_size=2, timeout=60.0, echo=False)
+    return dict(zip(totals, got[0]))
+
+
+LOOP = task(
+    "6.3", "train_with_checkpoints", points=5,
+    hint="List ckpt_root's step-* folders, keep those holding .metadata (DCP writes it last), "
+         "take the highest step from the name and dcp.load it. In the loop, when "
+         "state.step % every == 0: wait for the previous save's future, then start "
+         "dcp.async_save (on a gloo group of its own). Wait for the last future before returning.",
+)
+
+
+def _compare_quick_first(got: Any, expected: Any) -> None:
+    want = [EVERY * i for i in range(1, QUICK_FIRST // EVERY + 1)]
+    for rank, g in enumerate(got):
+        if isinstance(g["first"], str):
+            raise CheckFailed(f"rank {rank} returned {g['first']}",
+                              expected="full_parameters(model): a dict of tensors", got=g["first"])
+        assert_same(g["first"], expected, rtol=0.0, atol=0.0,
+                    path=f"rank {rank}: parameters after {QUICK_FIRST} steps")
+        if g["complete"] != want:
+            raise CheckFailed(f"after train_with_checkpoints(root, {QUICK_FIRST}, {EVERY}) the "
+                              f"complete checkpoints are at steps {g['complete']}",
+                              expected=[f"step-{s:06d}" for s in want],
+                              got=[f"step-{s:06d}" for s in g["complete"]],
+                              hint="Save when state.step % every == 0, after the step, into "
+                                   "ckpt_root/step-{state.step:06d}, and wait for the last save.")
+
+
+@LOOP.case(f"an uninterrupted run on 2 ranks (launch) ends with the reference parameters and "
+           f"complete checkpoints step-000002 .. step-{QUICK_FIRST:06d}",
+           compare=_compare_quick_first, expect=lambda seed: _reference_params()[QUICK_FIRST])
+def _(impl: Any, seed: int) -> Any:
+    return [{"first": r["first"], "complete": r["complete"]} for r in _quick_run(impl, seed)]
+
+
+def _compare_async(got: Any, expected: Any) -> None:
+    for rank, g in enumerate(got):
+        if not g["saves"]:
+            raise CheckFailed(f"rank {rank} never called dcp.async_save", expected="async saves",
+                              got="none", hint="dcp.save blocks training; dcp.async_save returns "
+                                               "a future at once.")
+        if g["overlapping"]:
+            raise CheckFailed(f"rank {rank} started {g['overlapping']} async save(s) while the "
+                              "previous one was still running", expected="at most one in flight",
+                              got=g["saves"], hint="Call .result() on the previous save's future "
+                                                   "before starting the next.")
+        if not g["done_at_return"]:
+            raise CheckFailed(f"rank {rank} returned while its last save was still running",
+                              expected="the last future waited for", got="still running",
+                              hint="A process that exits mid-save leaves an incomplete checkpoint.")
+
+
+@LOOP.case("saves with dcp.async_save, at most one in flight, the last one finished on return",
+           compare=_compare_async)
+def _(impl: Any, seed: int) -> Any:
+    return [{k: r[k] for k in ("saves", "overlapping", "done_at_return")} for r in _quick_run(impl, seed)]
+
+
+def _compare_quick_resume(got: Any, expected: Any) -> None:
+    newest = QUICK_FIRST - EVERY
+    for rank, g in enumerate(got):
+        bad = [name for name, has_meta in g["loads"] if not has_meta]
+        if bad:
+            raise CheckFailed(f"rank {rank} loaded {bad[0]}, which has no .metadata: a half-written "
+                              "checkpoint", expected=f"step-{newest:06d}", got=bad[0],
+                              hint="A checkpoint is complete only once DCP has written .metadata "
+                                   "(last, by rank 0): skip folders without it.")
+        first = g["resumed_steps"][0] if g["resumed_steps"] else None
+        if first != newest:
+            raise CheckFailed(
+                f"rank {rank}: with step-{QUICK_FIRST:06d} half-written (no .metadata) and the "
+                f"folders' modification times shuffled, the rerun started at step {first}",
+                expected=f"resume at step {newest} (the newest complete checkpoint)", got=first,
+                hint="Order checkpoints by the step in their name, not by modification time: "
+                     "copies, restores and coarse clocks reorder mtimes.")
+        if isinstance(g["second"], str):
+            raise CheckFailed(f"rank {rank} returned {g['second']}", expected="a dict of tensors")
+        assert_same(g["second"], expected, rtol=0.0, atol=0.0,
+                    path=f"rank {rank}: parameters after resuming and training to {QUICK_TOTAL}")
+
+
+@LOOP.case(f"with step-{QUICK_FIRST:06d} half-written and mtimes that lie, a rerun to "
+           f"{QUICK_TOTAL} resumes from step-{QUICK_FIRST - EVERY:06d} and ends exactly as the "
+           "reference", compare=_compare_quick_resume,
+           expect=lambda seed: _reference_params()[QUICK_TOTAL], weight=2)
+def _(impl: Any, seed: int) -> Any:
+    return [{k: r[k] for k in ("loads", "resumed_steps", "second")} for r in _quick_run(impl, seed)]
+
+
+# ---- under real torchrun: two kills, three attempts
+
+_WORKER = '''\
+import sys
+from autograder.lesson06 import torchrun_worker
+torchrun_worker(sys.argv[1])
+'''
+
+
+def _kill_plan(seed: int) -> dict[str, int]:
+    """Secret from the seed: kill which rank during which save, then which at which step."""
+    rng = random.Random(seed * 7919 + 6)
+    save_step = rng.choice([4, 6])
+    return {"save_victim": rng.randrange(2), "save_step": save_step,
+            "step_victim": rng.randrange(2), "kill_step": save_step + 1 + rng.randrange(3)}
+
+
+def torchrun_worker(workdir: str) -> None:
+    """Inside a torchrun worker: run the pickled train_with_checkpoints with the kills of the
+    plan; log steps, loads and the newest complete checkpoint at start; save final parameters."""
+    import cloudpickle
+    from torch.distributed.checkpoint import filesystem
+
+    from kit.torchrun import init_process_group_per_attempt
+
+    work = Path(workdir)
+    plan = json.loads((work / "plan.json").read_text())
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    init_process_group_per_attempt("gloo")
+    rank = dist.get_rank()
+    root = str(work / "ckpt")
+    if rank == 0:
+        if attempt > 0:
+            _lie_about_mtimes(root)
+        (work / f"start-attempt{attempt}.json").write_text(json.dumps(_complete_steps(root)))
+    dist.barrier()
+    impl = cloudpickle.loads((work / "impl.pkl").read_bytes())
+    watch = _Watch()
+    watch.install()
+
+    def kill() -> None:
+        _log(work, rank, attempt, watch)
+        os.kill(os.getpid(), signal.SIGKILL)  # a hard crash: no Python cleanup at all
+
+    if attempt == 0 and rank == plan["save_victim"]:
+        original_write = filesystem._FileSystemWriter.write_data
+
+        def write_data(self: Any, *args: Any, **kwargs: Any) -> Any:
+            future = original_write(self, *args, **kwargs)
+            if os.path.basename(os.fspath(self.path)) == f"step-{plan['save_step']:06d}":
+                future.wait()  # this rank's data is on disk; .metadata never will be
+                kill()
+            return future
+
+        filesystem._FileSystemWriter.write_data = write_data
+
+    def before(state: Any) -> None:
+        if attempt == 1 and rank == plan["step_victim"] and state.step == plan["kill_step"]:
+            kill()
+
+    fn = _prepared(impl, watch, before)
+    params = _plain_state(fn(root, RUN_TOTAL, EVERY))
+    _log(work, rank, attempt, watch)
+    torch.save(params, work / f"params-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _log(work: Path, rank: int, attempt: int, watch: _Watch) -> None:
+    (work / f"log-rank{rank}-attempt{attempt}.json").write_text(
+        json.dumps({"steps": watch.steps, "loads": watch.loads}))
+
+
+_TORCHRUN_CACHE: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def _torchrun_run(impl: Any, seed: int) -> dict[str, Any]:
+    from autograder.lesson02 import _pickle_impl
+    from kit.torchrun import TorchrunError, torchrun
+
+    key = (id(impl), seed)
+    if key in _TORCHRUN_CACHE and _TORCHRUN_CACHE[key][0] is impl:
+        return _TORCHRUN_CACHE[key][1]
+    _quick_run(impl, seed)  # a stub or a crash is reported from there, without torchrun
+    plan = _kill_plan(seed)
+    with tempfile.TemporaryDirectory(prefix="kit-torchrun-") as tmp:
+        work = Path(tmp)
+        (work / "ckpt").mkdir()
+        (work / "plan.json").write_text(json.dumps(plan))
+        (work / "impl.pkl").write_bytes(_pickle_impl(impl))
+        (work / "worker.py").write_text(_WORKER)
+        env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        result: dict[str, Any] = {"error": None}
+        try:
+            torchrun(work / "worker.py", str(work), nproc_per_node=2, max_restarts=2, env=env,
+                     timeout=150.0, echo=False)
+        except TorchrunError as e:
+            result["error"] = "torchrun failed:\n" + (e.summary or e.output[-2000:])
+        result["attempts"] = []
+        for attempt in range(3):
+            start = work / f"start-attempt{attempt}.json"
+            if not start.exists():
+                break
+            logs = {}
+            for rank in range(2):
+                log = work / f"log-rank{rank}-attempt{attempt}.json"
+                logs[rank] = json.loads(log.read_text()) if log.exists() else {"steps": [], "loads": []}
+            result["attempts"].append({"complete_at_start": json.loads(start.read_text()), "logs": logs})
+        params = [work / f"params-rank{r}.pt" for r in range(2)]
+        result["params"] = ([torch.load(p, weights_only=True) for p in params]
+                            if result["error"] is None and all(p.exists() for p in params) else None)
+    _TORCHRUN_CACHE.clear()
+    _TORCHRUN_CACHE[key] = (impl, result)
+    return result
+
+
+def _compare_torchrun_params(got: Any, expected: Any) -> None:
+    if got["error"]:
+        raise CheckFailed(got["error"])
+    if len(got["attempts"]) < 3:
+        raise CheckFailed(f"torchrun ran {len(got['attempts'])} attempt(s), expected 3 (two kills)",
+                          expected=3, got=len(got["attempts"]))
+    for rank, params in enumerate(got["params"]):
+        if isinstance(params, str):
+            raise CheckFailed(f"rank {rank} returned {params}", expected="a dict of tensors")
+        assert_same(params, expected, rtol=0.0, atol=0.0,
+                    path=f"rank {rank}: final parameters after two kills")
+
+
+@LOOP.case("under torchrun --nproc-per-node=2 --max-restarts=2: a rank SIGKILLed in the middle "
+           "of a save, then one at a secret step; the final parameters equal an uninterrupted "
+           "run's bit for bit", compare=_compare_torchrun_params,
+           expect=lambda seed: _reference_params()[RUN_TOTAL], weight=2)
+def _(impl: Any, seed: int) -> Any:
+    got = _torchrun_run(impl, seed)
+    return {"error": got["error"], "attempts": got["attempts"], "params": got["params"]}
+
+
+def _compare_torchrun_resumes(got: Any, expected: Any) -> None:
+    if len(got["attempts"]) < 2:
+        raise CheckFailed(got["error"] or "torchrun never restarted the workers")
+    for attempt, a in enumerate(got["attempts"]):
+        complete = a["complete_at_start"]
+        newest = complete[-1] if complete else 0
+        for rank, log in a["logs"].items():
+            bad = [name for name, has_meta in log["loads"] if not has_meta]
+            if bad:
+                raise CheckFailed(f"attempt {attempt}, rank {rank} loaded {bad[0]}, which had no "
+                                  ".metadata: an incomplete checkpoint", expected=f"step-{newest:06d}",
+                                  got=bad[0], hint="Skip folders without .metadata.")
+            if log["steps"] and log["steps"][0] != newest:
+                raise CheckFailed(
+                    f"attempt {attempt}, rank {rank} started training at step {log['steps'][0]}, "
+                    f"but the newest complete checkpoint then was step {newest}",
+                    expected=newest, got=log["steps"][0],
+                    hint="Resume from the highest step whose folder holds .metadata; the folders' "
+                         "modification times are not the steps.")
+    if got["error"]:
+        raise CheckFailed(got["error"])
+
+
+@LOOP.case("under torchrun: every attempt resumed from the newest complete checkpoint and "
+           "never loaded an incomplete one", compare=_compare_torchrun_resumes)
+def _(impl: Any, seed: int) -> Any:
+    got = _torchrun_run(impl, seed)
+    return {"error": got["error"], "attempts": got["attempts"]}
