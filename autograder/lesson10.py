@@ -444,7 +444,7 @@ def _compare_separate(got: Any, expected: Any) -> None:
 
 
 EGNN = task(
-    "10.2", "EGNNLayer", points=3,
+    "10.2", "EGNNLayer", points=3, forbidden=("autograder.lesson10.ReferenceEGNNLayer",),
     hint="Per edge j -> i: m = phi_e(cat[h_i, h_j, |x_i - x_j|^2, a_ij]); x_i moves by the mean "
          "over its neighbours of (x_i - x_j) * phi_x(m); h_i' = phi_h(cat[h_i, sum of m into i]).",
 )
@@ -592,7 +592,8 @@ SCAFFOLD = task(
          "as DeepChem does (by size, ties by first index, both descending); walk them: a set goes "
          "to train unless it would pass frac_train * n, else to valid unless train + valid + set "
          "would pass (frac_train + frac_valid) * n, else to test.",
-    forbidden=("deepchem.splits.ScaffoldSplitter", "deepchem.splits.splitters.ScaffoldSplitter"),
+    forbidden=("deepchem.splits.ScaffoldSplitter", "deepchem.splits.splitters.ScaffoldSplitter",
+               "autograder.lesson10.reference_scaffold_split"),
 )
 
 ORDER_HINT = ("DeepChem sorts the scaffold sets with key (len(set), set[0]) and reverse=True: "
@@ -821,7 +822,9 @@ SCREEN = task(
          "RDKit's Scoring module. On ranks, gather every shard (sizes differ: gather the sizes "
          "first, pad, gather, strip) and compute the metrics once on the whole list.",
     forbidden=("rdkit.ML.Scoring.Scoring.CalcEnrichment", "rdkit.ML.Scoring.Scoring.CalcBEDROC",
-               "rdkit.ML.Scoring.Scoring.CalcRIE", "rdkit.ML.Scoring.Scoring.CalcAUC"),
+               "rdkit.ML.Scoring.Scoring.CalcRIE", "rdkit.ML.Scoring.Scoring.CalcAUC",
+               "autograder.lesson10.reference_enrichment_factor", "autograder.lesson10.reference_bedroc",
+               "autograder.lesson10.reference_screen"),
 )
 
 SCREEN.case("enrichment_factor and bedroc equal RDKit's CalcEnrichment and CalcBEDROC on random "

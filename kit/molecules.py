@@ -196,14 +196,18 @@ def property_matched_decoys(actives, pool_smiles, per_active: int = 10,
 
     RDLogger.DisableLog("rdApp.*")
     active_fps = [_fingerprint(m) for m in actives]
-    candidates, props = [], []
+    candidates, props, seen = [], [], set()
     for smi in pool_smiles:
         mol = Chem.MolFromSmiles(smi)
         if mol is None or mol.GetNumHeavyAtoms() < 6 or len(Chem.GetMolFrags(mol)) > 1:
             continue  # unparsable, tiny, or a salt/mixture: not a drug-like decoy
+        canonical = Chem.MolToSmiles(mol)
+        if canonical in seen:
+            continue  # the pools overlap: each molecule once
         if max(DataStructs.BulkTanimotoSimilarity(_fingerprint(mol), active_fps)) >= max_similarity:
             continue  # too similar to a known active: it might be one
-        candidates.append(Chem.MolToSmiles(mol))
+        seen.add(canonical)
+        candidates.append(canonical)
         props.append(properties(mol))
     pool = np.array(props)  # (P, 6)
     target = np.array([properties(m) for m in actives])  # (A, 6)
