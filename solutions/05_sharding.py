@@ -13,7 +13,30 @@
 # %% [markdown]
 # # Lesson 05 · Sharding training state: a ZeRO optimizer, FSDP from scratch, then FSDP2
 #
-# PROSE
+# Data parallelism (Lesson 04) keeps a full copy of the model on every rank: its parameters,
+# its gradients and the optimizer's state. With Adam that is 16 bytes per parameter on every
+# rank, so a 7-billion-parameter model needs 112 GB per rank before a single activation,
+# however many ranks you add. This lesson removes the copies, one kind at a time, as the ZeRO
+# paper does: first the optimizer state, then the parameters and gradients too. You will
+# build each step by hand, then meet PyTorch's `ZeroRedundancyOptimizer` and FSDP2
+# (`fully_shard`) and recognise every part.
+#
+# **Prerequisites:** Lesson 01 (all-gather, reduce-scatter, broadcast, reduce, the tracer and
+# the alpha-beta cost model), Lesson 04 (data parallelism, gradient hooks), and a PyTorch
+# training loop with `torch.optim.AdamW`.
+#
+# **You will be able to:**
+# - count the bytes of training state a rank really holds, storages once and DTensors by
+#   their local shard (**Task 5.1**, 2 points), and predict them with the ZeRO formulas;
+# - shard the optimizer state over ranks, ZeRO-1 (**Task 5.2**, 4 points);
+# - shard everything, ZeRO-3: flat padded units gathered before forward, freed after it,
+#   gathered again for backward, gradients reduce-scattered (**Task 5.3**, 6 points);
+# - apply FSDP2 per block on a 1-D and a 2-D `DeviceMesh`, with mixed precision
+#   (**Task 5.4**, 3 points);
+# - say what each scheme costs in communication, and why ZeRO-3 costs 1.5x DDP.
+#
+# Every class here is called from ranks started with `launch` (Lesson 00), so that the
+# checks and the demos run on 2-4 real gloo ranks on your laptop.
 
 # %% tags=["setup"]
 import math
@@ -30,8 +53,78 @@ from torch.nn import functional as F
 
 from kit import LaunchError, check, launch
 from kit.models import TinyTransformer, token_batch
+from kit.sharding import memory_calculator, plot_stage_bars, stage_bytes, stage_traffic
 from kit.trace import launch_traced, plot_timeline, region, trace
 
+# %% [markdown]
+# ## 1. Where the memory of training goes
+#
+# For every parameter, training with Adam keeps:
+#
+# | what | fp32 training | mixed precision (bf16 compute) |
+# | --- | --- | --- |
+# | parameter | 4 bytes | 2 (bf16 copy used in forward and backward) |
+# | gradient | 4 | 2 |
+# | optimizer state | 8 (Adam's two moments) | 12 (fp32 master weight + two moments) |
+# | **total** | **16** | **16** |
+#
+# Mixed precision does not save state memory; it saves activation memory and time. The
+# [ZeRO paper](https://arxiv.org/abs/1910.02054) (Rajbhandari et al., 2020) writes the
+# optimizer state as $K\Psi$ for $\Psi$ parameters ($K = 12$ with mixed-precision Adam)
+# and shards the three kinds over the $N_d$ data-parallel ranks in three stages:
+#
+# | stage | sharded | bytes per rank (mixed precision) |
+# | --- | --- | --- |
+# | DDP | nothing | $(2 + 2 + K)\Psi$ |
+# | ZeRO-1 | optimizer state | $(2 + 2)\Psi + K\Psi / N_d$ |
+# | ZeRO-2 | + gradients | $2\Psi + (2 + K)\Psi / N_d$ |
+# | ZeRO-3 (FSDP) | + parameters | $(2 + 2 + K)\Psi / N_d$ |
+#
+# Activations are in none of these rows. They belong to the batch, not the model: each rank
+# already computes only its own slice of the batch, so there is nothing redundant to shard.
+# Activation checkpointing (Lesson 07) and sequence parallelism (Lesson 08) attack them.
+#
+# Move the sliders: a 7B model on 8 ranks, or a 70B one on 1024.
+
+# %%
+memory_calculator()
+
+# %% [markdown]
+# For the notebook's own small transformer the same formulas give (fp32, 4 ranks):
+
+# %%
+def untied(model):
+    """Give the output layer its own weight: our FSDP shards units that share nothing."""
+    model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
+    return model
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return untied(TinyTransformer(vocab=256, dim=64, layers=4, heads=4, context=32))
+
+
+n_params = sum(p.numel() for p in small_model().parameters())
+print(f"{n_params:,} parameters")
+for stage in range(4):
+    per_rank = stage_bytes(n_params, 4, stage)
+    print(f"stage {stage}: " + ", ".join(f"{k} {v / 2**10:7.1f} KiB" for k, v in per_rank.items()))
+
+# %% [markdown]
+# ### Task 5.1: `state_bytes`
+#
+# To check those numbers on real ranks you need a meter. Write `state_bytes(module,
+# optimizer=None)`: the bytes of parameters, gradients and optimizer state this rank holds.
+# Three details make it a meter of memory, not of tensors:
+#
+# - **Storages, not tensors.** Two tensors can share memory: a tied weight is one `Parameter`
+#   reached twice, and FSDP-style code keeps parameters as *views* of one flat buffer.
+#   `t.untyped_storage()` is the memory behind `t`; count each storage once (its
+#   `data_ptr()` is a fine key), with all its `nbytes()`, padding included.
+# - **DTensors.** FSDP2's parameters are `DTensor`s: `p.shape` is the global shape, while the
+#   rank holds only `p.to_local()`. Count the local shard.
+# - **Wrapped optimizers.** torch's `ZeroRedundancyOptimizer` keeps its state in the local
+#   optimizer it wraps, `optimizer.optim`; count that too.
 
 # %% tags=["task-5.1"]
 def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -76,6 +169,34 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
 # %% tags=["check-5.1"]
 check("5.1", state_bytes)
 
+
+# %% [markdown]
+# ## 2. ZeRO-1: shard the optimizer state
+#
+# Data parallelism runs the same optimizer step on every rank, on the same averaged
+# gradients, with the same state: W copies of the same work. ZeRO-1 gives each parameter an
+# **owner**. Only the owner keeps that parameter's Adam moments and steps it; afterwards it
+# sends the new values to everyone:
+#
+# 1. every rank computes gradients on its own slice of the batch, as in DDP;
+# 2. each gradient is **reduced to its owner** (`dist.reduce(p.grad, dst=owner)`) and
+#    divided by the world size there: only the owner needs the average;
+# 3. the owner steps its parameters with an ordinary torch optimizer built over them alone;
+# 4. each owner **broadcasts** its updated parameters (`dist.broadcast(p, src=owner)`).
+#
+# Balance matters: the rank owning the most elements sets the memory. Assign parameters
+# largest first, each to the rank that owns the fewest elements so far (the greedy rule
+# torch's `ZeroRedundancyOptimizer` uses); no rank then holds more than $1/W$ of the
+# elements plus one largest parameter.
+#
+# ### Task 5.2: `ShardedOptimizer`
+#
+# Write `ShardedOptimizer(params, optimizer_cls, **kwargs)`, a `torch.optim.Optimizer`. The
+# base class's `__init__` calls `self.add_param_group` for every group, so assigning owners
+# there also covers groups added later. Keep the owner's state in `self.state` (the state of
+# the local optimizer you build over the owned parameters), so that `state_bytes` sees it.
+# The hyperparameters live in `self.param_groups`: a learning-rate scheduler changes them
+# there, so copy them to the local optimizer's groups before each step.
 
 # %% tags=["task-5.2"]
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -154,6 +275,123 @@ class ShardedOptimizer(torch.optim.Optimizer):
 check("5.2", ShardedOptimizer)
 
 
+# %% [markdown]
+# ### What the traffic costs
+#
+# A reduce to one rank plus a broadcast from it moves each gradient's bytes about twice,
+# like an all-reduce. Done for the whole flat gradient at once, the two halves are exactly
+# a **reduce-scatter** (each rank receives the sum of its own slice) and an **all-gather**
+# (each rank sends its updated slice to all), and a ring all-reduce *is* a reduce-scatter
+# followed by an all-gather (Lesson 01). So ZeRO-1 and ZeRO-2 cost what DDP costs:
+# $2\,\frac{W-1}{W}\Psi$ bytes per rank and step. ZeRO-3 all-gathers the parameters twice
+# (forward and backward) and reduce-scatters the gradients once: $3\,\frac{W-1}{W}\Psi$,
+# 1.5 times DDP. Lesson 01's cost model turns bytes into time:
+
+# %%
+from kit.costmodel import ring_all_reduce_time  # noqa: E402
+
+alpha, beta = 20e-6, 1 / 25e9  # a 25 GB/s link with 20 us latency per message
+billions = 7e9
+for stage in (0, 1, 3):
+    seconds = stage_traffic(billions, 64, stage, bytes_per_param=2) * beta
+    print(f"{['DDP', 'ZeRO-1/2', '', 'ZeRO-3'][stage]:9s} 7B bf16 on 64 ranks: "
+          f"{stage_traffic(billions, 64, stage, 2) / 1e9:5.1f} GB sent per rank and step, "
+          f"{seconds:5.2f} s on the link")
+print(f"check: one ring all-reduce of 14 GB on 64 ranks: "
+      f"{ring_all_reduce_time(14e9, 64, alpha, beta):.2f} s")
+
+# %% [markdown]
+# torch ships ZeRO-1 as
+# [`ZeroRedundancyOptimizer`](https://pytorch.org/docs/stable/distributed.optim.html#torch.distributed.optim.ZeroRedundancyOptimizer).
+# It leaves the gradient averaging to DDP (a full all-reduce) and broadcasts each owner's
+# parameters after its local step; `parameters_as_bucket_view=True` packs them into flat
+# buckets first. The tracer shows both on 2 ranks:
+
+# %%
+def zero_traffic(which):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = small_model()
+    x, y = token_batch(2, 32, 256, seed=dist.get_rank())
+    if which == "torch":
+        wrapped = DDP(model)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
+    else:
+        wrapped, optimizer = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW)
+    with trace() as t:
+        F.cross_entropy(wrapped(x).flatten(0, 1), y.flatten()).backward()
+        optimizer.step()
+    ops = {}
+    for e in t.events:
+        ops[e.op] = ops.get(e.op, 0) + e.nbytes
+    return {op: f"{n / 2**10:.0f} KiB" for op, n in ops.items()}, state_bytes(model, optimizer)
+
+
+for which in ("torch", "ours"):
+    try:
+        traffic, held = launch(zero_traffic, which, world_size=2)[0]
+        print(f"{which:6s} traffic {traffic}; optimizer state on rank 0: "
+              f"{held['optimizer'] / 2**10:.0f} KiB")
+    except LaunchError as e:
+        print(f"{which}: {e.failures[0].summary}")
+
+# %% [markdown]
+# ## 3. FSDP by hand: shard the parameters too
+#
+# ZeRO-3, which PyTorch calls **Fully Sharded Data Parallel**, keeps only $1/W$ of every
+# parameter on each rank and rebuilds a layer's parameters just before they are needed:
+#
+# - The model is cut into **units** (here every `nn.Linear` and `nn.Embedding`). A unit's
+#   parameters are flattened into one buffer, padded with zeros to a multiple of $W$ and
+#   split into $W$ equal pieces; rank $r$ keeps piece $r$ as an fp32 `nn.Parameter`. Small
+#   parameters of other modules (layer norms) stay replicated, DDP-style.
+# - **Forward:** before a unit runs, **all-gather** its pieces into the full buffer (in the
+#   compute dtype, e.g. bf16, to halve the bytes); set the parameters as views of it; run
+#   the unit; **free** the buffer. At most one unit is whole at any time.
+# - **Backward:** autograd needs the weights again (a linear layer's input gradient is
+#   `grad_out @ W`), so **all-gather again** when the unit's backward starts. The unit's
+#   gradient is a full buffer on every rank; **reduce-scatter** it, so that each rank gets
+#   the sum of its own piece, and divide by $W$.
+#
+# Two PyTorch tools do the plumbing:
+#
+# - a custom [`torch.autograd.Function`](https://pytorch.org/docs/stable/notes/extending.html#extending-torch-autograd)
+#   whose forward is the all-gather and whose backward is the reduce-scatter (the two are
+#   each other's adjoint, like `broadcast` and `reduce`), so that autograd delivers the
+#   shard's gradient into `shard.grad` by itself;
+# - [`torch.autograd.graph.saved_tensors_hooks(pack, unpack)`](https://pytorch.org/docs/stable/autograd.html#hooks-for-saved-tensors):
+#   while a unit runs, whatever autograd saves for backward goes through `pack`. For the
+#   gathered weights, `pack` returns a small note instead of the tensor, so nothing holds
+#   the buffer after forward; in backward, `unpack` turns the note back into a tensor, from
+#   a fresh all-gather.
+#
+# Here is `saved_tensors_hooks` on its own: a linear layer saves its input and its weight.
+
+# %%
+seen = []
+with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(tuple(t.shape)) or t,
+                                              lambda t: t):
+    layer = nn.Linear(4, 3)
+    layer(torch.randn(5, 4, requires_grad=True)).sum().backward()
+print("autograd saved tensors of shapes", seen)
+
+# %% [markdown]
+# The input `(5, 4)` and the weight, transposed, `(4, 3)`. In your `pack`, recognise the
+# unit's own buffer by its storage (`t.untyped_storage().data_ptr()` is the gathered
+# buffer's) and return `(size, stride, storage_offset)`; in `unpack`, gather again and
+# rebuild the view with `full.as_strided(size, stride, offset)`.
+#
+# ### Task 5.3: `FSDP`
+#
+# The cell holds three classes: `GatherShards` (the autograd Function), `Unit` (one wrapped
+# module: its shard and hooks) and `FSDP` (finds the units, averages the replicated
+# gradients, rebuilds a full state dict). Fill in the bodies. Keep the shard on the unit
+# module as `self.shard` (any registered name), so that `model.parameters()` yields it in
+# place of the unit's parameters and any torch optimizer trains it. The unit's backward
+# starts when the gradient of its output arrives: `output.register_hook(...)` in the forward
+# hook is the place to start the second all-gather.
+
 # %% tags=["task-5.3"]
 class GatherShards(torch.autograd.Function):
     """Autograd's view of a unit's all-gather: shard (fp32) -> full flat buffer (padded,).
@@ -204,7 +442,7 @@ class Unit:
         """All-gather the shards (cast to dtype): the full flat buffer, (padded,)."""
         ### BEGIN SOLUTION
         full = torch.empty(self.padded, dtype=dtype)
-        dist.all_gather_into_tensor(full, self.shard.detach().to(dtype))
+        dist.all_gather_single(full, self.shard.detach().to(dtype))
         return full
         ### END SOLUTION
 
@@ -270,7 +508,7 @@ class Unit:
         ### BEGIN SOLUTION
         self.for_backward = None  # the unit's backward is over: free its parameters
         grad = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(grad, grad_full.float().contiguous())  # sum over ranks
+        dist.reduce_scatter_single(grad, grad_full.float().contiguous())  # sum over ranks
         return grad / self.world_size
         ### END SOLUTION
 
@@ -346,6 +584,170 @@ class FSDP(nn.Module):
 check("5.3", FSDP)
 
 
+# %% [markdown]
+# ### The timeline of one FSDP step, and prefetching
+#
+# Trace one step on 2 ranks: forward and backward as regions, every all-gather (green) and
+# reduce-scatter (red) as the tracer saw it. Each of the 4 blocks has 4 units, plus the two
+# embeddings and the output layer.
+
+# %%
+def fsdp_step(prefetch=False):
+    model = small_model()
+    fsdp = FSDP(model)
+    if prefetch:
+        enable_prefetch(fsdp)
+    x, y = token_batch(4, 32, 256, seed=dist.get_rank())
+    for _ in range(2):  # the first step warms up; trace the second
+        with trace() as t:
+            with region("forward"):
+                loss = F.cross_entropy(fsdp(x).flatten(0, 1), y.flatten())
+            with region("backward"):
+                loss.backward()
+                fsdp.finish_gradient_synchronization()
+    return [e.to_dict() for e in t.events]
+
+
+class PrefetchingUnit(Unit):
+    """A Unit that, once gathered in forward, starts the next unit's all-gather at once."""
+
+    next = None  # the unit that runs after this one in forward
+    pending = None  # (work, buffer) of an all-gather the previous unit started for us
+
+    def gather(self, dtype):
+        if self.pending is not None:  # started while the previous unit computed
+            work, full = self.pending
+            self.pending = None
+            work.wait()
+            return full
+        return super().gather(dtype)
+
+    def prefetch_next(self, module, args):
+        """Forward pre-hook, after the unit's own: start the next unit's all-gather."""
+        nxt = self.next
+        if nxt is not None:
+            full = torch.empty(nxt.shard.numel() * dist.get_world_size(), dtype=nxt.compute_dtype)
+            work = dist.all_gather_single(full, nxt.shard.detach().to(nxt.compute_dtype),
+                                          async_op=True)
+            nxt.pending = (work, full)
+
+
+def enable_prefetch(fsdp):
+    """Turn every unit into a PrefetchingUnit, chained in forward order (the model's order)."""
+    for unit, nxt in zip(fsdp.units, fsdp.units[1:] + [None]):
+        unit.__class__ = PrefetchingUnit  # gather() now takes a prefetched buffer when there is one
+        unit.next = nxt
+        unit.module.register_forward_pre_hook(unit.prefetch_next)  # runs after the gather hook
+
+
+try:
+    from kit.trace import Event  # noqa: E402
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 4), sharex=True)
+    for ax, prefetch in zip(axes, (False, True)):
+        events = launch(fsdp_step, prefetch, world_size=2)
+        plot_timeline([[Event(**e) for e in lane] for lane in events], ax=ax, arrows=False,
+                      title=f"FSDP, {'with' if prefetch else 'without'} prefetching")
+        gathers = [e for e in events[0] if "all_gather" in e["op"]]
+        forward = next(e for e in events[0] if e["op"] == "forward")
+        print(f"prefetch={prefetch}: {len(gathers)} all-gathers, "
+              f"{sum(e['async_op'] for e in gathers)} of them started ahead (async); "
+              f"forward {1e3 * (forward['end'] - forward['start']):.1f} ms on rank 0")
+    plt.tight_layout()
+    plt.show()
+except LaunchError as e:
+    print("Task 5.3 first:", e.failures[0].summary)
+
+# %% [markdown]
+# Without prefetching, each unit waits for its own all-gather before it can compute: the
+# green bars sit in the forward's critical path. With prefetching, unit $i+1$'s all-gather
+# is in flight while unit $i$ computes, and by the time it is needed it has (often) arrived.
+# On one laptop CPU the collectives and the matrix products share the same cores, so the
+# gain is small; on GPUs NCCL runs on its own stream and prefetching hides most of the
+# communication. The price is memory: two units are whole at once instead of one. torch's
+# FSDP2 prefetches the next unit in forward and the previous one in backward by default.
+
+# %% [markdown]
+# ## 4. The formulas against real ranks
+#
+# With your meter and your two sharded trainers, check the formulas of section 1. The cell
+# below trains one step on 4 ranks three ways: torch DDP with AdamW, your `ShardedOptimizer`
+# and your `FSDP`, then counts rank 0's bytes with your `state_bytes`. The triangles on the
+# bars are the totals counted.
+
+# %%
+def one_step(kind, world_size=4):
+    """Each rank: wrap the small model as `kind`, one AdamW step, this rank's state bytes."""
+    rank = dist.get_rank()
+    model = small_model()
+    if kind == "DDP":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped, optimizer = DDP(model), torch.optim.AdamW(model.parameters())
+    elif kind == "ZeRO-1":
+        wrapped, optimizer = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW)
+    else:
+        wrapped = FSDP(model)
+        optimizer = torch.optim.AdamW(wrapped.parameters())
+    x, y = token_batch(2, 32, 256, seed=rank)  # this rank's 2 sequences
+    F.cross_entropy(wrapped(x).flatten(0, 1), y.flatten()).backward()
+    getattr(wrapped, "finish_gradient_synchronization", lambda: None)()
+    optimizer.step()
+    return state_bytes(model, optimizer)
+
+
+measured = {}
+for stage, kind in [(0, "DDP"), (1, "ZeRO-1"), (3, "FSDP")]:
+    try:
+        measured[stage] = launch(one_step, kind, world_size=4)[0]  # rank 0
+    except LaunchError as e:
+        print(f"{kind}: not yet ({e.failures[0].summary})")
+print(f"{'':8s}{'':10s}{'counted':>10s}{'formula':>10s}   (KiB on rank 0 of 4)")
+for stage, got in measured.items():
+    formula = stage_bytes(n_params, 4, stage)
+    for kind in ("params", "grads", "optimizer"):
+        print(f"{['DDP', 'ZeRO-1', '', 'FSDP'][stage]:8s}{kind:10s}{got[kind] / 2**10:10.1f}"
+              f"{formula[kind] / 2**10:10.1f}")
+plot_stage_bars(n_params, 4, measured=measured)
+plt.show()
+
+# %% [markdown]
+# The counts sit within a few percent of the formulas, and the differences are worth
+# reading. Adam keeps a 4-byte `step` counter per parameter tensor besides its two moments.
+# ZeRO-1's owners hold whole parameters, so the state splits by parameter, not exactly in
+# quarters. FSDP pads each unit to a multiple of the world size and keeps the layer norms
+# replicated.
+
+# %% [markdown]
+# ## 5. FSDP2: `fully_shard` on a `DeviceMesh`
+#
+# PyTorch's current FSDP,
+# [`torch.distributed.fsdp.fully_shard`](https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html)
+# ("FSDP2"), does what your `FSDP` does, with three design changes:
+#
+# | | your `FSDP` / FSDP1 (`FullyShardedDataParallel`) | FSDP2 (`fully_shard`) |
+# | --- | --- | --- |
+# | sharding | one flat buffer per unit (FSDP1's `FlatParameter`), padded, split in $W$ | each parameter on its own, split on dim 0 |
+# | what the rank holds | a 1-D shard with no name or shape of its own | a `DTensor` per parameter: global shape, `Shard(0)` placement, a local piece |
+# | unit | each wrapped module | each module you call `fully_shard` on: a group of parameters gathered together |
+# | optimizer | works on the flat shards | works on DTensors, so per-parameter state and checkpoints keep their names |
+#
+# Call `fully_shard` on each transformer block (each becomes one all-gather), then on the
+# root, which takes the remaining parameters (embeddings, final norm, output layer). The
+# parameters become [`DTensor`s](https://pytorch.org/docs/stable/distributed.tensor.html)
+# on a [`DeviceMesh`](https://pytorch.org/tutorials/recipes/distributed_device_mesh.html):
+# `init_device_mesh("cpu", (4,))` is the 4 ranks in a row. With mixed precision,
+# `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` gathers
+# bf16 parameters for compute and reduce-scatters fp32 gradients, while the shards stay fp32.
+#
+# A 2-D mesh `init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))` gives
+# **HSDP** (hybrid sharding): parameters are sharded within each group of 2 ranks (in
+# practice: the GPUs of one node, on fast links) and replicated across the groups (across
+# nodes), whose gradients are all-reduced as in DDP. Each parameter is then placed
+# `(Replicate(), Shard(0))`.
+#
+# ### Task 5.4: `apply_fsdp2`
+
 # %% tags=["task-5.4"]
 def apply_fsdp2(model: nn.Module, mesh, param_dtype=None, reduce_dtype=None) -> nn.Module:
     """Shard `model` with FSDP2: fully_shard each block of model.blocks, then the root.
@@ -368,3 +770,154 @@ def apply_fsdp2(model: nn.Module, mesh, param_dtype=None, reduce_dtype=None) -> 
 
 # %% tags=["check-5.4"]
 check("5.4", apply_fsdp2)
+
+# %% [markdown]
+# Look at what `apply_fsdp2` did on a 1-D and a 2-D mesh of 4 ranks:
+
+# %%
+def placements(mesh_shape):
+    names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = apply_fsdp2(TinyTransformer(vocab=256, dim=64, layers=4, heads=4, context=32), mesh)
+    w = model.blocks[0].qkv.weight
+    return (f"rank {dist.get_rank()}: {type(w).__name__} {tuple(w.shape)} placed "
+            f"{w.placements}, local piece {tuple(w.to_local().shape)}, "
+            f"params {state_bytes(model)['params'] / 2**10:.0f} KiB")
+
+
+for shape in [(4,), (2, 2)]:
+    print(f"mesh {shape}:")
+    for line in launch(placements, shape, world_size=4):
+        print("  ", line)
+
+# %% [markdown]
+# ### `reshard_after_forward`
+#
+# `fully_shard(module, reshard_after_forward=True)` (the default) frees a block's gathered
+# parameters after its forward and gathers them again for backward, as your `FSDP` does.
+# `False` keeps them until backward: one all-gather fewer per block and step, for the memory
+# of every block's full parameters between forward and backward (ZeRO-2's memory for the
+# parameters). Count the all-gathers of one step:
+
+# %%
+def count_gathers(reshard):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=256, dim=64, layers=4, heads=4, context=32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    x, y = token_batch(2, 32, 256, seed=dist.get_rank())
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()  # warm-up step
+    with trace() as t:
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    return {op: sum(e.op == op for e in t.events) for op in sorted({e.op for e in t.events})}
+
+
+for reshard in (True, False):
+    print(f"reshard_after_forward={reshard}: {launch(count_gathers, reshard, world_size=2)[0]}")
+
+# %% [markdown]
+# ### A model that does not fit on one rank: meta-device initialisation
+#
+# To shard a model too large for one rank, never build it whole. Create it on the **meta
+# device** (shapes and dtypes, no memory), shard it, then allocate only the local shards
+# with `to_empty` and initialise them
+# ([FSDP2 notes](https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html)):
+
+# %%
+def build_on_meta(dim=512, layers=8):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with torch.device("meta"):
+        model = TinyTransformer(vocab=256, dim=dim, layers=layers, heads=8, context=64)
+    full = sum(p.numel() * 4 for p in model.parameters())
+    apply_fsdp2(model, mesh)
+    model.to_empty(device="cpu")  # allocates the local shards only
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()  # Linear, Embedding, LayerNorm init their own shards
+    x, _ = token_batch(1, 8, 256, seed=0)
+    return full, state_bytes(model)["params"], tuple(model(x).shape)
+
+
+full, held, shape = launch(build_on_meta, world_size=4)[0]
+print(f"the model: {full / 2**20:.0f} MiB of fp32 parameters; rank 0 holds "
+      f"{held / 2**20:.0f} MiB, and its forward gives logits of shape {shape}")
+
+# %% [markdown]
+# (Initialising each shard by itself draws other random numbers than a model built whole
+# would; real runs seed each rank's shard so that the result does not depend on $W$, or load
+# a checkpoint, Lesson 06.)
+#
+# ## Running at scale
+#
+# > The same functions run under `torchrun` with NCCL on GPUs. Use FSDP2 there:
+# >
+# > ```python
+# > # torchrun --standalone --nproc_per_node=8 train.py
+# > import os
+# > import torch
+# > import torch.distributed as dist
+# > from torch.distributed.device_mesh import init_device_mesh
+# > from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+# >
+# > dist.init_process_group("nccl")
+# > torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+# > mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+# > with torch.device("meta"):
+# >     model = TinyTransformer(dim=4096, layers=32)
+# > apply_fsdp2(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+# > model.to_empty(device="cuda")
+# > # ... initialise or load a checkpoint, then the usual loop with a DistributedSampler ...
+# > dist.destroy_process_group()
+# > ```
+# >
+# > - **HSDP across nodes:** `init_device_mesh("cuda", (nnodes, 8), mesh_dim_names=("replicate",
+# >   "shard"))` shards within a node over NVLink and all-reduces across nodes; launch with
+# >   `torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py`.
+# > - **CPU offload:** `fully_shard(..., offload_policy=CPUOffloadPolicy())` keeps the shards,
+# >   gradients and optimizer step in CPU memory and copies parameters to the GPU per unit.
+# > - **Prefetching** runs on separate CUDA streams, so all-gathers overlap compute for real;
+# >   `module.set_modules_to_forward_prefetch([...])` prefetches more than one unit ahead.
+# > - ZeRO-3 costs 1.5x DDP's traffic: on slow inter-node links prefer HSDP, or
+# >   `reshard_after_forward=False` for the last blocks.
+#
+# ## Summary
+#
+# - Adam training holds 16 bytes per parameter (params, grads, two moments; mixed precision
+#   trades 4 bytes of parameter and gradient for a 4-byte master copy). DDP holds it on every
+#   rank; ZeRO-1/2/3 shard the optimizer state, then the gradients, then the parameters.
+#   Activations are in none of them.
+# - Count memory by storages, once each, and a DTensor by its local piece (`state_bytes`).
+# - ZeRO-1: an owner per parameter, balanced by elements; reduce gradients to owners, step
+#   there, broadcast back. Same traffic as DDP.
+# - FSDP: flat padded units, all-gathered before forward, freed after it, gathered again for
+#   backward, gradients reduce-scattered: 1.5x DDP's traffic for 1/W of the memory.
+#   `saved_tensors_hooks` keep autograd from holding the gathered weights.
+# - FSDP2: `fully_shard` per block, then the root; DTensor parameters `Shard(0)` on a
+#   `DeviceMesh`; HSDP on a 2-D mesh; `MixedPrecisionPolicy`; `reshard_after_forward`;
+#   meta-device initialisation for models that do not fit.
+#
+# **Read more:** [FSDP2 `fully_shard`](https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html),
+# [Getting started with FSDP2](https://pytorch.org/tutorials/intermediate/FSDP_tutorial.html),
+# [`ZeroRedundancyOptimizer`](https://pytorch.org/docs/stable/distributed.optim.html),
+# [DTensor](https://pytorch.org/docs/stable/distributed.tensor.html),
+# [DeviceMesh](https://pytorch.org/tutorials/recipes/distributed_device_mesh.html), the ZeRO
+# paper (Rajbhandari et al., SC 2020) and *PyTorch FSDP: Experiences on Scaling Fully
+# Sharded Data Parallel* (Zhao et al., VLDB 2023).
+#
+# ## Exercises (not graded)
+#
+# 1. Turn `ShardedOptimizer` into ZeRO-2: after reducing a gradient to its owner, free it
+#    (`p.grad = None`) on the other ranks. Check the gradient bytes with `state_bytes`.
+# 2. Replace the per-parameter reduce and broadcast of `ShardedOptimizer` by one
+#    `reduce_scatter_single` and one `all_gather_single` of flat buffers (pad to a
+#    multiple of W). Compare the traced bytes with the cost model.
+# 3. Make `FSDP` wrap whole transformer blocks (`wrap=(type(model.blocks[0]),)`) and compare
+#    the number of all-gathers and the peak memory with per-layer units.
+# 4. Give `PrefetchingUnit` a backward prefetch: when unit $i$'s backward starts, start
+#    unit $i-1$'s all-gather.
+# 5. Train with `apply_fsdp2(..., param_dtype=torch.bfloat16)` and with fp32 for 20 steps;
+#    plot both loss curves.

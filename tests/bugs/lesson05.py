@@ -227,7 +227,7 @@ class _Unit:
 
     def gather(self, dtype):
         full = torch.empty(self.shard.numel() * self.world_size, dtype=dtype)
-        dist.all_gather_into_tensor(full, self.shard.detach().to(dtype))
+        dist.all_gather_single(full, self.shard.detach().to(dtype))
         return full
 
     def views(self, full):
@@ -275,7 +275,7 @@ class _Unit:
     def reduce_scatter(self, grad_full):
         self.for_backward = None
         grad = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(grad, grad_full.float().contiguous())
+        dist.reduce_scatter_single(grad, grad_full.float().contiguous())
         return grad / self.world_size
 
 
@@ -375,7 +375,7 @@ class _BF16ReduceUnit(_Unit):
     def reduce_scatter(self, grad_full):
         self.for_backward = None
         grad = torch.empty(self.shard.numel(), dtype=grad_full.dtype)
-        dist.reduce_scatter_tensor(grad, grad_full.contiguous())  # in the compute dtype
+        dist.reduce_scatter_single(grad, grad_full.contiguous())  # in the compute dtype
         return grad.float() / self.world_size
 
 
