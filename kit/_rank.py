@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 
 import cloudpickle
 
+from kit import recorder  # imported here, once: forked ranks inherit it instead of importing it
+
 OK, ERROR, EXIT = "ok", "error", "exit"
 
 
@@ -149,8 +151,6 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
                                   timeout)
         # Record every operation below Python (kit/recorder.py); KIT_RECORDER=0 measures without.
         if spec.backend == "gloo" and os.environ.get("KIT_RECORDER", "1") != "0":
-            from kit import recorder
-
             recorder.install()
         dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                                 world_size=spec.world_size,
