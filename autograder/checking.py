@@ -42,7 +42,7 @@ def run_case(task: Task, case: Case, impl: Any, seed: int = 0) -> CaseResult:
     """Run one case on ``impl`` in this process and judge it against the trusted expectation."""
     start = time.perf_counter()
     try:
-        with gates.guard(task, impl):  # issue 13: a forbidden use scores the task 0
+        with gates.guard(task, impl):  # what the task re-implements scores it 0
             got = case.run(impl, seed)
     except Exception as e:
         return raised(task, case, e, time.perf_counter() - start)

@@ -1,6 +1,6 @@
 """The hard gates: code that uses what its task re-implements, or the grader's code, scores 0.
 
-Each exploit below once got full or most marks (issue 13); each stands for a class of routes
+Each exploit below once got full or most marks; each stands for a class of routes
 (a name bound before the checks, a ProcessGroup method, a functional collective, a computed
 name, a swallowed exception, a subclass, a wrapper around torch DDP, the grader's reference).
 A failure here means a student can get the points of a task without doing it.

@@ -63,7 +63,7 @@ def global_mean_returns_float(local: torch.Tensor) -> float:
 
 
 def shard_range_from_torch_sampler(n: int, rank: int, world_size: int) -> range:
-    from torch.utils.data import DistributedSampler  # exploit (issue 13): torch's own sharding
+    from torch.utils.data import DistributedSampler  # exploit: torch's own sharding
 
     indices = list(DistributedSampler(range(n), world_size, rank, shuffle=False, drop_last=True))
     return range(indices[0], indices[-1] + 1) if indices else range(0)

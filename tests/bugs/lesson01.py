@@ -188,7 +188,7 @@ def _time_one_latency(nbytes, world_size, alpha, beta) -> float:
     return alpha + 2 * (p - 1) / p * nbytes * beta
 
 
-# --------------------------------------------------------------------------- exploits (issue 13)
+# --------------------------------------------------------------------------- exploits
 # Each uses what the task re-implements, or the grader's code, by another route: the gates
 # score the task 0 (tests/test_gates.py), the recorder sees the routes below Python.
 

@@ -167,7 +167,7 @@ def cuts_every_shard_evenly(local, num_samples):
 
 
 class ShardSampler(DistributedSampler):
-    """Exploit (issue 13): torch's sampler under the task's name, no code of its own."""
+    """Exploit: torch's sampler under the task's name, no code of its own."""
 
 
 BUGS = {

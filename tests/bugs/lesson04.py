@@ -295,7 +295,7 @@ class NoSyncDropsAccumulated(_Bucketed):
             self.module.zero_grad()
 
 
-# --------------------------------------------------------------------------- exploits (issue 13)
+# --------------------------------------------------------------------------- exploits
 
 
 class WrapsTorchDDP(nn.Module):
