@@ -569,13 +569,8 @@ QUICK_FIRST, QUICK_TOTAL, EVERY = 8, 12, 2
 RUN_TOTAL = 12
 
 
-def _with_globals(impl: Any, **replace: Any) -> Any:
-    """``impl`` with some of its globals replaced (the names it does not use are ignored)."""
-    globs = getattr(impl, "__globals__", None)
-    if not isinstance(impl, types.FunctionType) or globs is None:
-        return None
-    new = {**globs, **{k: v for k, v in replace.items() if k in globs}}
-    return types.FunctionType(impl.__code__, new, impl.__name__, impl.__defaults__, impl.__closure__)
+def _is_function(impl: Any) -> bool:
+    return isinstance(impl, types.FunctionType) and isinstance(getattr(impl, "__globals__", None), dict)
 
 
 _NOT_A_FUNCTION = ("train_with_checkpoints must be a function that calls the setup's "
@@ -608,7 +603,12 @@ class _Watch:
 
         def load(*args: Any, **kwargs: Any) -> Any:
             folder = _checkpoint_name(args, kwargs, full=True)
-            self.loads.append([os.path.basename(folder), os.path.exists(os.path.join(folder, ".metadata"))])
+            complete = os.path.exists(os.path.join(folder, ".metadata"))
+            self.loads.append([os.path.basename(folder), complete])
+            if not complete:  # every rank sees the same folder, so every rank stops here alike
+                raise RuntimeError(f"dcp.load({os.path.basename(folder)}): that folder has no "
+                                   ".metadata, so its save never finished; resume from the newest "
+                                   "folder that has one")
             return original_load(*args, **kwargs)
 
         for module in (dcp, state_dict_saver):
@@ -636,10 +636,14 @@ def _checkpoint_name(args: tuple, kwargs: dict, full: bool = False) -> str:
 
 
 def _prepared(impl: Any, watch: _Watch, before: Callable[[Any], None] = lambda s: None) -> Any:
+    """Inside a rank: the trusted TrainingState and a watched train_step in place of the
+    lesson's, in the namespace of ``impl`` (so its helpers see them too) and in kit.resume."""
     from kit import resume
 
-    return _with_globals(impl, TrainingState=ReferenceTrainingState,
-                         train_step=watch.train_step(resume.train_step, before))
+    step = watch.train_step(resume.train_step, before)
+    impl.__globals__.update(TrainingState=ReferenceTrainingState, train_step=step)
+    resume.train_step = step
+    return impl
 
 
 def _complete_steps(root: str) -> list[int]:
@@ -695,12 +699,12 @@ def _quick_run(impl: Any, seed: int) -> list[dict[str, Any]]:
     if key in _QUICK_CACHE and _QUICK_CACHE[key][0] is impl:
         outcome = _QUICK_CACHE[key][1]
     else:
-        if _with_globals(impl) is None:
+        if not _is_function(impl):
             raise CheckFailed(_NOT_A_FUNCTION)
         with tempfile.TemporaryDirectory(prefix="kit-ckpts-") as root:
             try:
                 outcome = ("ok", list(run_ranks(_quick_on_rank, (impl, root), world_size=2,
-                                                timeout=90.0, echo=False)))
+                                                timeout=60.0, echo=False)))
             except Exception as e:  # noqa: BLE001 - kept, so every case reports the same error
                 outcome = ("error", e)
         _QUICK_CACHE.clear()
@@ -890,8 +894,10 @@ def torchrun_worker(workdir: str) -> None:
             kill()
 
     fn = _prepared(impl, watch, before)
-    params = _plain_state(fn(root, RUN_TOTAL, EVERY))
-    _log(work, rank, attempt, watch)
+    try:
+        params = _plain_state(fn(root, RUN_TOTAL, EVERY))
+    finally:
+        _log(work, rank, attempt, watch)
     torch.save(params, work / f"params-rank{rank}.pt")
     dist.destroy_process_group()
 
