@@ -447,9 +447,9 @@ ZERO = task(
     forbidden=("torch.distributed.optim.ZeroRedundancyOptimizer",),
     hint="Assign owners in add_param_group (largest first, to the least loaded rank); give "
          "optimizer_cls only this rank's parameters, in the same groups. In step: "
-         "dist.reduce each grad to its owner and divide by the world size there, copy the "
-         "groups' hyperparameters to the inner optimizer, step it, then dist.broadcast each "
-         "parameter from its owner.",
+         "dist.reduce the gradients to their owner (one flat buffer per owner) and divide by the "
+         "world size there, copy the groups' hyperparameters to the inner optimizer, step it, "
+         "then dist.broadcast each owner's parameters from it.",
 )
 
 
