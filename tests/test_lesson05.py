@@ -1,0 +1,266 @@
+"""Lesson 05's claims against trusted references, beyond its checks (tests/test_checks.py runs
+those on the solutions, the stubs and the seeded bugs).
+
+The solutions train like torch's own sharded trainers: ``ShardedOptimizer`` like DDP with
+``ZeroRedundancyOptimizer`` and ``FSDP`` like FSDP2's ``fully_shard`` on the same units, for
+several world sizes. The trusted expectations of the checks are themselves checked: Task
+5.4's one-process "data parallelism" gives torch DDP's losses, and Task 5.3's per-slice
+reference equals one process on the whole batch. The ZeRO formulas of :mod:`kit.sharding`
+keep their properties, ownership stays balanced for any parameter sizes, and the lesson
+runs headless and shows what it claims.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+from autograder import lesson05
+from autograder.registry import lesson_tasks
+from kit.launcher import run_ranks
+from kit.models import TinyTransformer, token_batch
+from kit.sharding import STAGES, stage_bytes, stage_traffic
+
+try:
+    from autograder.loading import load_tasks
+except ImportError:  # the loader's old home
+    from kit.notebook import load_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "solutions" / "05_sharding.py"
+
+
+@pytest.fixture(scope="module")
+def solution():
+    lesson05._warm()
+    return load_tasks(SOURCE)
+
+
+def test_lesson05_registers_tasks_5_1_to_5_4_with_points_and_gates():
+    tasks = {t.id: (t.name, t.points, t.forbidden) for t in lesson_tasks(5)}
+    assert tasks == {
+        "5.1": ("state_bytes", 2.0, ()),
+        "5.2": ("ShardedOptimizer", 4.0, ("torch.distributed.optim.ZeroRedundancyOptimizer",)),
+        "5.3": ("FSDP", 6.0, ("torch.distributed.fsdp.fully_shard",
+                              "torch.distributed.fsdp.FullyShardedDataParallel",
+                              "torch.nn.parallel.DistributedDataParallel")),
+        "5.4": ("apply_fsdp2", 3.0, ()),
+    }
+
+
+# --------------------------------------------------------------------------- against torch
+
+
+def _untied(seed: int) -> TinyTransformer:
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab=32, dim=16, layers=2, heads=2, context=8)
+    model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
+    return model
+
+
+def _zero_params(which: str, sharded_optimizer, steps: int = 3) -> dict[str, torch.Tensor]:
+    """Each rank: AdamW steps on its own slice, sharded by the solution or by torch."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _untied(0)
+    if which == "torch":
+        wrapped = DistributedDataParallel(model)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                            lr=1e-2, eps=1e-4)
+    else:
+        wrapped = model
+        optimizer = sharded_optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, eps=1e-4)
+    for step in range(steps):
+        x, y = token_batch(2 * world_size, 8, 32, seed=step)
+        x, y = x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
+        F.cross_entropy(wrapped(x).flatten(0, 1), y.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@settings(max_examples=3, deadline=None)
+@given(world_size=st.integers(1, 4))
+def test_sharded_optimizer_trains_like_ddp_with_zero_redundancy_optimizer(solution, world_size):
+    ours = run_ranks(_zero_params, ("ours", solution.ShardedOptimizer), world_size=world_size,
+                     echo=False)
+    torchs = run_ranks(_zero_params, ("torch", None), world_size=world_size, echo=False)
+    for rank in range(world_size):
+        for name, p in torchs[rank].items():
+            torch.testing.assert_close(ours[rank][name], p, rtol=1e-4, atol=1e-5)
+
+
+def _fsdp_params(which: str, fsdp, steps: int = 2) -> dict[str, torch.Tensor]:
+    """Each rank: AdamW steps on its own slice with the solution's FSDP or FSDP2 per layer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _untied(0)
+    if which == "torch":
+        mesh = init_device_mesh("cpu", (world_size,))
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                fully_shard(m, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    else:
+        wrapped = fsdp(model)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, eps=1e-4)
+    for step in range(steps):
+        x, y = token_batch(2 * world_size, 8, 32, seed=step)
+        x, y = x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
+        F.cross_entropy(wrapped(x).flatten(0, 1), y.flatten()).backward()
+        getattr(wrapped, "finish_gradient_synchronization", lambda: None)()
+        optimizer.step()
+        optimizer.zero_grad()
+    if which == "torch":
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return wrapped.full_state_dict()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp_solution_trains_like_fully_shard_on_the_same_units(solution, world_size):
+    ours = run_ranks(_fsdp_params, ("ours", solution.FSDP), world_size=world_size, echo=False)
+    torchs = run_ranks(_fsdp_params, ("torch", None), world_size=world_size, echo=False)
+    assert set(ours[0]) == set(torchs[0])
+    for rank in range(world_size):
+        for name, p in torchs[rank].items():
+            torch.testing.assert_close(ours[rank][name], p, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the references
+
+
+def _ddp_losses(seed: int) -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(lesson05._fsdp2_model(seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(lesson05.FSDP2_STEPS):
+        x, y = lesson05._slice(seed, step, rank, world_size, lesson05.FSDP2_PER_RANK,
+                               lesson05.FSDP2_LENGTH, lesson05.FSDP2_VOCAB)
+        loss = lesson05._loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_task_5_4_reference_gives_torch_ddp_losses():
+    expected = lesson05._fsdp2_reference(3)["losses"]
+    ddp = run_ranks(_ddp_losses, (3,), world_size=lesson05.FSDP2_RANKS, echo=False)
+    for rank in range(lesson05.FSDP2_RANKS):
+        assert ddp[rank] == pytest.approx(expected[rank], rel=1e-5, abs=1e-6)
+
+
+def test_task_5_3_reference_in_fp32_is_one_process_on_the_whole_batch():
+    expected = lesson05._fsdp_reference(5)["float32"]
+    model = lesson05._fsdp_model(5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=lesson05.EPS)
+    for step in range(lesson05.FSDP_STEPS):
+        x, y = token_batch(lesson05.FSDP_RANKS * lesson05.FSDP_PER_RANK, lesson05.FSDP_LENGTH,
+                           lesson05.FSDP_VOCAB, 5 * 7919 + step)
+        lesson05._loss(model(x), y).backward()  # equal slices: the mean of the slices' means
+        if step == 0:
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, expected["grads"][name], rtol=1e-4, atol=1e-6)
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected["final"][name], rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- formulas, balance
+
+
+@settings(max_examples=50, deadline=None)
+@given(params=st.integers(1, 10**12), world_size=st.integers(1, 4096),
+       precision=st.sampled_from(["fp32", "mixed (bf16 + fp32 master)"]))
+def test_zero_formulas_shrink_stage_by_stage_and_reach_one_over_w(params, world_size, precision):
+    totals = [sum(stage_bytes(params, world_size, s, precision).values()) for s in STAGES]
+    assert totals[0] == pytest.approx(16 * params)  # Adam: 16 bytes per parameter either way
+    assert all(a >= b for a, b in zip(totals, totals[1:]))
+    assert totals[3] == pytest.approx(totals[0] / world_size)
+    if world_size == 1:
+        assert totals == pytest.approx([totals[0]] * 4)
+    if world_size > 1:
+        assert stage_traffic(params, world_size, 3) == pytest.approx(
+            1.5 * stage_traffic(params, world_size, 0))
+        assert stage_traffic(params, world_size, 1) == stage_traffic(params, world_size, 0)
+
+
+def _owners(sharded_optimizer, cases: list[list[list[int]]]) -> list[list[int]]:
+    """Per case (parameter groups of the given sizes): for each parameter, its elements if this
+    rank keeps its state (SGD momentum buffers exist on the owner only), else 0."""
+    out = []
+    for groups in cases:
+        params = [[nn.Parameter(torch.zeros(n)) for n in sizes] for sizes in groups]
+        optimizer = sharded_optimizer([{"params": params[0]}], torch.optim.SGD, lr=0.1,
+                                      momentum=0.9)
+        for ps in params[1:]:
+            optimizer.add_param_group({"params": ps})
+        for p in (p for ps in params for p in ps):
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        out.append([p.numel() if p in optimizer.state else 0 for ps in params for p in ps])
+    return out
+
+
+def test_ownership_is_balanced_for_random_parameter_sizes(solution):
+    rng = random.Random(0)
+    cases = [[[rng.choice([1, 3, 16, 100, 1000, 4096]) for _ in range(rng.randint(1, 8))]
+              for _ in range(rng.randint(1, 3))] for _ in range(30)]
+    world_size = 3
+    per_rank = run_ranks(_owners, (solution.ShardedOptimizer, cases), world_size=world_size,
+                         echo=False)
+    for i, groups in enumerate(cases):
+        sizes = [n for sizes in groups for n in sizes]
+        owned = [per_rank[r][i] for r in range(world_size)]
+        for j in range(len(sizes)):  # every parameter has exactly one owner
+            assert sum(1 for r in range(world_size) if owned[r][j]) == 1, (groups, owned)
+        bound = sum(sizes) / world_size + max(sizes)
+        assert max(sum(o) for o in owned) <= bound, (groups, owned)
+
+
+# --------------------------------------------------------------------------- the lesson
+
+
+@pytest.mark.slow
+def test_lesson05_runs_headless_with_its_solutions_and_shows_what_it_claims():
+    import json
+
+    from kit.runner import run_notebook
+
+    result = run_notebook(SOURCE, timeout=240)
+    assert result.ok, str(result.failure)
+    assert result.seconds < 240
+    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    rows = [line.split() for line in printed.splitlines()
+            if line.startswith(("DDP ", "ZeRO-1 ", "FSDP ")) and len(line.split()) == 4]
+    assert len(rows) == 9, printed  # 3 schemes x (params, grads, optimizer)
+    for scheme, kind, counted, formula in rows:
+        assert math.isclose(float(counted), float(formula), rel_tol=0.03), (scheme, kind)
+    assert "reshard_after_forward=True: {'all_gather_single': 10, 'reduce_scatter_single': 5}" in printed
+    assert "reshard_after_forward=False: {'all_gather_single': 5, 'reduce_scatter_single': 5}" in printed
+    assert "prefetch=False: 38 all-gathers, 0 of them started ahead" in printed
+    assert "prefetch=True: 38 all-gathers, 18 of them started ahead" in printed
+    held = next(line for line in printed.splitlines() if line.startswith("the model:"))
+    full, mine = (float(w) for w in held.replace("MiB", "").split() if w.replace(".", "").isdigit())
+    assert mine == pytest.approx(full / 4, rel=0.05)
+    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
+              for o in c.get("outputs", [])]
+    assert checks and '"stderr"' not in json.dumps(checks)
