@@ -1,0 +1,225 @@
+"""Lesson 07's claims, proved against trusted references independently of the checks.
+
+The solutions' loss scaler follows torch's GradScaler for any overflow pattern and growth
+interval (hypothesis); the saved-activation count meets the per-layer formula for any block
+shape; checkpointing gives torch.utils.checkpoint's gradients and saves what the formula
+predicts; GraphBreakNet really breaks Dynamo's graph and the solution does not; and the lesson
+runs headless, showing what its prose says. (tests/test_checks.py runs the checks themselves
+on the solutions, the stubs and the seeded bugs.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from unittest.mock import patch
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+from autograder.lesson07 import (
+    SCALER_ARGS,
+    _dropout_model,
+    _reference_saved_bytes,
+    _torch_scaler,
+    _train_scaled,
+    block_formula_bytes,
+)
+from autograder.registry import lesson_tasks
+from kit.models import TinyTransformer, token_batch
+from kit.precision import GraphBreakNet, format_table, padded_batch
+
+try:
+    from autograder.loading import load_tasks
+except ImportError:  # before the move of the grading modules to autograder/
+    from kit.notebook import load_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "solutions" / "07_memory_speed.py"
+
+
+@pytest.fixture(scope="module")
+def solution():
+    return load_tasks(SOURCE)
+
+
+def test_lesson07_registers_tasks_7_1_to_7_4_with_points_and_hard_gates():
+    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(7)}
+    assert tasks == {"7.1": ("DynamicLossScaler", 4.0), "7.2": ("saved_activation_bytes", 3.0),
+                     "7.3": ("apply_checkpointing", 4.0), "7.4": ("compile_ready", 3.0)}
+    gates = {t.id: t.forbidden for t in lesson_tasks(7)}
+    assert "torch.amp.GradScaler" in gates["7.1"]
+    assert "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler" in gates["7.1"]
+    assert "torch.utils.checkpoint.checkpoint" in gates["7.3"]
+
+
+def test_format_table_matches_torch_finfo():
+    rows = {r["format"]: r for r in format_table()}
+    assert rows["fp16"]["max"] == 65504.0 and rows["fp16"]["eps"] == 2.0**-10
+    assert rows["bf16"]["eps"] == 2.0**-7 and rows["bf16"]["smallest normal"] == torch.finfo(torch.float32).tiny
+    assert rows["tf32"]["eps"] == rows["fp16"]["eps"] and rows["tf32"]["max"] == rows["fp32"]["max"]
+
+
+# --------------------------------------------------------------------------- task 7.1
+
+
+@settings(max_examples=25, deadline=None)
+@given(inf_steps=st.sets(st.integers(0, 11), max_size=5), nan_steps=st.sets(st.integers(0, 11), max_size=2),
+       interval=st.integers(1, 4), clip=st.sampled_from([None, 0.3]))
+def test_scaler_follows_torch_grad_scaler_for_any_overflow_pattern(solution, inf_steps, nan_steps,
+                                                                   interval, clip):
+    kwargs = {"inf_steps": tuple(inf_steps), "nan_steps": tuple(nan_steps), "clip": clip}
+    with patch.dict(SCALER_ARGS, growth_interval=interval):
+        ours = _train_scaled(solution.DynamicLossScaler, 3, **kwargs)
+        theirs = _train_scaled(_torch_scaler, 3, **kwargs)
+    assert ours["scales"] == theirs["scales"]
+    assert ours["stepped"] == theirs["stepped"]
+    assert ours["stepped"] == [s not in inf_steps | nan_steps for s in range(len(ours["stepped"]))]
+    for name, p in theirs["params"].items():
+        torch.testing.assert_close(ours["params"][name], p, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- task 7.2
+
+
+@settings(max_examples=20, deadline=None)
+@given(s=st.sampled_from([1, 5, 16, 33]), b=st.integers(1, 3), heads=st.sampled_from([1, 2, 4]),
+       head_dim=st.sampled_from([4, 8, 16]))
+def test_saved_bytes_of_a_block_meet_the_per_layer_formula(solution, s, b, heads, head_dim):
+    h = heads * head_dim
+    block = TinyTransformer(vocab=8, dim=h, layers=1, heads=heads, context=64).blocks[0]
+    x = torch.randn(b, s, h, requires_grad=True)
+    assert solution.saved_activation_bytes(block, x) == block_formula_bytes(s, b, h, heads)
+    assert _reference_saved_bytes(block, x) == block_formula_bytes(s, b, h, heads)
+
+
+def test_saved_bytes_skip_weights_and_count_a_shared_storage_once(solution):
+    linear = nn.Linear(16, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+    assert solution.saved_activation_bytes(linear, x) == x.numel() * 4  # the input only
+
+    def three_views(t):  # q, k, v views of one storage, each saved by a multiplication
+        q, k, v = t.chunk(3, dim=1)
+        return (q * k * v).sum()
+
+    t = torch.randn(4, 12, requires_grad=True)
+    assert solution.saved_activation_bytes(three_views, t * 1.0) == 4 * 12 * 4 + 4 * 4 * 4  # t's storage once, q * k
+
+
+# --------------------------------------------------------------------------- task 7.3
+
+
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_checkpointing_gives_torch_checkpoint_gradients_bit_for_bit(solution, every):
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    def grads(wrap):
+        model = _dropout_model(5)
+        named = list(model.named_parameters())
+        wrap(model)
+        x, y = token_batch(2, 16, 32, 9)
+        torch.manual_seed(11)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        return {n: p.grad for n, p in named}
+
+    class TorchCheckpointed(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return torch_checkpoint(self.block, x, use_reentrant=False)
+
+    def torch_wrap(model):
+        for i, block in enumerate(model.blocks):
+            if (i + 1) % every == 0:
+                model.blocks[i] = TorchCheckpointed(block)
+
+    ours = grads(lambda m: solution.apply_checkpointing(m, every=every))
+    theirs = grads(torch_wrap)
+    for name, g in theirs.items():
+        assert torch.equal(ours[name], g), name
+
+
+def test_checkpointing_saves_what_task_7_2_predicts(solution):
+    """Saved bytes = plain model - per checkpointed block (its own saved bytes - its input)."""
+    x, _ = token_batch(2, 16, 32, 0)
+    plain = _dropout_model(0)
+    full = _reference_saved_bytes(plain, x)
+    block = plain.blocks[0]
+    h = torch.randn(2, 16, 32, requires_grad=True)
+    per_block = solution.saved_activation_bytes(block, h) - h.numel() * 4  # the input stays
+    for every in (1, 2, 4):
+        model = solution.apply_checkpointing(_dropout_model(0), every=every)
+        assert _reference_saved_bytes(model, x) == full - (4 // every) * per_block
+
+
+# --------------------------------------------------------------------------- task 7.4
+
+
+def _breaks(module):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    tokens, lengths = padded_batch(4, 7, 32, seed=0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        explanation = torch._dynamo.explain(module)(tokens, lengths)
+    torch._dynamo.reset()
+    return explanation.graph_break_count
+
+
+def test_graph_break_net_breaks_three_times_and_the_solution_never(solution):
+    model = GraphBreakNet()
+    assert _breaks(model) == 3
+    assert _breaks(solution.compile_ready(model)) == 0
+
+
+def test_compile_ready_matches_eager_with_inductor_too(solution):
+    """The checks use backend="eager"; Inductor's fused kernels give the same values."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = GraphBreakNet()
+    tokens, lengths = padded_batch(6, 9, 32, seed=4)
+    with contextlib.redirect_stdout(io.StringIO()):
+        want = model(tokens, lengths)
+    torch._dynamo.reset()
+    got = torch.compile(solution.compile_ready(model), fullgraph=True)(tokens, lengths)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the lesson
+
+
+@pytest.mark.slow
+def test_lesson07_runs_headless_with_its_solutions_and_shows_what_it_claims():
+    import json
+
+    from kit.runner import run_notebook
+
+    result = run_notebook(SOURCE, timeout=300)
+    assert result.ok, str(result.failure)
+    assert result.seconds < 240
+    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    formula = [line for line in printed.splitlines() if line.startswith("T=")]
+    assert len(formula) == 4 and all(line.split()[2] == line.split()[6] for line in formula)
+    memory = [float(line.split(":")[1].split()[0]) for line in printed.splitlines()
+              if line.split(":")[0].strip() in ("none", "every 4", "every 2", "every 1")]
+    assert len(memory) == 4 and memory == sorted(memory, reverse=True) and memory[0] > 4 * memory[3]
+    assert "refused: BF16 all reduce communication hook required" in printed
+    assert "layer output torch.bfloat16, sharded weight torch.float32" in printed
+    assert "4 graphs, 3 graph breaks" in printed
+    assert "bucket_cap_mb=25: graphs holding [" in printed
+    graphs = {line.split(":")[0]: line.count(",") + 1 for line in printed.splitlines()
+              if line.startswith("bucket_cap_mb=")}
+    assert graphs == {"bucket_cap_mb=25": 2, "bucket_cap_mb=1": 4}
+    assert "same result: True" in printed
+    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
+              for o in c.get("outputs", [])]
+    assert checks and '"stderr"' not in json.dumps(checks)
