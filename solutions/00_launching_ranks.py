@@ -207,9 +207,10 @@ def global_mean(local: torch.Tensor) -> torch.Tensor:
     The result is a 0-d tensor of local's dtype, the same on every rank.
     """
     ### BEGIN SOLUTION
-    # [sum, count] of this rank, in float64 so large counts stay exact
+    # [sum, count] of this rank, in float64 so large counts stay exact, on local's device
+    # (NCCL reduces GPU tensors only, and torch.stack refuses a mix of devices)
     total = torch.stack([local.sum(dtype=torch.float64),
-                         torch.tensor(local.numel(), dtype=torch.float64)])
+                         torch.tensor(local.numel(), dtype=torch.float64, device=local.device)])
     dist.all_reduce(total)  # now [sum, count] over all ranks, on every rank
     return (total[0] / total[1]).to(local.dtype)
     ### END SOLUTION

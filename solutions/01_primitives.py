@@ -259,7 +259,8 @@ except LaunchTimeout as err:
 # | `gather(t, list, dst)` / `scatter(t, list, src)` | one rank collects / hands out a slice each |
 # | `barrier()` | nobody leaves until all have arrived |
 #
-# \*`ReduceOp.AVG` exists for NCCL only; with gloo sum and divide. `all_gather_single` and
+# \*`ReduceOp.AVG` works on gloo too (for floating-point tensors: gloo sums, torch divides by
+# the group size; an int64 tensor raises, since the mean is not an integer). `all_gather_single` and
 # `reduce_scatter_single` are the current names of `all_gather_into_tensor` and
 # `reduce_scatter_tensor`, which still work.
 
@@ -357,7 +358,7 @@ plt.show()
 # gather/scatter family writes into output tensors you allocate (`out` above), so the input
 # is kept. **Async.** Every collective takes `async_op=True` and then returns a work handle,
 # like `isend`: start the communication, compute meanwhile, `wait()` before reading the result.
-# This is how DDP overlaps gradient all-reduces with the backward pass (Lesson 03).
+# This is how DDP overlaps gradient all-reduces with the backward pass (Lesson 04).
 
 # %%
 def overlap():
@@ -499,9 +500,20 @@ ring_stepper(world_size=4)
 # the buffer however many ranks join, and all links are busy at once. That is why ring
 # all-reduce is *bandwidth-optimal*.
 #
+# In every step each rank sends right and receives left *at the same time*; two blocking calls
+# in a row deadlock as in section 3. Post the pair with
+# [`dist.batch_isend_irecv`](https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv)
+# (a list of two `dist.P2POp`s, one `isend` and one `irecv`; wait on every handle it returns).
+# On gloo an `isend` and an `irecv` posted one after the other would work as well, but not
+# reliably on NCCL: there a send is a GPU kernel that may not finish until its peer has posted
+# the matching receive, so separately issued sends and receives around a ring can wait on each
+# other. NCCL asks for the sends and receives of one step to be issued as one group
+# ([NCCL group calls](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/groups.html)), which
+# is what `batch_isend_irecv` does there; torch documents that the order of sends and receives
+# inside one batch "does not matter and will not cause deadlocks".
+#
 # Implement `ring_all_reduce(tensor)`: an in-place sum over all ranks, by reduce-scatter then
-# all-gather, with `isend`/`irecv` (send right and receive left at the same time, or you will
-# deadlock as in section 3). It must work for any world size from 1 to 8, any number of
+# all-gather, with point-to-point messages only. It must work for any world size from 1 to 8, any number of
 # elements (also fewer than the ranks, and not divisible by them), and float32, float64 and
 # int64. *Hints:* `flat = tensor.view(-1)` shares memory with `tensor`;
 # `flat.tensor_split(p)` gives `p` views whose sizes differ by at most one (some may be
@@ -522,14 +534,16 @@ def ring_all_reduce(tensor: torch.Tensor) -> None:
         outgoing = chunks[(rank - step) % world_size]
         mine = chunks[(rank - step - 1) % world_size]
         incoming = scratch[: mine.numel()]
-        # post the receive first: the data can land straight in its buffer
-        for handle in (dist.irecv(incoming, left), dist.isend(outgoing, right)):
+        # send right and receive left as one batch: safe on NCCL, where a lone send may block
+        for handle in dist.batch_isend_irecv([dist.P2POp(dist.irecv, incoming, left),
+                                              dist.P2POp(dist.isend, outgoing, right)]):
             handle.wait()
         mine.add_(incoming)
     for step in range(world_size - 1):  # all-gather: receive straight into the chunk
         outgoing = chunks[(rank + 1 - step) % world_size]
         mine = chunks[(rank - step) % world_size]
-        for handle in (dist.irecv(mine, left), dist.isend(outgoing, right)):
+        for handle in dist.batch_isend_irecv([dist.P2POp(dist.irecv, mine, left),
+                                              dist.P2POp(dist.isend, outgoing, right)]):
             handle.wait()
     ### END SOLUTION
 
@@ -554,7 +568,7 @@ def ring_vs_gloo():
 
 ring = launch_traced(ring_vs_gloo, world_size=4)
 print("same result as dist.all_reduce on every rank:", all(ring))
-ring.timeline(title="ring_all_reduce (isend/irecv pairs), then gloo's all_reduce", arrows=False)
+ring.timeline(title="ring_all_reduce (batched isend/irecv pairs), then gloo's all_reduce", arrows=False)
 plt.show()
 
 # %% [markdown]
@@ -718,7 +732,7 @@ plt.show()
 # "links" are memory copies that compete with each other, and the model, which assumes
 # independent links, is optimistic for large buffers. On a real network (or NVLink) with one
 # rank per device it is usually within tens of percent, which is what you need to decide, for
-# example, how large DDP's gradient buckets should be (Lesson 03): big enough that `α` is paid
+# example, how large DDP's gradient buckets should be (Lesson 04): big enough that `α` is paid
 # rarely, small enough to start communicating early.
 
 # %% [markdown]
@@ -743,7 +757,8 @@ plt.show()
 # > | --- | --- | --- |
 # > | tensors | CPU for every op of this lesson; CUDA only for a few (broadcast, all_reduce), slowly | CUDA only, one GPU per rank |
 # > | ops | every op of this lesson | every op of this lesson |
-# > | `ReduceOp.AVG`, `PREMUL_SUM` | no | yes |
+# > | `ReduceOp.AVG` | yes (floating-point tensors) | yes |
+# > | `ReduceOp.PREMUL_SUM` | no ("Cannot use ReduceOp.PREMUL_SUM with Gloo") | yes |
 # > | where | CPU jobs, CI, laptops | every GPU cluster |
 # >
 # > NCCL picks ring or tree algorithms per message size and topology itself (NVLink inside a
@@ -782,7 +797,7 @@ plt.show()
 #    why can it not show gloo's internal messages the way it shows yours?
 # 2. Make `tree_broadcast` send to the *nearest* child first instead of the farthest. Does the
 #    round count change? Look at the timeline.
-# 3. Replace the `isend`/`irecv` pair in your ring with `dist.send` then `dist.recv`. On how many
+# 3. Replace the batched `isend`/`irecv` pair in your ring with `dist.send` then `dist.recv`. On how many
 #    ranks does it deadlock, and how would ordering by rank parity fix it?
 # 4. Use your fitted `α` and `β` to find the message size at which a ring all-reduce on 8 ranks
 #    spends as long on latency as on bandwidth.

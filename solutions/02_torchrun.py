@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kit import LaunchError, check, launch
+from kit import LaunchError, LaunchTimeout, check, launch
 from kit.debugging import record_collectives
 from kit.torchrun import (
     TorchrunError,
@@ -183,7 +183,7 @@ plt.show()
 # | `--nproc-per-node=N` | workers on this node (one per GPU; `gpu` means all of them) |
 # | `--nnodes=2` (or `1:4` elastic) | how many nodes must join before training starts |
 # | `--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=JOB` | where the agents meet: a TCP store on `HOST`, the same on every node |
-# | `--node-rank=K` | only for the *static* rendezvous (`--master-addr`); with c10d the nodes get their `GROUP_RANK` in order of arrival |
+# | `--node-rank=K` | only for the *static* rendezvous (`--master-addr`); with c10d each node's `GROUP_RANK` is its place in the sorted list of participants (host name, then the agent's process id), whatever `K` says and whoever came first |
 # | `--max-restarts=R` | restart all workers up to R times after a failure |
 #
 # Every worker receives `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`
@@ -322,6 +322,11 @@ print(f"torchrun finished in {result.wall_time:.1f} s")
 #   of the last saved checkpoint;
 # - return the final `model.state_dict()`.
 #
+# Load with `map_location="cpu"`: [`torch.load`](https://pytorch.org/docs/stable/generated/torch.load.html)
+# puts every tensor back on the device it was saved from, so on GPUs a checkpoint rank 0 saved
+# from `cuda:0` would land on `cuda:0` in every rank (memory there for all of them, and a
+# device mismatch later); `load_state_dict` copies the values onto the model's own device.
+#
 # The check runs your function in this process, then under real `torchrun --max-restarts=1`
 # on 2 ranks with rank 1 killed (`SIGKILL`, no chance to clean up) at step 3 of the first
 # attempt, and compares the final weights with an uninterrupted run, bit for bit.
@@ -341,7 +346,10 @@ def resumable_train(ckpt_dir: str, total_steps: int) -> dict[str, torch.Tensor]:
     path = os.path.join(ckpt_dir, "checkpoint.pt")
     start = 0
     if os.path.exists(path):
-        state = torch.load(path, weights_only=True)
+        # map_location="cpu": torch.load puts each tensor back on the device it was saved
+        # from, so on GPUs every rank would load rank 0's cuda:0 tensors onto cuda:0.
+        # load_state_dict then copies the values onto wherever the model lives.
+        state = torch.load(path, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]  # the first step not yet done
@@ -443,8 +451,11 @@ on_two_nodes = torch.load(two_nodes_dir / "final.pt", weights_only=True)
 print("two nodes == one process:", all(torch.equal(on_two_nodes[k], reference[k]) for k in reference))
 
 # %% [markdown]
-# Note the warning that `node_rank` is ignored: with the c10d rendezvous the agents receive
-# their `GROUP_RANK` in the order they arrive, so do not derive anything from `--node-rank`.
+# Note the warning that `node_rank` is ignored: with the c10d rendezvous, once enough agents
+# have joined, torch sorts the participants (each described by host name, agent process id and
+# a counter) and gives each its place in that order as `GROUP_RANK`
+# (`torch/distributed/elastic/rendezvous/dynamic_rendezvous.py`: `sorted(state.participants)`).
+# Neither `--node-rank` nor the order of arrival decides it, so derive nothing from either.
 #
 # On SLURM the same thing is one `sbatch` file, kept in this course as `slurm/train.sbatch`
 # (`sbatch slurm/train.sbatch train.py /shared/ckpt 1000`): `srun` starts one task per node,
@@ -509,8 +520,35 @@ except LaunchError as err:
 
 # %% [markdown]
 # **Mismatched collectives.** Worse than a hang is a collective that "works" with the wrong
-# inputs. Below rank 0 all-reduces 4 numbers and rank 1 only 3. Plain gloo does not notice:
-# rank 1 returns, rank 0 waits forever. With `TORCH_DISTRIBUTED_DEBUG=DETAIL` in the ranks'
+# inputs. Plain gloo does not compare sizes across ranks: what happens depends on the sizes
+# and the collective. Below, on 2 ranks, a broadcast of 3 numbers from rank 0 into rank 1's 4
+# returns on both ranks with no error, rank 1 keeping a stale last value; an all-reduce of 4
+# numbers against 3 returns garbage on rank 1 while rank 0 waits forever; and an all-reduce
+# of 8 numbers against 7 aborts a rank (SIGABRT) inside gloo.
+
+# %%
+def mismatched(collective, sizes):
+    rank = dist.get_rank()
+    t = torch.arange(1.0, sizes[rank] + 1) * (rank + 1)  # rank 0: 1, 2, 3..., rank 1: 2, 4, 6...
+    if collective == "broadcast":
+        dist.broadcast(t, src=0)
+    else:
+        dist.all_reduce(t)
+    print(f"{collective} {sizes}: returned {t.tolist()}")
+
+
+for collective, sizes in [("broadcast", (3, 4)), ("all_reduce", (4, 3)), ("all_reduce", (8, 7))]:
+    try:
+        launch(mismatched, collective, sizes, world_size=2, timeout=5)
+        print("  -> no error on any rank")
+    except LaunchTimeout:
+        print("  -> hung: a rank never returned")
+    except LaunchError as err:
+        cause = next(f for f in err.failures if not f.consequence)
+        print(f"  -> rank {cause.rank} {cause.summary}")
+
+# %% [markdown]
+# With `TORCH_DISTRIBUTED_DEBUG=DETAIL` in the ranks'
 # environment (it must be set *before* the process group is created), torch checks each
 # collective's name, shapes and dtypes across ranks first and raises on the first mismatch.
 # The script's `main` is wrapped in

@@ -633,8 +633,11 @@ except LaunchError as e:
 # own function of the bucket. torch ships `fp16_compress_hook` and `bf16_compress_hook`
 # ([docs](https://pytorch.org/docs/stable/ddp_comm_hooks.html)): cast the bucket to 16 bits,
 # divide by the world size, all-reduce, cast back. Half the bytes on the wire, for some
-# rounding of the gradients. They are a few lines each (torch's bf16 one insists on NCCL, so
-# here is the same hook for any backend):
+# rounding of the gradients. Both work with any backend whose all-reduce takes 16-bit tensors,
+# gloo included, but `register_comm_hook` accepts torch's `bf16_compress_hook` only from a
+# torch build with CUDA and NCCL >= 2.10 (or XPU with XCCL), whatever backend the group uses:
+# on this CPU-only build it raises `TypeError`. They are a few lines each, so here is the same
+# hook, accepted everywhere:
 
 # %%
 def compress_hook(dtype):
@@ -755,8 +758,11 @@ for name, ms in step_ms.items():
 # > dist.destroy_process_group()
 # > ```
 # >
-# > - **NCCL streams.** NCCL runs each bucket's all-reduce on its own CUDA stream, so the
-# >   communication really does run in parallel with backward's kernels, unlike gloo on CPU
+# > - **NCCL streams.** NCCL does not get a stream per bucket: a process group runs all its
+# >   collectives on one internal CUDA stream per device (`ProcessGroupNCCL`'s `ncclStreams_`),
+# >   separate from the stream backward's kernels run on. The buckets' all-reduces queue on
+# >   that stream one after another, while backward keeps computing on its own, so the
+# >   communication really does run in parallel with the computation, unlike gloo on CPU
 # >   where both compete for the same cores.
 # > - **`device_ids=[local_rank]`** tells DDP which single GPU this process drives.
 # > - **`gradient_as_bucket_view=True`** makes each `p.grad` a view into its bucket's flat
