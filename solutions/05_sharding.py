@@ -683,8 +683,10 @@ except LaunchError as e:
 # is in flight while unit $i$ computes, and by the time it is needed it has (often) arrived.
 # On one laptop CPU the collectives and the matrix products share the same cores, so the
 # gain is small; on GPUs NCCL runs on its own stream and prefetching hides most of the
-# communication. The price is memory: two units are whole at once instead of one. torch's
-# FSDP2 prefetches the next unit in forward and the previous one in backward by default.
+# communication. The price is memory: two units are whole at once instead of one. On GPUs,
+# torch's FSDP2 issues all-gathers on their own CUDA stream ahead of the compute that needs
+# them, prefetches the next module in backward by default, and takes explicit plans through
+# `module.set_modules_to_forward_prefetch([...])` and `set_modules_to_backward_prefetch`.
 
 # %% [markdown]
 # ## 4. The formulas against real ranks
@@ -899,7 +901,7 @@ print(f"the model: {full / 2**20:.0f} MiB of fp32 parameters; rank 0 holds "
 # > - **CPU offload:** `fully_shard(..., offload_policy=CPUOffloadPolicy())` keeps the shards,
 # >   gradients and optimizer step in CPU memory and copies parameters to the GPU per unit.
 # > - **Prefetching** runs on separate CUDA streams, so all-gathers overlap compute for real;
-# >   `module.set_modules_to_forward_prefetch([...])` prefetches more than one unit ahead.
+# >   `module.set_modules_to_forward_prefetch([...])` prefetches named modules ahead.
 # > - ZeRO-3 costs 1.5x DDP's traffic: on slow inter-node links prefer HSDP, or
 # >   `reshard_after_forward=False` for the last blocks.
 #
