@@ -22,7 +22,7 @@ import torch.fx.experimental.symbolic_shapes  # noqa: E402, F401
 from kit import costmodel
 
 __all__ = ["LayoutCost", "Model", "Network", "ScheduleRun", "layout_costs", "layout_table",
-           "layout_widget", "plot_schedule", "simulate_schedule"]
+           "layout_widget", "plot_pipeline_run", "plot_schedule", "simulate_schedule"]
 
 Op = tuple[str, int]  # ("F", i) or ("B", i): micro-batch i's forward or backward on one stage
 
@@ -112,6 +112,40 @@ def plot_schedule(orders: list[list[Op]], ax: Any = None, *, title: str = "",
     ax.set_xlabel(f"time (a forward = {forward:g}, a backward = {backward:g})")
     ax.set_title(title or f"bubble {run.bubble:.0%}, peak activations in flight "
                           f"{run.peak_in_flight}")
+    return ax
+
+
+def plot_pipeline_run(events: list[list[Any]], ax: Any = None, *, title: str = "") -> Any:
+    """Draw a traced pipeline run like :func:`plot_schedule`: one lane per rank, a box per
+    region named ``"F i"`` (blue) or ``"B i"`` (green) at the times it really ran, and an arrow
+    from each send to the receive that got it (``kit.trace`` events, as ``launch_traced`` returns).
+    """
+    import matplotlib.pyplot as plt
+
+    from kit.trace import match_messages
+
+    flat = [e for lane in events for e in lane]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(events)))
+    t0 = min(e.start for e in flat)
+    for e in flat:
+        name = e.op.split()
+        if e.kind != "region" or len(name) != 2 or name[0] not in ("F", "B"):
+            continue
+        colour = "tab:blue" if name[0] == "F" else "tab:green"
+        ax.barh(e.rank, 1e3 * e.duration, left=1e3 * (e.start - t0), height=0.8, color=colour,
+                edgecolor="white")
+        ax.text(1e3 * (e.start + e.end - 2 * t0) / 2, e.rank, name[1], ha="center", va="center",
+                color="white", fontsize=7)
+    for send, recv in match_messages(events):
+        ax.annotate("", xy=(1e3 * (recv.end - t0), recv.rank), xytext=(1e3 * (send.start - t0), send.rank),
+                    arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.5, "alpha": 0.4})
+    ranks = sorted({e.rank for e in flat})
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)
+    ax.set_xlabel("time (ms)")
+    if title:
+        ax.set_title(title)
     return ax
 
 
@@ -257,14 +291,18 @@ def layout_widget(model: Model = Model(), world_size: int = 64, memory_limit_gb:
     not fit in ``memory_limit_gb`` are greyed out, the fastest communication comes first."""
     import ipywidgets as w
 
+    def choices(values: list[int], value: int) -> list[int]:
+        return sorted({*values, value})  # the model's own value is always one of the stops
+
     sliders = {
-        "world_size": w.SelectionSlider(options=[8, 16, 32, 64, 128, 256, 512], value=world_size,
-                                        description="GPUs"),
-        "layers": w.IntSlider(model.layers, 8, 128, 8, description="layers"),
-        "hidden": w.SelectionSlider(options=[1024, 2048, 4096, 8192, 12288], value=model.hidden,
-                                    description="hidden"),
-        "seq": w.SelectionSlider(options=[512, 1024, 2048, 4096, 8192], value=model.seq,
-                                 description="sequence"),
+        "world_size": w.SelectionSlider(options=choices([8, 16, 32, 64, 128, 256, 512], world_size),
+                                        value=world_size, description="GPUs"),
+        "layers": w.SelectionSlider(options=choices(list(range(8, 129, 8)), model.layers),
+                                    value=model.layers, description="layers"),
+        "hidden": w.SelectionSlider(options=choices([1024, 2048, 4096, 8192, 12288], model.hidden),
+                                    value=model.hidden, description="hidden"),
+        "seq": w.SelectionSlider(options=choices([512, 1024, 2048, 4096, 8192], model.seq),
+                                 value=model.seq, description="sequence"),
     }
     out = w.HTML()
 

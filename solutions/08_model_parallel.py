@@ -12,10 +12,41 @@
 
 # %% [markdown]
 # # Lesson 08 · Model parallelism: tensor, sequence and pipeline parallel, and 2-D meshes
+#
+# Data parallelism (Lesson 04) and sharding (Lesson 05) keep the model's *computation* whole on
+# every rank: each rank runs every layer on its own slice of the batch. That stops working in
+# two ways. A single layer's activations or weights can be too big for one device, and data
+# parallelism runs out of batch: with a global batch of 1024 sequences, 2048 ranks have less
+# than one sequence each. Model parallelism splits the layers themselves: **tensor
+# parallelism** splits each matrix multiplication across ranks, **sequence parallelism** splits
+# the rest of the layer along the sequence, and **pipeline parallelism** gives each rank a few
+# consecutive layers. Large models combine all of them with data parallelism on a
+# multi-dimensional mesh of ranks.
+#
+# **Prerequisites:** Lesson 01 (send/recv, all-reduce, all-gather, reduce-scatter, the
+# alpha-beta cost model), Lesson 04 (data parallelism, gradient hooks) and Lesson 05
+# (`DeviceMesh`, FSDP2's `fully_shard`); custom `torch.autograd.Function`s.
+#
+# **You will be able to:**
+# - split a linear layer by columns and by rows and write Megatron-LM's conjugate operators
+#   f and g as autograd functions (**Task 8.1**, 4 points);
+# - split the LayerNorm region along the sequence, turning each all-reduce into an all-gather
+#   and a reduce-scatter (**Task 8.2**, 3 points);
+# - run a GPipe pipeline with send/recv (**Task 8.3**, 3 points) and write the 1F1B order that
+#   bounds its activation memory (**Task 8.4**, 2 points);
+# - do the same with torch's own `parallelize_module` (DTensor) and
+#   `torch.distributed.pipelining`, combine FSDP and tensor parallelism on a 2-D mesh, and
+#   choose a layout from its memory and communication.
+#
+# Replace each `raise NotImplementedError(...)` with your code, run the cell, then the
+# `check(...)` cell under it.
 
 # %% tags=["setup"]
-import math
+import contextlib
+import copy
+import logging
 import time
+import warnings
 
 import matplotlib.pyplot as plt
 import torch
@@ -23,12 +54,88 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from kit import LaunchError, LaunchTimeout, check, costmodel, launch
-from kit.parallelism import layout_table, layout_widget, plot_schedule, simulate_schedule
+from kit import LaunchTimeout, check, costmodel, launch
+from kit.parallelism import (
+    Model,
+    layout_table,
+    layout_widget,
+    plot_pipeline_run,
+    plot_schedule,
+    simulate_schedule,
+)
 from kit.trace import launch_traced, plot_timeline, region, trace
 
 # %% [markdown]
+# ## 1. Splitting a matrix multiplication
+#
+# A transformer's MLP is two linear layers around a GELU: $Y = \mathrm{GELU}(XA)\,B$, with $X$
+# of shape (tokens, $h$), $A$ of shape ($h$, $4h$) and $B$ of shape ($4h$, $h$). Shoeybi et al.
+# ([Megatron-LM, 2019](https://arxiv.org/abs/1909.08053)) split it over $t$ ranks so that only
+# one all-reduce is needed:
+#
+# - **split $A$ by columns** $A = [A_0, \dots, A_{t-1}]$: rank $r$ computes
+#   $\mathrm{GELU}(XA_r)$, its own columns of the hidden activation. GELU acts element by
+#   element, so no communication is needed (split by rows instead, and GELU would need the sum
+#   first);
+# - **split $B$ by rows**: rank $r$ multiplies its columns of the activation by its rows $B_r$,
+#   which gives a *partial sum*: $Y = \sum_r \mathrm{GELU}(XA_r)\,B_r$. One all-reduce adds them.
+#
+# In `nn.Linear`'s terms (`weight` is (out, in), $y = x W^\top + b$): the first layer keeps
+# rows of its weight (output features), the second keeps columns (input features). Here is the
+# identity in one process, with 4 "ranks":
+
+# %%
+torch.manual_seed(0)
+up, down = nn.Linear(8, 32), nn.Linear(32, 8)
+x = torch.randn(5, 8)
+full = down(F.gelu(up(x)))
+t = 4
+partial_sums = [F.linear(F.gelu(F.linear(x, w1, b1)), w2)  # rank r: its rows of up, columns of down
+                for w1, b1, w2 in zip(up.weight.chunk(t, dim=0), up.bias.chunk(t),
+                                      down.weight.chunk(t, dim=1))]
+print("sum of the 4 partial results + bias equals the MLP:",
+      torch.allclose(sum(partial_sums) + down.bias, full, atol=1e-6))
+
+# %% [markdown]
+# ### f and g: where the communication goes in backward
+#
+# Every rank needs the same input $X$ and produces a partial $Y$. Megatron names the two places
+# where ranks meet:
+#
+# - **g**, after the row-parallel layer: forward *all-reduces* the partial sums; backward is the
+#   identity (each rank's partial sum contributed to $Y$ with weight 1, so each gets $Y$'s
+#   gradient unchanged);
+# - **f**, before the column-parallel layer: forward is the identity (everyone already has
+#   $X$); backward *all-reduces* the gradient of $X$, because every rank's slice used $X$, and
+#   $X$'s gradient is the sum of what each slice sends back.
+#
+# f and g are *conjugate*: each one's backward is the other's forward. Both are a few lines as a
+# [`torch.autograd.Function`](https://pytorch.org/docs/stable/notes/extending.html#extending-torch-autograd)
+# with a static `forward(ctx, ...)` and `backward(ctx, grad)`; `backward` returns one gradient
+# per input of `forward` (`None` for the group). So a tensor-parallel MLP costs **one
+# all-reduce in forward and one in backward**, each of the whole (batch, seq, $h$) activation.
+#
 # ### Task 8.1: `ColumnParallelLinear` and `RowParallelLinear`
+#
+# Write the four autograd functions and the two layers, as Megatron-LM's
+# [`tensor_parallel/layers.py`](https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/tensor_parallel/layers.py)
+# does:
+#
+# - `ColumnParallelLinear(linear, group=None, gather_output=False)` keeps `weight` (out/t, in)
+#   and `bias` (out/t,), rows $r\cdot$out/t to $(r+1)\cdot$out/t of the full layer, $r$ being
+#   `dist.get_rank(group)` and $t$ `dist.get_world_size(group)`. Its forward applies f, then
+#   `F.linear`; with `gather_output=True` it all-gathers the slices into the full output
+#   (`GatherFromTP`, whose backward keeps this rank's slice of the gradient).
+# - `RowParallelLinear(linear, group=None, input_is_parallel=True)` keeps `weight` (out, in/t),
+#   its columns, and the whole `bias` (out,). Its forward multiplies without the bias, applies g,
+#   then adds the bias **once** (added on every rank before the sum, it would count $t$
+#   times). With `input_is_parallel=False` it takes the full input and keeps its slice first
+#   (`ScatterToTP`, whose backward all-gathers the gradient).
+#
+# `group=None` means the default group: `dist.all_reduce(x, group=None)` does that for you.
+# Copy the slices into new `nn.Parameter`s (detached copies), so that each rank holds
+# only its own. The all-reduces work in place: reduce a copy, never a tensor autograd still
+# needs.
 
 # %% tags=["task-8.1"]
 class CopyToTP(torch.autograd.Function):
@@ -175,9 +282,160 @@ class RowParallelLinear(nn.Module):
 # %% tags=["check-8.1"]
 check("8.1", ColumnParallelLinear)
 
+# %% [markdown]
+# Watch the MLP on 4 ranks with the collective tracer: one forward, one backward, each inside
+# a named region. The recorder sees every all-reduce, whatever route it took.
+
+# %%
+def tp_mlp_step(batch=4, seq=64, hidden=256, steps=3):
+    torch.manual_seed(0)  # the same full layers on every rank
+    col = ColumnParallelLinear(nn.Linear(hidden, 4 * hidden))
+    row = RowParallelLinear(nn.Linear(4 * hidden, hidden))
+    x = torch.randn(batch, seq, hidden, requires_grad=True)  # the same input on every rank
+    for step in range(steps):  # the last step is traced; the first ones warm up
+        dist.barrier()  # start together, so an all-reduce's time is not a wait for a late peer
+        with region("forward") if step == steps - 1 else contextlib.nullcontext():
+            y = row(F.gelu(col(x)))
+        with region("backward") if step == steps - 1 else contextlib.nullcontext():
+            y.square().mean().backward()
+    return [tuple(col.weight.shape), tuple(row.weight.shape)]
+
+
+traced = launch_traced(tp_mlp_step, world_size=4, echo=False)
+last_step = [[e for e in lane if e.start >= min(f.start for f in lane if f.op == "forward")]
+             for lane in traced.events]  # the barriers and warm-up steps left out
+print("each rank's slices (column weight, row weight):", traced[0])
+for e in last_step[0]:
+    if e.kind == "collective":
+        print(f"rank 0: {e.op} of {e.nbytes / 1e3:.0f} kB")
+plot_timeline(last_step, title="a tensor-parallel MLP on 4 ranks: one all-reduce each way")
+plt.show()
 
 # %% [markdown]
+# ### What it costs
+#
+# A transformer layer has two such blocks, attention and MLP, so tensor parallelism costs **two
+# all-reduces in forward and two in backward per layer**, each of the whole activation
+# (batch × seq × $h$ values). With Lesson 01's alpha-beta model a ring all-reduce of $n$ bytes on
+# $t$ ranks takes $2(t-1)\alpha + 2\frac{t-1}{t} n \beta$. On this machine, the tracer timed
+# the MLP's two all-reduces above (Lesson 01's bus bandwidth puts them on the scale of a link):
+
+# %%
+for e in last_step[0]:
+    if e.op == "all_reduce":  # bus bandwidth: what each rank's link carried per second
+        busbw = costmodel.bus_bandwidth("all_reduce", e.nbytes, e.duration, 4)
+        print(f"all-reduce of {e.nbytes / 1e3:.0f} kB on 4 ranks: {1e3 * e.duration:.2f} ms, "
+              f"bus bandwidth {busbw / 1e9:.2f} GB/s")
+
+# %% [markdown]
+# On a laptop the "network" is shared memory and 4 processes share a few cores, so these times
+# say more about the machine's load than about the link. Now scale it up: a 70B-class model
+# (80 layers, $h$ = 8192) with micro-batches of one 4096-token sequence in bf16 moves
+# 4 × 80 × 4096 × 8192 × 2 bytes = 21 GB through all-reduces per micro-batch, inside the
+# tensor-parallel group. Price it with the model, $t$ = 8, on NVLink and on a network link:
+
+# %%
+for name, (a, b) in {"NVLink (~150 GB/s per GPU)": (5e-6, 1 / 150e9),
+                     "InfiniBand 200 Gb/s (~25 GB/s)": (10e-6, 1 / 25e9)}.items():
+    per_layer = 4 * costmodel.ring_all_reduce_time(4096 * 8192 * 2, 8, a, b)  # t = 8
+    print(f"{name:32s} 80 layers x 4 all-reduces, t = 8: {80 * per_layer:.2f} s per micro-batch")
+
+# %% [markdown]
+# Several times slower across the network, for every micro-batch of every step: that is why
+# tensor parallelism stays inside a node.
+
+# %% [markdown]
+# ### Attention heads split across ranks
+#
+# Attention's heads are independent, so they split like the MLP's columns: the query, key and
+# value projections are column-parallel (rank $r$ computes heads $r\cdot n_h/t$ to
+# $(r+1)\cdot n_h/t$), attention runs on the local heads, and the output projection is
+# row-parallel. Forward makes one all-reduce (g). Backward makes one per column layer (each
+# has its own f): three here, with separate q, k and v layers; Megatron fuses them into one
+# column-parallel QKV layer, laid out so that each rank's rows hold whole heads, and makes one.
+# Built from your two layers and compared with the unsharded attention:
+
+# %%
+class HeadParallelAttention(nn.Module):
+    """Multi-head self-attention with the heads split over the group: (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, q, k, v, proj, heads, group=None):
+        super().__init__()
+        t = dist.get_world_size(group)
+        self.local_heads = heads // t
+        self.q, self.k, self.v = (ColumnParallelLinear(m, group) for m in (q, k, v))
+        self.proj = RowParallelLinear(proj, group)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        # (B, T, D/t) -> (B, local heads, T, head size)
+        q, k, v = (m(x).view(b, n, self.local_heads, -1).transpose(1, 2)
+                   for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, n, -1))
+
+
+def attention_demo(dim=32, heads=4):
+    torch.manual_seed(0)
+    q, k, v, proj = (nn.Linear(dim, dim) for _ in range(4))
+    x = torch.randn(2, 6, dim)
+    attention = HeadParallelAttention(q, k, v, proj, heads)
+    with trace() as t:
+        ours = attention(x)
+    # The reference: all heads in one process.
+    qs, ks, vs = (m(x).view(2, 6, heads, -1).transpose(1, 2) for m in (q, k, v))
+    ref = proj(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+               .transpose(1, 2).reshape(2, 6, dim))
+    return torch.allclose(ours, ref, atol=1e-5), t.collectives()
+
+
+same, calls = launch(attention_demo, world_size=2)[0]
+print("head-parallel attention equals the unsharded one:", same, "| forward collectives:", calls)
+
+# %% [markdown]
+# ## 2. Sequence parallelism
+#
+# Tensor parallelism splits the matrix multiplications, but not what lies between them: the
+# LayerNorm, the dropouts and the residual additions run on the whole (batch, seq, $h$)
+# activation on every rank, and keep it for backward. Korthikanti et al.
+# ([Reducing Activation Recomputation in Large Transformer Models, 2022](https://arxiv.org/abs/2205.05198))
+# count a layer's activation memory as $sbh(34 + 5as/h)$ bytes for $s$ tokens, micro-batch
+# $b$, $a$ heads in 16-bit precision; tensor parallelism divides only part of it:
+# $sbh(10 + 24/t + 5as/(ht))$. The 10 that does not shrink is the LayerNorm and dropout region.
+#
+# Their fix starts from an identity of Lesson 01: **an all-reduce is a reduce-scatter followed
+# by an all-gather**. Place them differently: instead of all-reducing after the row-parallel
+# layer, *reduce-scatter along the sequence*, so that each rank ends with the full sum for its
+# own $s/t$ tokens; run LayerNorm, dropout and the residual on that shard (they act token by
+# token); and *all-gather along the sequence* just before the next column-parallel layer needs
+# every token. The bytes on the wire are the same as the all-reduce's, and the LayerNorm region
+# now holds $1/t$ of the activation: $sbh(34 + 5as/h)/t$ in all.
+#
+# Two things change in backward. The all-gather's backward is a reduce-scatter (every rank's
+# copy of the gathered sequence got a gradient, and they add up) and the reduce-scatter's
+# backward an all-gather. And the parameters used on the shard, the LayerNorm's weight and
+# bias and the row layer's bias, are replicated, but each rank's copy only saw its own tokens:
+# their gradients must be **summed over the tensor-parallel group**, once per backward pass.
+# Task 8.1's f does exactly that when the parameter passes through it.
+#
 # ### Task 8.2: `SequenceParallelMLP`
+#
+# `SequenceParallelMLP(norm, linear1, linear2, group=None)` takes the full modules and keeps
+# `self.norm` whole, `self.linear1` an `nn.Linear` with this rank's rows of `linear1` (weight
+# (f/t, h), bias (f/t,)) and `self.linear2` an `nn.Linear` with its columns of `linear2`
+# (weight (h, f/t)) and the whole bias (h,). Its input and output are this rank's contiguous
+# sequence shard, (batch, seq/t, hidden). Forward:
+#
+# 1. LayerNorm on the shard;
+# 2. all-gather along the sequence (dimension 1) into (batch, seq, hidden), rank order;
+# 3. `linear1` (column-parallel), GELU, `linear2`'s weight (row-parallel, no bias): a partial sum;
+# 4. reduce-scatter along the sequence back to (batch, seq/t, hidden), then `linear2`'s bias.
+#
+# After `loss.backward()` every `.grad` must be final, also after several backward passes
+# accumulate: sum each pass's gradient of the shard-region parameters, not the accumulated
+# `.grad`. `dist.all_gather_single(output, input)` and `dist.reduce_scatter_single(output,
+# input)` (torch 2.13's names for `all_gather_into_tensor` and `reduce_scatter_tensor`) gather
+# and split along dimension 0: move the sequence to the front first (and make it contiguous).
 
 # %% tags=["task-8.2"]
 def _all_gather_seq(x, group):
@@ -185,8 +443,8 @@ def _all_gather_seq(x, group):
     ### BEGIN SOLUTION
     t = dist.get_world_size(group)
     x = x.transpose(0, 1).contiguous()  # (s/t, b, h): the gathered dimension first
-    out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype)
-    dist.all_gather_into_tensor(out, x, group=group)
+    out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, x, group=group)
     return out.transpose(0, 1)  # (b, s, h)
     ### END SOLUTION
 
@@ -196,8 +454,8 @@ def _reduce_scatter_seq(x, group):
     ### BEGIN SOLUTION
     t = dist.get_world_size(group)
     x = x.transpose(0, 1).contiguous()  # (s, b, h)
-    out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, x, group=group)
     return out.transpose(0, 1)  # (b, s/t, h)
     ### END SOLUTION
 
@@ -295,9 +553,231 @@ class SequenceParallelMLP(nn.Module):
 # %% tags=["check-8.2"]
 check("8.2", SequenceParallelMLP)
 
+# %% [markdown]
+# Now measure what each version keeps for backward. `torch.autograd.graph.saved_tensors_hooks`
+# calls a function on every tensor autograd saves; counting their bytes on each rank of a
+# 4-rank group (parameters excluded) gives the activation memory of one block, for the
+# unsharded block, the tensor-parallel one (Task 8.1) and the sequence-parallel one (Task 8.2):
+
+# %%
+def saved_bytes(kind, batch=2, seq=64, hidden=64):
+    torch.manual_seed(0)
+    norm, lin1, lin2 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+    t, r = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(batch, seq, hidden)
+    if kind == "unsharded":
+        block = nn.Sequential(norm, lin1, nn.GELU(), lin2)
+    elif kind == "tensor parallel":
+        block = nn.Sequential(norm, ColumnParallelLinear(lin1), nn.GELU(), RowParallelLinear(lin2))
+    else:
+        block = SequenceParallelMLP(norm, lin1, lin2)
+        x = x.chunk(t, dim=1)[r]  # this rank's tokens
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    total = 0
+
+    def pack(tensor):  # called on every tensor autograd saves for backward
+        nonlocal total
+        if tensor.untyped_storage().data_ptr() not in weights:  # an activation, not a weight
+            total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        block(x.requires_grad_())
+    return total
+
+
+kinds = ["unsharded", "tensor parallel", "sequence parallel"]
+kept = dict(zip(kinds, launch(lambda: [saved_bytes(k) / 1e3 for k in kinds], world_size=4)[0]))
+plt.figure(figsize=(6, 2))
+plt.barh(kinds, list(kept.values()), color=["tab:gray", "tab:blue", "tab:green"])
+plt.gca().invert_yaxis()
+plt.xlabel("activations saved for backward per rank (kB), 4 ranks")
+plt.show()
+for k, v in kept.items():
+    print(f"{k:18s} {v:7.1f} kB")
 
 # %% [markdown]
+# Tensor parallelism divides the MLP's inner activations (the $4h$-wide ones) by $t$ but keeps
+# the LayerNorm's input and the column layer's input whole on every rank; sequence parallelism
+# shrinks the LayerNorm region too. What remains whole is the all-gathered input of `linear1`,
+# which autograd keeps for the weight gradient (Megatron also shards that one: it saves the
+# shard and all-gathers it again in backward).
+
+# %% [markdown]
+# ## 3. The same with DTensor: `parallelize_module`
+#
+# torch ships tensor and sequence parallelism as
+# [`torch.distributed.tensor.parallel`](https://pytorch.org/docs/stable/distributed.tensor.parallel.html).
+# A [`DTensor`](https://pytorch.org/docs/stable/distributed.tensor.html) is a tensor laid out
+# over a `DeviceMesh` with a *placement* per mesh dimension: `Shard(d)` (split along dimension
+# d), `Replicate()` or `Partial()` (a pending sum, what your row layer holds before g).
+# `parallelize_module(module, mesh, plan)` turns submodules' weights into DTensors following a
+# plan written as data, a dict from submodule name to style:
+#
+# | style | weight placement | what happens at the boundaries |
+# | --- | --- | --- |
+# | `ColwiseParallel()` | `Shard(0)` of `weight` (out, in): your rows | input replicated (f), output stays sharded |
+# | `RowwiseParallel()` | `Shard(1)`: your columns | output `Partial`, all-reduced to replicated (g) |
+# | `SequenceParallel()` | `Replicate()` (a LayerNorm's) | runs on `Shard(1)` of the input: the sequence shard |
+#
+# It runs on CPU ranks with gloo: the mesh is `init_device_mesh("cpu", (t,))`. Here it is next
+# to your layers, on the same weights:
+
+# %%
+def dtensor_mlp(hidden=64):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+    ours = nn.Sequential(ColumnParallelLinear(mlp[0]), nn.GELU(), RowParallelLinear(mlp[2]))
+    parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(2, 16, hidden)
+    with trace() as t:
+        y = mlp(x)
+        y.square().mean().backward()
+    w = mlp[0].weight
+    return {"weight": f"{type(w).__name__} {w.placements}, local shape {tuple(w.to_local().shape)}",
+            "same output as yours": torch.allclose(y, ours(x), atol=1e-5),
+            "collectives": [(e.op, e.nbytes) for e in t.events if e.kind == "collective"]}
+
+
+import torch.distributed.tensor.parallel  # noqa: E402, F401 - imported once, before the ranks fork
+
+for key, value in launch(dtensor_mlp, world_size=2)[0].items():
+    print(f"{key}: {value}")
+
+# %% [markdown]
+# The same two all-reduces, issued by DTensor as functional collectives (the recorder sees them
+# too). Sequence parallelism is a different plan on the same modules: the LayerNorm gets
+# `SequenceParallel()`, the column layer is told its input arrives sharded along the sequence
+# (`input_layouts=Shard(1)`) and the row layer to leave its output that way
+# (`output_layouts=Shard(1)`):
+
+# %%
+def dtensor_sequence_parallel(hidden=64, seq=16):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    t, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (t,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    block = nn.ModuleDict({"norm": nn.LayerNorm(hidden), "up": nn.Linear(hidden, 4 * hidden),
+                           "down": nn.Linear(4 * hidden, hidden)})
+    ours = SequenceParallelMLP(copy.deepcopy(block["norm"]), block["up"], block["down"])  # its own norm
+    parallelize_module(block, mesh, {"norm": SequenceParallel(),
+                                     "up": ColwiseParallel(input_layouts=Shard(1)),
+                                     "down": RowwiseParallel(output_layouts=Shard(1))})
+    x = torch.randn(2, seq, hidden).chunk(t, dim=1)[r]  # this rank's tokens
+    with trace() as tr:
+        y = block["down"](F.gelu(block["up"](block["norm"](x))))
+    return {"output shard": tuple(y.shape), "same as yours": torch.allclose(y, ours(x), atol=1e-5),
+            "forward collectives": [e.op for e in tr.events if e.kind == "collective"]}
+
+
+for key, value in launch(dtensor_sequence_parallel, world_size=2)[0].items():
+    print(f"{key}: {value}")
+
+# %% [markdown]
+# ### A 2-D mesh: FSDP × tensor parallelism
+#
+# On 4 ranks, arrange a (2, 2) mesh: the inner dimension `"tp"` (ranks {0, 1} and {2, 3}) runs
+# tensor parallelism, the outer `"dp"` (ranks {0, 2} and {1, 3}) runs FSDP2 (Lesson 05) over
+# the tensor-parallel shards, each `"dp"` row on its own half of the batch. torchtitan applies
+# them in this order: `parallelize_module` on `mesh["tp"]` first, then `fully_shard` on
+# `mesh["dp"]`. Each weight ends up a DTensor sharded over both dimensions, a quarter per rank:
+
+# %%
+def fsdp_times_tp(hidden=32):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # a gather-order note
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # about in-place ops on views
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+    reference = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+    reference.load_state_dict(model.state_dict())
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    x = torch.randn(8, hidden, generator=torch.Generator().manual_seed(1))
+    dp_rank = mesh["dp"].get_local_rank()
+    with trace() as t:
+        model(x.chunk(2)[dp_rank]).square().mean().backward()  # this dp row's half of the batch
+    reference(x).square().mean().backward()  # the whole batch, one process
+    w = model[0].weight
+    return {"placements": str(w.placements), "local shape": tuple(w.to_local().shape),
+            "full shape": tuple(w.shape),
+            "gradient equals one process": torch.allclose(w.grad.full_tensor(),
+                                                          reference[0].weight.grad, atol=1e-5),
+            "collectives": sorted({e.op for e in t.events if e.kind == "collective"})}
+
+
+import torch.distributed.fsdp  # noqa: E402, F401
+
+for key, value in launch(fsdp_times_tp, world_size=4)[0].items():
+    print(f"{key}: {value}")
+
+# %% [markdown]
+# FSDP all-gathers each tensor-parallel shard over `"dp"` before using it and reduce-scatters
+# its gradient after; tensor parallelism all-reduces activations over `"tp"`. The two groups
+# never mix, which is what lets each live on the network that suits it (section 6).
+
+# %% [markdown]
+# ## 4. Pipeline parallelism
+#
+# Give each of $p$ ranks a *stage*: a run of consecutive layers. Rank 0 runs the first stage
+# and sends its output to rank 1, which runs the next, and so on; backward runs the other way,
+# each stage sending the gradient of its input back. The messages are one activation per stage
+# boundary, far smaller than tensor parallelism's all-reduces inside every layer, which is why
+# pipelines cross the slow links between nodes.
+#
+# Run naively, one batch at a time, only one stage works while the others wait. GPipe
+# ([Huang et al., 2019](https://arxiv.org/abs/1811.06965)) splits the batch into $m$
+# **micro-batches**: stage 0 starts micro-batch 1 while stage 1 works on micro-batch 0. All
+# forwards flow down the pipeline, then all backwards flow up; the gradients of the $m$
+# micro-batches accumulate in `.grad`, and one optimizer step follows, exactly as for one big
+# batch if each micro-batch's mean loss is divided by $m$. The idle time at the start and end,
+# the **bubble**, is a fraction
+#
+# $$\frac{p-1}{m+p-1}$$
+#
+# of each stage's time: $p - 1$ steps of filling and draining, out of $m + p - 1$.
+#
 # ### Task 8.3: `gpipe`
+#
+# Write `gpipe(stage, microbatches, targets, loss_fn)`, run on every rank, rank $r$ holding
+# stage $r$ of $p$ = `dist.get_world_size()`:
+#
+# 1. **forward**, for each micro-batch $i$ in order: rank 0 takes `microbatches[i]`; the others
+#    `dist.recv` it from rank $r-1$ into a new tensor shaped like `microbatches[i]` (every stage
+#    keeps the shape) and mark it `requires_grad_()` so that its gradient can be sent back; run
+#    the stage; unless last, `dist.send` the detached output to rank $r+1$; keep input and
+#    output;
+# 2. **backward**, micro-batches in reverse order: the last stage calls `backward()` on
+#    `loss_fn(output, target) / m`; the others receive the output's gradient from rank $r+1$ and
+#    call `output.backward(grad)`; every stage but the first sends its input's `.grad` to rank
+#    $r-1$;
+# 3. return the mean of the micro-batch losses (a 0-d tensor) on the last stage, `None` elsewhere.
+#
+# That is $2m(p-1)$ messages in all, and nothing else: the checks count them.
 
 # %% tags=["task-8.3"]
 def gpipe(stage: nn.Module, microbatches: list, targets: list, loss_fn):
@@ -349,9 +829,51 @@ def gpipe(stage: nn.Module, microbatches: list, targets: list, loss_fn):
 # %% tags=["check-8.3"]
 check("8.3", gpipe)
 
+# %% [markdown]
+# Draw the GPipe schedule for 4 stages and 8 micro-batches, with a backward taking twice a
+# forward (it computes two matrix products for each of forward's one). `plot_schedule` plays
+# per-stage orders on an ideal pipeline where messages are free:
+
+# %%
+def gpipe_order(m):
+    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+
+
+fig, ax = plt.subplots(figsize=(9, 2.2))
+plot_schedule([gpipe_order(8) for _ in range(4)], ax=ax, title="GPipe, 4 stages, 8 micro-batches")
+plt.show()
+ms = range(1, 33)
+plt.figure(figsize=(5, 2.5))
+for p in (2, 4, 8):
+    plt.plot(ms, [simulate_schedule([gpipe_order(m)] * p).bubble for m in ms], "o", ms=3,
+             label=f"p = {p}, simulated")
+    plt.plot(ms, [(p - 1) / (m + p - 1) for m in ms], "k-", lw=0.6)
+plt.xlabel("micro-batches m")
+plt.ylabel("bubble fraction")
+plt.legend(fontsize="small")
+plt.title("(p − 1) / (m + p − 1): lines; the simulation: dots")
+plt.show()
 
 # %% [markdown]
+# More micro-batches shrink the bubble, but look at the peak: every stage holds the activations
+# of all $m$ micro-batches at once, between its forward and its backward. Memory grows with
+# $m$, the very thing that shrinks the bubble.
+#
+# ### 1F1B: the same bubble, $p$ activations at most
+#
+# PipeDream-Flush ([Narayanan et al., 2021](https://arxiv.org/abs/2104.04473)), better known as
+# **1F1B**, reorders each stage's work. Stage $s$ runs $p - s - 1$ **warm-up** forwards, just
+# enough to fill the pipeline below it; then, in **steady state**, one forward and one backward
+# in turn, each backward freeing the activations of the oldest micro-batch; then a
+# **cool-down** of the remaining backwards. The bubble is the same as GPipe's, but stage $s$
+# never holds more than $p - s$ micro-batches' activations, however large $m$ is.
+#
 # ### Task 8.4: `one_f_one_b`
+#
+# Write `one_f_one_b(stage, num_stages, num_microbatches)`: the list of `("F", i)` and
+# `("B", i)` that stage `stage` runs, forwards in micro-batch order and backwards in
+# micro-batch order. The warm-up is `num_stages - stage - 1` forwards (all of them if there are
+# fewer micro-batches); the checks also play your orders on real ranks.
 
 # %% tags=["task-8.4"]
 def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
@@ -372,3 +894,276 @@ def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[tupl
 
 # %% tags=["check-8.4"]
 check("8.4", one_f_one_b)
+
+# %% [markdown]
+# Side by side with GPipe, 4 stages and 8 micro-batches: the same length, far fewer activations
+# held.
+
+# %%
+fig, axes = plt.subplots(2, 1, figsize=(9, 4.2), sharex=True)
+plot_schedule([gpipe_order(8) for _ in range(4)], ax=axes[0])
+plot_schedule([one_f_one_b(s, 4, 8) for s in range(4)], ax=axes[1])
+axes[0].set_title("GPipe: " + axes[0].get_title())
+axes[1].set_title("1F1B: " + axes[1].get_title())
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### The schedules on real ranks
+#
+# Now run both on 4 ranks, each stage a small MLP, and draw them from the collective tracer's
+# events: a region per forward (`F i`, blue) and backward (`B i`, green) at the time it really
+# ran, an arrow per message from send to receive. The same runner plays any order; sends are
+# non-blocking (`dist.isend`), as in `torch.distributed.pipelining`, so that a stage never
+# waits for its neighbour to be ready to receive.
+
+# %%
+def run_pipeline(orders, m, hidden=256, micro_batch=32):
+    """Rank r plays orders[r]; a region per step's compute; returns the most activations held."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    stage = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(micro_batch, hidden, generator=gen) for _ in range(m)]
+    held, peak, sends = {}, 0, []
+    for op, i in orders[rank]:
+        if op == "F":
+            x = xs[i]
+            if rank > 0:  # wait for the previous stage: outside the region, so it shows as a gap
+                x = torch.empty_like(xs[i])
+                dist.recv(x, src=rank - 1)
+                x.requires_grad_()
+            with region(f"F {i}"):
+                y = stage(x)
+            held[i] = (x, y)
+            if rank < p - 1:
+                sends.append(dist.isend(y.detach(), dst=rank + 1))
+        else:
+            x, y = held.pop(i)
+            grad = None
+            if rank < p - 1:
+                grad = torch.empty_like(y)
+                dist.recv(grad, src=rank + 1)
+            with region(f"B {i}"):
+                if grad is None:
+                    (y.square().mean() / m).backward()
+                else:
+                    y.backward(grad)
+            if rank > 0:
+                sends.append(dist.isend(x.grad, dst=rank - 1))
+        peak = max(peak, len(held))
+    for work in sends:
+        work.wait()
+    return peak
+
+
+fig, axes = plt.subplots(2, 1, figsize=(9, 4.5))
+for ax, (name, orders) in zip(axes, {"GPipe": [gpipe_order(8)] * 4,
+                                     "1F1B": [one_f_one_b(s, 4, 8) for s in range(4)]}.items()):
+    run = launch_traced(run_pipeline, orders, 8, world_size=4, echo=False)
+    print(f"{name}: activations held at most {list(run)} per stage")
+    plot_pipeline_run(run.events, ax=ax, title=f"{name} on 4 ranks, 8 micro-batches: "
+                                               f"activations held at most {list(run)}")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Orders must agree between neighbours. Give stage 0 no warm-up (a backward right after each
+# forward) while stage 1 runs two forwards first: stage 0 waits for micro-batch 0's gradient,
+# stage 1 for micro-batch 1's activation, and neither ever comes. The simulation finds it
+# without running anything; on real ranks it is a hang, which the launcher ends at its
+# timeout and explains:
+
+# %%
+bad_orders = [[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]]
+try:
+    simulate_schedule(bad_orders)
+except ValueError as e:
+    print("simulate_schedule:", e)
+try:
+    launch(run_pipeline, bad_orders, 2, world_size=2, timeout=5)
+except LaunchTimeout as e:
+    print("\n".join(str(e).splitlines()[:4]))
+
+# %% [markdown]
+# On 4 processes sharing a laptop's few cores the boxes are less regular than in the ideal
+# picture (a stage waits for a core as much as for its neighbour), but the shape is there:
+# GPipe's forwards run down the diagonal and its backwards back up, while 1F1B alternates
+# forwards and backwards and holds at most $p - s$ activations on stage $s$.
+#
+# ### `torch.distributed.pipelining`
+#
+# torch's [pipelining package](https://pytorch.org/docs/stable/distributed.pipelining.html)
+# wraps a stage's module in `PipelineStage(module, stage_index, num_stages, device)` and runs a
+# schedule, `ScheduleGPipe` or `Schedule1F1B(stage, n_microbatches, loss_fn)`, over it: rank 0
+# calls `schedule.step(x)` with the whole batch (it splits it into micro-batches), the last rank
+# `schedule.step(target=y, losses=losses)`, the others `schedule.step()`. It divides the
+# accumulated gradients by $m$ (`scale_grads=True`), the same as your $1/m$ on each loss, and
+# `Schedule1F1B` requires $m \ge p$. The gradients are your `gpipe`'s:
+
+# %%
+def torch_pipeline(schedule_name, m=4, hidden=6):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) for _ in range(p)]
+    mine = stages[rank]
+    theirs = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+    theirs.load_state_dict(mine.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2 * m, hidden, generator=gen), torch.randn(2 * m, hidden, generator=gen)
+    schedule_class = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[schedule_name]
+    schedule = schedule_class(PipelineStage(theirs, rank, p, torch.device("cpu")),
+                              n_microbatches=m, loss_fn=F.mse_loss)
+    losses = []
+    with trace() as t:
+        if rank == 0:
+            schedule.step(x)
+        elif rank == p - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+    gpipe(mine, list(x.chunk(m)), list(y.chunk(m)), F.mse_loss)  # the same step, your way
+    same = all(torch.allclose(a.grad, b.grad, atol=1e-6)
+               for a, b in zip(mine.parameters(), theirs.parameters()))
+    return same, len([e for e in t.events if e.kind == "p2p"])
+
+
+import torch.distributed.pipelining  # noqa: E402, F401 - imported once, before the ranks fork
+
+for name in ("ScheduleGPipe", "Schedule1F1B"):
+    results = launch(torch_pipeline, name, world_size=4)
+    print(f"{name}: gradients equal gpipe's on every stage: {all(r[0] for r in results)}; "
+          f"point-to-point messages on each rank: {[r[1] for r in results]}")
+
+# %% [markdown]
+# torch's stages also exchange a few small messages before the first step to agree on the shapes
+# of what they send (your `gpipe` knew them from the micro-batches). For more stages than
+# ranks, `ScheduleInterleaved1F1B` gives each rank several non-consecutive stages, which cuts
+# the bubble by that factor for more messages.
+
+# %% [markdown]
+# ## 5. Choosing a layout
+#
+# With $N$ GPUs, a layout is a factorisation $N = d \times t \times p$ (data × tensor ×
+# pipeline). Each dimension costs something different per rank and per step:
+#
+# | | memory per rank | communication per rank and step |
+# | --- | --- | --- |
+# | data ($d$) | weights, gradients, optimizer states whole (÷ $d$ with FSDP/ZeRO) | one all-reduce of the gradients: $2\frac{d-1}{d}\cdot$ params |
+# | tensor ($t$) | weights ÷ $t$, activations ÷ $t$ (with sequence parallelism) | 4 all-reduces of the activation per layer and micro-batch, inside the node |
+# | pipeline ($p$) | weights ÷ $p$; stage 0 holds $p$ micro-batches of activations (1F1B) | one activation and one gradient per micro-batch, to a neighbour; a bubble of $\frac{p-1}{m+p-1}$ |
+#
+# `kit.parallelism.layout_table` puts numbers on it for a GPT-style model (12 $h^2$ parameters
+# per layer; 16 bytes per parameter for bf16 weights and gradients and fp32 Adam states;
+# Korthikanti's activation formula with sequence parallelism) and prices the communication with
+# Lesson 01's model, with NVLink inside a node of 8 GPUs and a 25 GB/s link between nodes. Here,
+# a 13B-parameter model (40 layers, $h$ = 5120) on 64 GPUs, 512 sequences of 2048 tokens per
+# step:
+
+# %%
+model_13b = Model(layers=40, hidden=5120, heads=40, seq=2048, batch=512, micro_batch=1)
+print(f"{model_13b.params / 1e9:.1f}B parameters")
+print(f"{'dp':>3} {'tp':>3} {'pp':>3} {'memory/rank':>12} {'DP GB':>7} {'TP GB':>7} {'PP GB':>7} "
+      f"{'comm s':>7} {'bubble':>7}")
+for r in sorted(layout_table(model_13b, 64), key=lambda r: sum(r.comm_seconds.values())):
+    fits = "" if r.memory_bytes < 80e9 else "  (does not fit in 80 GB)"
+    print(f"{r.dp:3d} {r.tp:3d} {r.pp:3d} {r.memory_bytes / 1e9:10.1f}GB "
+          f"{r.comm_bytes['dp'] / 1e9:7.2f} {r.comm_bytes['tp'] / 1e9:7.1f} "
+          f"{r.comm_bytes['pp'] / 1e9:7.2f} {sum(r.comm_seconds.values()):7.2f} {r.bubble:7.0%}{fits}")
+
+# %% [markdown]
+# The table is sorted by the estimated communication time per step. Pure data parallelism does
+# not fit: every GPU would hold all 200-odd GB of weights, gradients and optimizer states.
+# Layouts with a pipeline communicate least (one activation per micro-batch and stage
+# boundary) but pay the bubble, which grows with $p$ and shrinks with the micro-batches each
+# pipeline gets. Tensor parallelism moves by far the most bytes, every layer, which only pays
+# on NVLink, inside a node. (An estimate: it ignores compute and its overlap with
+# communication, and FSDP would divide the weights' memory by $d$ too.) Move the sliders to see
+# how the answer changes with the model and the number of GPUs:
+
+# %%
+layout_widget(model_13b, world_size=64)
+
+# %% [markdown]
+# ## Running at scale
+#
+# > Layouts follow the hardware. Tensor parallelism all-reduces activations in every layer, so
+# > it stays inside a node, on NVLink (t ≤ 8). Pipeline stages exchange one activation per
+# > micro-batch and cross nodes happily; data parallelism (FSDP) goes across nodes too, its
+# > all-gathers and reduce-scatters overlapping with compute. On GPUs the same code runs under
+# > `torchrun` with NCCL; `init_device_mesh` lays ranks out row-major, so the *last* mesh
+# > dimension holds consecutive ranks, the GPUs of one node:
+# >
+# > ```python
+# > # torchrun --nnodes=4 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py
+# > import os
+# > import torch
+# > import torch.distributed as dist
+# > from torch.distributed.device_mesh import init_device_mesh
+# > from torch.distributed.fsdp import fully_shard
+# > from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+# >
+# > torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+# > dist.init_process_group("nccl")
+# > mesh = init_device_mesh("cuda", (4, 8), mesh_dim_names=("dp", "tp"))  # tp: one node's 8 GPUs
+# > model = build_model()  # e.g. a transformer whose blocks have .mlp.up and .mlp.down
+# > for block in model.blocks:
+# >     parallelize_module(block, mesh["tp"], {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
+# >     fully_shard(block, mesh=mesh["dp"])
+# > fully_shard(model, mesh=mesh["dp"])
+# > # ... the usual loop; each "dp" row of the mesh reads its own slice of the data
+# > dist.destroy_process_group()
+# > ```
+# >
+# > For a pipeline dimension add it outermost, `init_device_mesh("cuda", (pp, dp, tp), ...)`, and
+# > give `PipelineStage` the `mesh["pp"]` group (`group=mesh["pp"].get_group()`). Your
+# > `ColumnParallelLinear` and `RowParallelLinear` run unchanged with NCCL on GPU tensors: pass
+# > `group=mesh["tp"].get_group()`.
+#
+# ## Summary
+#
+# - **Tensor parallelism** splits the first linear layer by output features (columns of $A$)
+#   and the second by input features (rows of $B$); f (identity / all-reduce) and g (all-reduce /
+#   identity) put one all-reduce in forward and one in backward per block: 2 + 2 per
+#   transformer layer, each of the whole activation. Attention splits by heads. The bias of
+#   the row layer is added once, after the sum.
+# - **Sequence parallelism** writes each all-reduce as reduce-scatter + all-gather along the
+#   sequence and runs LayerNorm and dropout on the $1/t$ shard in between: the same bytes, $t$
+#   times less activation memory there; the gradients of parameters used on the shard are
+#   summed over the group.
+# - **DTensor** expresses both as placements (`Shard`, `Replicate`, `Partial`) and plans
+#   (`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`) applied by `parallelize_module`;
+#   composed with FSDP2 on a 2-D `DeviceMesh`.
+# - **Pipeline parallelism**: GPipe's micro-batches leave a bubble of $(p-1)/(m+p-1)$ and hold
+#   $m$ activations per stage; 1F1B keeps the bubble and holds at most $p - s$.
+#   `torch.distributed.pipelining` gives you `PipelineStage`, `ScheduleGPipe`, `Schedule1F1B`.
+# - **Layouts**: tensor parallelism inside a node, pipeline and data parallelism across nodes;
+#   price each choice by memory, bytes and the bubble.
+#
+# **Read more:** [Tensor Parallelism tutorial](https://pytorch.org/tutorials/intermediate/TP_tutorial.html),
+# [`torch.distributed.tensor.parallel`](https://pytorch.org/docs/stable/distributed.tensor.parallel.html),
+# [DTensor](https://pytorch.org/docs/stable/distributed.tensor.html),
+# [`DeviceMesh`](https://pytorch.org/tutorials/recipes/distributed_device_mesh.html),
+# [`torch.distributed.pipelining`](https://pytorch.org/docs/stable/distributed.pipelining.html),
+# and the papers: Megatron-LM (Shoeybi et al., 2019), sequence parallelism (Korthikanti et
+# al., 2022), GPipe (Huang et al., 2019), PipeDream-Flush and interleaved 1F1B (Narayanan et
+# al., 2021).
+#
+# ## Exercises (not graded)
+#
+# 1. Fuse the attention's q, k and v into one `ColumnParallelLinear` of $3D$ outputs. How must
+#    the rows of the fused weight be ordered so that each rank gets whole heads, and how many
+#    all-reduces does backward make then?
+# 2. Add dropout to `SequenceParallelMLP` after `linear2`. Which random numbers must differ
+#    between ranks and which must agree? (Megatron keeps two generator states for this.)
+# 3. Make `SequenceParallelMLP` save only its shard for `linear1`'s weight gradient and
+#    all-gather it again in backward. How much activation memory does it save, and what does
+#    it cost?
+# 4. Write an order for 2 stages that deadlocks, and check it with `simulate_schedule`. Then
+#    find an order that does not deadlock in the simulation but does on real ranks with blocking
+#    `dist.send`.
+# 5. In the layout table, find the smallest number of micro-batches for which pipeline
+#    parallelism with $p = 4$ wastes less than 10% to the bubble. What does 1F1B's peak memory
+#    look like at that $m$, compared with GPipe's?

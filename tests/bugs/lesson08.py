@@ -214,7 +214,7 @@ def _all_gather_seq(x, group):
     t = dist.get_world_size(group)
     x = x.transpose(0, 1).contiguous()
     out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype)
-    dist.all_gather_into_tensor(out, x, group=group)
+    dist.all_gather_single(out, x, group=group)
     return out.transpose(0, 1)
 
 
@@ -222,7 +222,7 @@ def _reduce_scatter_seq(x, group):
     t = dist.get_world_size(group)
     x = x.transpose(0, 1).contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    dist.reduce_scatter_single(out, x, group=group)
     return out.transpose(0, 1)
 
 

@@ -1,0 +1,294 @@
+"""Lesson 08's claims against trusted references, beyond its checks (tests/test_checks.py runs
+those on the solutions, the stubs and the seeded bugs).
+
+The hand-built layers give what torch's own implementations give on the same weights:
+``ColumnParallelLinear``/``RowParallelLinear`` what ``parallelize_module`` with
+``ColwiseParallel``/``RowwiseParallel`` gives (outputs and every local gradient), and
+``SequenceParallelMLP`` what the ``SequenceParallel`` plan gives; ``gpipe`` the gradients of
+``torch.distributed.pipelining``'s ``ScheduleGPipe``, and ``one_f_one_b`` the order in which
+``Schedule1F1B`` really runs forwards and backwards. The schedule simulator and the layout
+arithmetic of :mod:`kit.parallelism` keep their formulas (bubble, peak activations,
+Korthikanti's activation memory, bus bytes), and the lesson runs headless.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining  # noqa: F401 - imported before the ranks fork (slow import)
+import torch.distributed.tensor.parallel  # noqa: F401
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+from autograder.registry import lesson_tasks
+from kit import costmodel
+from kit.launcher import run_ranks
+from kit.parallelism import Model, Network, layout_costs, layout_table, simulate_schedule
+
+try:
+    from autograder.loading import load_tasks
+except ImportError:  # the loader's old home
+    from kit.notebook import load_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "solutions" / "08_model_parallel.py"
+
+
+@pytest.fixture(scope="module")
+def solution():
+    return load_tasks(SOURCE)
+
+
+def test_lesson08_registers_tasks_8_1_to_8_4_with_their_points():
+    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(8)}
+    assert tasks == {"8.1": ("ColumnParallelLinear", 4.0), "8.2": ("SequenceParallelMLP", 3.0),
+                     "8.3": ("gpipe", 3.0), "8.4": ("one_f_one_b", 2.0)}
+    assert all(t.forbidden for t in lesson_tasks(8))  # every task names what it re-implements
+
+
+# --------------------------------------------------------------------------- against DTensor
+
+
+def _ours_and_torchs_mlp(column_cls, row_cls, hidden=8):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    theirs = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+    ours = nn.Sequential(column_cls(theirs[0]), nn.GELU(), row_cls(theirs[2]))
+    parallelize_module(theirs, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(3, 5, hidden, generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for model in (ours, theirs):
+        y = model(x)
+        y.pow(3).mean().backward()
+        outputs.append(torch.Tensor(y.detach()).clone() if not hasattr(y, "wait") else y.wait().clone())
+    grads = {}
+    for name, layer in (("column", 0), ("row", 2)):
+        for p in ("weight", "bias"):
+            ours_grad = getattr(ours[layer], p).grad
+            theirs_grad = getattr(theirs[layer], p).grad.to_local()
+            grads[f"{name} {p}"] = (ours_grad.clone(), theirs_grad.clone())
+    return outputs, grads
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_layers_equal_torch_colwise_and_rowwise_parallel(solution, world_size):
+    results = run_ranks(_ours_and_torchs_mlp, (solution.ColumnParallelLinear, solution.RowParallelLinear),
+                        world_size=world_size, echo=False)
+    for outputs, grads in results:
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+        for name, (ours, theirs) in grads.items():
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _ours_and_torchs_sequence_parallel(impl, hidden=8, seq=8):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    t, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (t,))
+    torch.manual_seed(0)
+    theirs = nn.ModuleDict({"norm": nn.LayerNorm(hidden), "up": nn.Linear(hidden, 4 * hidden),
+                            "down": nn.Linear(4 * hidden, hidden)})
+    with torch.no_grad():
+        theirs["norm"].weight.uniform_(0.5, 1.5)
+    ours = impl(copy.deepcopy(theirs["norm"]), theirs["up"], theirs["down"])
+    parallelize_module(theirs, mesh, {"norm": SequenceParallel(),
+                                      "up": ColwiseParallel(input_layouts=Shard(1)),
+                                      "down": RowwiseParallel(output_layouts=Shard(1))})
+    x = torch.randn(2, seq, hidden, generator=torch.Generator().manual_seed(1)).chunk(t, dim=1)[r]
+    y_theirs = theirs["down"](F.gelu(theirs["up"](theirs["norm"](x))))
+    y_ours = ours(x)
+    y_theirs.pow(2).sum().backward()
+    y_ours.pow(2).sum().backward()
+    return (y_ours.detach().clone(), y_theirs.wait().clone() if hasattr(y_theirs, "wait") else
+            y_theirs.detach().clone(), ours.norm.weight.grad.clone(),
+            theirs["norm"].weight.grad.full_tensor().clone())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_parallel_block_equals_torch_sequence_parallel_plan(solution, world_size):
+    for y_ours, y_theirs, g_ours, g_theirs in run_ranks(
+            _ours_and_torchs_sequence_parallel, (solution.SequenceParallelMLP,),
+            world_size=world_size, echo=False):
+        torch.testing.assert_close(y_ours, y_theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g_ours, g_theirs, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- against pipelining
+
+
+def _gpipe_vs_schedule_gpipe(gpipe, m, hidden=6):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()) for _ in range(p)]
+    mine, theirs = stages[rank], copy.deepcopy(stages[rank])
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2 * m, hidden, generator=gen), torch.randn(2 * m, hidden, generator=gen)
+    schedule = ScheduleGPipe(PipelineStage(theirs, rank, p, torch.device("cpu")), n_microbatches=m,
+                             loss_fn=F.mse_loss)
+    losses = []
+    if rank == 0:
+        schedule.step(x)
+    elif rank == p - 1:
+        schedule.step(target=y, losses=losses)
+    else:
+        schedule.step()
+    loss = gpipe(mine, list(x.chunk(m)), list(y.chunk(m)), F.mse_loss)
+    grads = [(a.grad.clone(), b.grad.clone()) for a, b in zip(mine.parameters(), theirs.parameters())]
+    their_loss = torch.stack(losses).mean().detach() if losses else None
+    return grads, loss, their_loss
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 5), (4, 4)])
+def test_gpipe_equals_torch_schedule_gpipe(solution, p, m):
+    for rank, (grads, loss, their_loss) in enumerate(
+            run_ranks(_gpipe_vs_schedule_gpipe, (solution.gpipe, m), world_size=p, echo=False)):
+        for ours, theirs in grads:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+        if rank == p - 1:
+            torch.testing.assert_close(loss, their_loss)
+        else:
+            assert loss is None
+
+
+def _torch_1f1b_order(m, hidden=4):
+    """The order Schedule1F1B really runs its stage's forwards and backwards in."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = PipelineStage(nn.Linear(hidden, hidden), rank, p, torch.device("cpu"))
+    order = []
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def record_forward(index, *args, **kwargs):
+        order.append(("F", index))
+        return forward(index, *args, **kwargs)
+
+    def record_backward(index, *args, **kwargs):
+        order.append(("B", index))
+        return backward(index, *args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = record_forward, record_backward
+    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=F.mse_loss)
+    x = torch.randn(m, hidden)
+    if rank == 0:
+        schedule.step(x)
+    elif rank == p - 1:
+        schedule.step(target=torch.randn(m, hidden))
+    else:
+        schedule.step()
+    return order
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 7)])
+def test_one_f_one_b_is_the_order_torch_schedule_1f1b_runs(solution, p, m):
+    orders = run_ranks(_torch_1f1b_order, (m,), world_size=p, echo=False)
+    for stage, order in enumerate(orders):
+        assert solution.one_f_one_b(stage, p, m) == order
+
+
+# --------------------------------------------------------------------------- kit.parallelism
+
+
+def _gpipe_order(m):
+    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 6), m=st.integers(1, 12), backward=st.sampled_from([1.0, 2.0, 3.0]))
+def test_simulated_bubble_is_p_minus_1_over_m_plus_p_minus_1_for_gpipe_and_1f1b(solution, p, m,
+                                                                                backward):
+    expected = (p - 1) / (m + p - 1)
+    gpipe = simulate_schedule([_gpipe_order(m)] * p, backward=backward)
+    one_f_one_b = simulate_schedule([solution.one_f_one_b(s, p, m) for s in range(p)],
+                                    backward=backward)
+    assert gpipe.bubble == pytest.approx(expected)
+    assert gpipe.peak_in_flight == [m] * p
+    assert one_f_one_b.peak_in_flight == [min(p - s, m) for s in range(p)]
+    if m >= p:  # 1F1B keeps GPipe's bubble once the pipeline can fill
+        assert one_f_one_b.bubble == pytest.approx(expected)
+        assert one_f_one_b.makespan == pytest.approx(gpipe.makespan)
+
+
+def test_simulate_schedule_reports_a_deadlock_and_a_malformed_step():
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate_schedule([[("F", 0), ("B", 0), ("F", 1), ("B", 1)],
+                           [("F", 0), ("F", 1), ("B", 0), ("B", 1)]])
+    with pytest.raises(ValueError, match="unknown step"):
+        simulate_schedule([[("X", 0)]])
+
+
+def test_layout_costs_follow_the_formulas_they_cite():
+    model = Model(layers=8, hidden=1024, heads=16, seq=512, batch=64, micro_batch=1)
+    net = Network()
+    with pytest.raises(ValueError, match=r"dp \* tp \* pp != world_size"):
+        layout_costs(model, 8, 2, 2, 1, net)
+    c = layout_costs(model, 8, dp=2, tp=2, pp=2, net=net)
+    s, b, h, a, m = 512, 1, 1024, 16, 64 // 2
+    # Korthikanti et al. 2022, Table 2, tensor + sequence parallel, 16-bit: sbh(34 + 5as/h)/t per
+    # layer; stage 0 of a 1F1B pipeline holds p micro-batches of its L/p layers.
+    assert c.activation_bytes == pytest.approx(s * b * h * (34 + 5 * a * s / h) / 2 * (8 / 2) * 2)
+    assert c.weights_bytes == pytest.approx(16 * model.params / 4)
+    assert c.comm_bytes["dp"] == pytest.approx(2 * (2 - 1) / 2 * 2 * model.params / 4)
+    assert c.comm_bytes["tp"] == pytest.approx(4 * (8 / 2) * m * 2 * (2 - 1) / 2 * s * b * h * 2)
+    assert c.comm_bytes["pp"] == pytest.approx(2 * m * s * b * h * 2)
+    assert c.bubble == pytest.approx((2 - 1) / (m + 2 - 1))
+    # tensor parallelism priced as ring all-reduces on NVLink (t = 2 spans one node)
+    assert c.comm_seconds["tp"] == pytest.approx(4 * 4 * m * costmodel.ring_all_reduce_time(
+        s * b * h * 2, 2, net.alpha_intra, net.beta_intra))
+    layouts = layout_table(model, 8, net)
+    assert {(r.dp, r.tp, r.pp) for r in layouts} == {
+        (dp, tp, 8 // (dp * tp)) for dp in (1, 2, 4, 8) for tp in (1, 2, 4, 8) if 8 % (dp * tp) == 0}
+
+
+# --------------------------------------------------------------------------- the lesson
+
+
+@pytest.mark.slow
+def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
+    import json
+
+    from kit.runner import run_notebook
+
+    result = run_notebook(SOURCE, timeout=600)
+    assert result.ok, str(result.failure)
+    assert result.seconds < 240
+    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    assert "sum of the 4 partial results + bias equals the MLP: True" in printed
+    assert printed.count("rank 0: all_reduce of 262 kB") == 2  # one forward, one backward
+    assert "head-parallel attention equals the unsharded one: True | forward collectives: ['all_reduce']" in printed
+    kept = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in printed.splitlines()
+            if line.endswith(" kB") and line.split()[0] in ("unsharded", "tensor", "sequence")}
+    assert kept["unsharded"] > kept["tensor parallel"] > kept["sequence parallel"]
+    assert printed.count("same output as yours: True") == 1 and "same as yours: True" in printed
+    assert "gradient equals one process: True" in printed
+    assert "simulate_schedule: the orders deadlock" in printed
+    assert "Timed out after 5 s" in printed
+    assert "ScheduleGPipe: gradients equal gpipe's on every stage: True" in printed
+    assert "Schedule1F1B: gradients equal gpipe's on every stage: True" in printed
+    assert "GPipe: activations held at most [8, 8, 8, 8] per stage" in printed
+    assert "1F1B: activations held at most [4, 3, 2, 1] per stage" in printed
+    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
+              for o in c.get("outputs", [])]
+    assert checks and '"stderr"' not in json.dumps(checks)
