@@ -8,6 +8,12 @@ test cell (``nbgrader.utils.determine_grade``: the ``text/plain`` of the cell's
 ``execute_result``, cast to float). Nothing reaches stderr while checks run: nbgrader gives 0 to
 a test cell that writes to stderr. Results are built by :mod:`autograder.results`, as in the
 batch grader.
+
+Hints go from concept to recipe. The first time a task fails in this kernel, ``check()`` shows
+each failing case with its *concept* hint (what idea the case tests) and keeps the *recipe* (the
+steps, in words) back; from the second failure of the same task on it shows both, and
+``check(..., hint="recipe")`` shows both at once. A pass starts the count again.
+:func:`run_checks` (``kit grade``, the batch grader, tests) always returns both.
 """
 
 from __future__ import annotations
@@ -34,8 +40,15 @@ from autograder.results import (
     settle,
 )
 
-__all__ = ["ERROR", "FAILED", "NOT_IMPLEMENTED", "PASSED", "CaseResult", "TaskReport", "check",
-           "run_case", "run_checks", "stderr_to_stdout"]
+__all__ = ["ERROR", "FAILED", "HINT_LEVELS", "NOT_IMPLEMENTED", "PASSED", "CaseResult", "TaskReport",
+           "check", "hint_level", "run_case", "run_checks", "stderr_to_stdout"]
+
+HINT_LEVELS = ("concept", "recipe")
+# Failed check() calls per task id in this kernel since its last pass: picks the hint level.
+_failed_checks: dict[str, int] = {}
+_RECIPE_NOTE = ("Hints first name the idea. Still stuck after another try? Run this check again "
+                "for a step-by-step recipe, or ask for it now: check({task_id!r}, {name}, "
+                "hint=\"recipe\").")
 
 
 def run_case(task: Task, case: Case, impl: Any, seed: int = 0) -> CaseResult:
@@ -100,17 +113,53 @@ def stderr_to_stdout() -> Iterator[None]:
             os.close(saved_fd)
 
 
-def check(task_id: str, impl: Any, *, seed: int = 0) -> TaskReport:
+def hint_level(task_id: str) -> str:
+    """The hint level the next failing ``check(task_id, ...)`` shows: ``"concept"`` on a first
+    failure, ``"recipe"`` once the task has failed before in this kernel."""
+    return "recipe" if _failed_checks.get(task_id, 0) >= 1 else "concept"
+
+
+def _counts_as_a_try(report: TaskReport) -> bool:
+    # A stub, a missing definition or a pass is not a failed attempt at the task.
+    return not report.passed and report.status not in (NOT_IMPLEMENTED, MISSING)
+
+
+def _at_level(report: TaskReport, level: str) -> TaskReport:
+    """Keep back the recipes at the ``"concept"`` level, with a note saying how to see them."""
+    if level == "recipe":
+        return report
+    withheld = False
+    for c in report.cases:
+        if c.recipe and not c.passed:
+            c.recipe, withheld = "", True
+    if withheld:
+        report.note = _RECIPE_NOTE.format(task_id=report.task_id, name=report.name)
+    return report
+
+
+def check(task_id: str, impl: Any, *, seed: int = 0, hint: str | None = None) -> TaskReport:
     """Check your implementation of task ``task_id`` and show what passed and what did not.
 
     Use it as the last line of a cell: ``check("0.2", global_mean)``. In Jupyter the result
     shows as a table; elsewhere it is printed as text. The returned report's ``score`` is the
     points earned (nbgrader reads it as the cell's partial credit).
+
+    A failing case shows a hint naming the idea it tests; from the task's second failure on
+    (or with ``hint="recipe"``) it also shows a recipe: the steps, in words.
     """
     from kit.output import in_jupyter_kernel
 
+    if hint is not None and hint not in HINT_LEVELS:
+        raise ValueError(f"hint must be one of {', '.join(map(repr, HINT_LEVELS))} (or left out), "
+                         f"got {hint!r}")
     with stderr_to_stdout():
         report = run_checks(task_id, impl, seed=seed)
+    level = hint or hint_level(report.task_id)
+    if _counts_as_a_try(report):
+        _failed_checks[report.task_id] = _failed_checks.get(report.task_id, 0) + 1
+    elif report.passed:
+        _failed_checks.pop(report.task_id, None)
+    report = _at_level(report, level)
     if not in_jupyter_kernel():
         print(report.to_text())
     return report

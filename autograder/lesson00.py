@@ -26,8 +26,11 @@ def _reference_shard_range(n: int, rank: int, world_size: int) -> range:
 SHARD = task(
     "0.1", "shard_range", points=2, reference=_reference_shard_range,
     forbidden=("torch.utils.data.DistributedSampler",),
-    hint="Each rank gets n // world_size items; the first n % world_size ranks get one more, "
-         "and rank r starts where rank r - 1 stopped.",
+    hint="The shards split 0 .. n-1 into world_size contiguous pieces that cover every item "
+         "exactly once, with sizes that differ by at most one (a balanced split).",
+    recipe="Each rank gets n // world_size items, and the first n % world_size ranks get one "
+           "more. Rank r starts where rank r - 1 stopped: at the sum of the sizes of the ranks "
+           "before it. Return the range from that start to start plus its own size.",
 )
 
 
@@ -64,7 +67,9 @@ _shard_case("every n from 0 to 40 on 1 to 8 ranks",
 
 
 @SHARD.case("returns a range object",
-            hint="Return range(start, stop), not a list: a range costs no memory for any n.")
+            hint="A shard is described by its bounds, not listed item by item: a range object "
+                 "costs no memory for any n.",
+            recipe="Return a range built from the shard's start and stop, not a list.")
 def _(shard_range: Any, seed: int) -> str:
     return type(shard_range(10, 1, 4)).__name__
 
@@ -73,8 +78,13 @@ def _(shard_range: Any, seed: int) -> str:
 
 MEAN = task(
     "0.2", "global_mean", points=3,
-    hint="all_reduce the local sum and the local element count, then divide. Averaging the "
-         "per-rank means is wrong as soon as ranks hold different numbers of elements.",
+    hint="A mean over all ranks weighs every element alike, so a rank holding more elements "
+         "counts more. Averaging the per-rank means is wrong as soon as ranks hold different "
+         "numbers of elements.",
+    recipe="On every rank take the local sum and the local number of elements (in float64, on "
+           "the tensor's own device), add both up over all ranks with one all_reduce (SUM), "
+           "then divide the global sum by the global count and return a 0-d tensor of the "
+           "input's dtype.",
 )
 
 
@@ -116,14 +126,14 @@ def _compare_means(got: Any, expected: list[float]) -> None:
                               got=round(value, 6) if value == value else value)
 
 
-def _mean_case(name: str, shapes: list[tuple[int, ...]], hint: str = "") -> None:
+def _mean_case(name: str, shapes: list[tuple[int, ...]], hint: str = "", recipe: str = "") -> None:
     def run(global_mean: Any, seed: int) -> list[Any]:
         import kit
 
         return list(kit.launch(_mean_on_rank, global_mean, seed, shapes,
                                world_size=len(shapes), timeout=20.0))
 
-    MEAN.case(name, compare=_compare_means, hint=hint,
+    MEAN.case(name, compare=_compare_means, hint=hint, recipe=recipe,
               expect=lambda seed: _expected_means(seed, shapes))(run)
 
 
@@ -134,5 +144,5 @@ _mean_case("3 ranks, one of them empty (4, 0 and 7 elements)", [(4,), (0,), (7,)
            hint="An empty rank has sum 0 and count 0 and must still join every collective; "
                 "the mean of an empty tensor is nan.")
 _mean_case("2 ranks holding 2-D blocks (3x4 and 1x4)", [(3, 4), (1, 4)],
-           hint="Count elements with local.numel() (len(local) counts rows) and weight each rank "
-                "by its count.")
+           hint="Count elements, not rows: len() of a 2-D tensor is its number of rows.",
+           recipe="numel() counts every element of a tensor of any shape; weight each rank by it.")

@@ -160,13 +160,20 @@ def _reference_tree_broadcast(tensor: torch.Tensor, src: int = 0) -> None:
 
 BROADCAST = task(
     "1.1", "tree_broadcast", points=3, reference=_reference_tree_broadcast, forbidden=COLLECTIVES,
-    hint="Number the ranks relative to src (vrank = (rank - src) % p). In round k, every vrank "
-         "below 2**k that holds the data sends to vrank + 2**k.",
+    hint="A binomial tree: in every round each rank that already holds the data sends it to "
+         "one rank that does not, so the number of holders doubles and p ranks are done in "
+         "ceil(log2 p) rounds, with point-to-point messages only.",
+    recipe="Number the ranks relative to the source: a rank's vrank is (rank - src) modulo p, "
+           "so the source is vrank 0. Farthest subtree first, as in the lesson: every vrank but 0 first receives "
+           "once, from the vrank that differs from it in its lowest set bit; then it sends to "
+           "vrank + 2^k for each power of two 2^k below its lowest set bit (for vrank 0: below "
+           "p), largest first, skipping targets >= p. Turn a vrank back into a rank with "
+           "(vrank + src) % p.",
 )
 
 
 def _broadcast_case(name: str, world_size: int, src: int, shape: tuple[int, ...],
-                    dtype: torch.dtype, hint: str = "") -> None:
+                    dtype: torch.dtype, hint: str = "", recipe: str = "") -> None:
     def run(tree_broadcast: Any, seed: int) -> list[dict[str, Any]]:
         return _launch(_broadcast_on_rank, (tree_broadcast, seed, src, shape, dtype), world_size)
 
@@ -176,18 +183,23 @@ def _broadcast_case(name: str, world_size: int, src: int, shape: tuple[int, ...]
         return {"tensors": [data] * world_size, "src": src,
                 "rounds": math.ceil(math.log2(world_size)) if world_size > 1 else 0}
 
-    BROADCAST.case(name, compare=_compare_broadcast, expect=expect, hint=hint)(run)
+    BROADCAST.case(name, compare=_compare_broadcast, expect=expect, hint=hint, recipe=recipe)(run)
 
 
 _broadcast_case("4 ranks from rank 0 (float32, 2 rounds)", 4, 0, (5, 3), torch.float32)
 _broadcast_case("5 ranks from rank 3 (int64, 3 rounds)", 5, 3, (7,), torch.int64,
-                hint="With src != 0, shift ranks: vrank = (rank - src) % world_size, and map a "
-                     "peer's vrank back with (vrank + src) % world_size.")
+                hint="The tree is the same whatever the source: only the numbering of the ranks "
+                     "moves with src.",
+                recipe="Work with each rank's vrank, (rank - src) modulo world_size (the source "
+                       "is vrank 0), and turn a peer's vrank back into its rank by adding src "
+                       "modulo world_size.")
 _broadcast_case("8 ranks from rank 6 (float64, 3 rounds)", 8, 6, (16,), torch.float64,
                 hint="Sending from src to every rank in turn takes p - 1 rounds: let ranks that "
                      "already hold the data send too.")
 _broadcast_case("7 ranks from rank 2 (not a power of two)", 7, 2, (4,), torch.float32,
-                hint="When p is not a power of two, skip children whose vrank is >= p.")
+                hint="When p is not a power of two, some subtrees of the tree are cut short: a "
+                     "rank may have fewer children than its place in the tree allows.",
+                recipe="Skip every child whose vrank is >= p: that rank does not exist.")
 _broadcast_case("2 ranks from rank 1", 2, 1, (3,), torch.int64)
 
 
@@ -293,15 +305,22 @@ def _compare_ring_pattern(messages: list[list[tuple[str, int | None, int]]], n: 
 
 RING = task(
     "1.2", "ring_all_reduce", points=4, reference=_reference_ring_all_reduce, forbidden=COLLECTIVES,
-    hint="Split tensor.view(-1) into world_size chunks with tensor_split (sizes differ by at most "
-         "one, some may be empty). Reduce-scatter: in step s send chunk (rank - s) % p right and "
-         "add the chunk (rank - s - 1) % p from the left. All-gather: the same ring, copying.",
+    hint="A ring all-reduce is a reduce-scatter followed by an all-gather over p chunks: each "
+         "rank only sends to its right neighbour and receives from its left, one chunk of about "
+         "n / p elements per step, sending and receiving at the same time, 2(p - 1) steps.",
+    recipe="Split a flat view of the tensor (it shares memory) into p chunks whose sizes differ "
+           "by at most one; tensor_split does that, and some may be empty. Reduce-scatter, steps "
+           "s = 0 .. p-2: send chunk (rank - s) % p to the right while receiving the left "
+           "neighbour's chunk into a scratch buffer of the same size, then add it into your "
+           "chunk (rank - s - 1) % p. All-gather, steps s = 0 .. p-2: send chunk "
+           "(rank + 1 - s) % p and receive chunk (rank - s) % p straight into place. Post each "
+           "step's send and receive together (batch_isend_irecv) and wait for both.",
 )
 
 
 def _ring_case(name: str, world_size: int, configs: list[tuple[tuple[int, ...], torch.dtype]],
                hint: str = "", also: tuple[int, list[tuple[tuple[int, ...], torch.dtype]]] | None = None,
-               ) -> None:
+               recipe: str = "") -> None:
     """A case on ``world_size`` ranks; ``also`` adds a second launch (world size, configs) that
     must pass too (a single rank, which any implementation passes, never stands alone)."""
     launches = [(world_size, configs)] + ([also] if also else [])
@@ -320,22 +339,27 @@ def _ring_case(name: str, world_size: int, configs: list[tuple[tuple[int, ...], 
         for g, e in zip(got, expected):
             _compare_ring(g, e)
 
-    RING.case(name, compare=compare, expect=expect, hint=hint)(run)
+    RING.case(name, compare=compare, expect=expect, hint=hint, recipe=recipe)(run)
 
 
 _F32, _F64, _I64 = torch.float32, torch.float64, torch.int64
 _ring_case("4 ranks, 1000 float32 elements", 4, [((1000,), _F32)])
 _ring_case("3 ranks, 10 and 11 elements (not divisible by 3)", 3, [((10,), _F64), ((11,), _I64)],
-           hint="The last chunks are shorter (or longer): use tensor_split, and send and receive "
-                "exactly the size of the chunk in question.")
+           hint="When p does not divide n the chunks differ in size by one: every message "
+                "must carry exactly the chunk it stands for.",
+           recipe="Split with tensor_split (sizes n // p or n // p + 1) and size each receive "
+                  "buffer to the chunk it will be added to.")
 _ring_case("5 ranks, 3 elements (fewer elements than ranks)", 5,
            [((3,), _I64), ((1,), _F32), ((0,), _F64)],
            hint="With n < world_size some chunks are empty; every rank must still take part in "
-                "every step (an empty send/recv is fine). torch.chunk returns fewer than p chunks "
-                "here: tensor_split does not.")
+                "every step, or its neighbours wait for it forever.",
+           recipe="tensor_split always returns p chunks (torch.chunk returns fewer here); send "
+                  "and receive the empty ones too: an empty message is fine.")
 _ring_case("8 ranks, a 2-D 6x7 float64 tensor and 13 int64", 8, [((6, 7), _F64), ((13,), _I64)],
-           hint="Work on tensor.view(-1): it shares memory with the tensor, so writing a chunk "
-                "writes the result in place.")
+           hint="The result is in place, whatever the tensor's shape: work on a flat view that "
+                "shares memory with it.",
+           recipe="view(-1) of a contiguous tensor shares its memory: writing a chunk of it "
+                  "writes the tensor.")
 _ring_case("2 ranks, 64 float32 elements; and 1 rank (nothing to do)", 2, [((64,), _F32)],
            also=(1, [((5,), _F32)]))
 
@@ -424,14 +448,21 @@ BARRIER = task(
     forbidden=("torch.distributed.barrier", "torch.distributed.monitored_barrier",
                "torch.distributed.distributed_c10d._store_based_barrier",
                "torch.distributed.elastic.utils.store.barrier"),
-    hint="store.add(key, 1) returns the new count atomically. The k-th use of the barrier is "
-         "complete when the count reaches k * world_size; store.wait blocks until a key exists.",
+    hint="A barrier on a key-value store: every rank records its arrival in a shared, atomic "
+         "counter and waits until all world_size ranks of this use of the barrier have arrived. "
+         "It must work when reused, and two names must never interfere.",
+    recipe="Count arrivals under a key of the barrier's own name with store.add (it returns the "
+           "new count, atomically). From the count, work out which use of the barrier this "
+           "arrival belongs to: uses are complete at multiples of world_size. The rank whose "
+           "arrival completes a use sets a key naming that use; every rank then waits for that "
+           "key with store.wait.",
 )
 _barrier_case("4 ranks on a TCPStore, used once", 4, ["sync"])
 _barrier_case("4 ranks, the same name used 6 times, a different rank late each time", 4,
               ["sync"] * 6,
               hint="A barrier is reused: once the count reached world_size the first time, a "
-                   "check like `count >= world_size` lets every later use through at once.")
+                   "test that only asks whether the count is at least world_size lets every "
+                   "later use through at once.")
 _barrier_case("3 ranks, two names interleaved", 3, ["a", "b", "a", "b", "a"],
               hint="Keep every key under the barrier's own name, so two barriers never share a "
                    "counter.")
@@ -518,9 +549,11 @@ MODEL = task(
     # One-call answers; kit.costmodel.ring_all_reduce_time stays in kit for Lesson 08's planner.
     forbidden=("numpy.polyfit", "numpy.polynomial.polynomial.polyfit", "scipy.stats.linregress",
                "kit.costmodel.ring_all_reduce_time"),
-    hint="Least squares for t = alpha + beta * n: beta = cov(n, t) / var(n), "
-         "alpha = mean(t) - beta * mean(n). A ring all-reduce takes 2(p-1) steps, each sending "
-         "n / p bytes.",
+    hint="Fit the straight line t = alpha + beta * n through all the measurements by least "
+         "squares (with an intercept); the ring's time adds up 2(p-1) messages of n / p bytes.",
+    recipe="In float64: beta is the covariance of sizes and times divided by the variance of the "
+           "sizes, and alpha is the mean time minus beta times the mean size. "
+           "ring_all_reduce_time is 2(p-1) alpha + 2(p-1)/p n beta, which is 0 on one rank.",
 )
 
 
@@ -550,7 +583,7 @@ def _predictions(model: Any, alpha: float, beta: float) -> list[dict[str, Any]]:
 
 @MODEL.case("ring_all_reduce_time matches 2(p-1) alpha + 2(p-1)/p n beta", compare=_compare_model,
             expect=lambda seed: _predictions(costmodel.ring_all_reduce_time, 5e-5, 1e-9),
-            hint="2(p-1) messages in a row, each of n / p bytes: 2(p-1) alpha + 2(p-1)/p n beta. "
-                 "One rank sends nothing.")
+            hint="A ring all-reduce is 2(p-1) messages in a row, each of n / p bytes and each "
+                 "paying the latency alpha once; one rank sends nothing.")
 def _(fit_alpha_beta: Any, seed: int) -> Any:
     return _predictions(_model_of(fit_alpha_beta), 5e-5, 1e-9)

@@ -88,8 +88,16 @@ def _outcome(fn: Callable[..., Any], env: dict[str, str], as_dict: Callable[[Any
 
 INFO = task(
     "2.1", "dist_info_from_env", points=3,
-    hint="Parse each variable with int(), fall back to the single-process default when it is "
-         "unset, then check the ranks fit the world before returning.",
+    hint="The environment torchrun sets is the only truth about where a process runs: read "
+         "every variable, fall back to one process when it is unset, and refuse (ValueError) "
+         "values that are malformed or contradict each other, before anything uses them.",
+    recipe="Parse each variable as an integer, turning a parse error into a ValueError that "
+           "names the variable; default WORLD_SIZE to 1, RANK to 0, LOCAL_WORLD_SIZE to the "
+           "world size, LOCAL_RANK and GROUP_RANK from the rank and the local world size, "
+           "MASTER_PORT to 29500. Then check: rank below world size, local rank below local "
+           "world size, local world size divides world size, rank equals node rank times local "
+           "world size plus local rank, port within 1-65535. is_distributed says whether "
+           "WORLD_SIZE was set.",
 )
 
 _TORCHRUN_4 = {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
@@ -98,14 +106,14 @@ _NODE_1_OF_2 = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_
                 "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
 
 
-def _info_case(name: str, envs: list[dict[str, str]], hint: str = "") -> None:
+def _info_case(name: str, envs: list[dict[str, str]], hint: str = "", recipe: str = "") -> None:
     def run(dist_info_from_env: Any, seed: int) -> list[Any]:
         return [_outcome(dist_info_from_env, dict(env)) for env in envs]
 
     def expect(seed: int) -> list[Any]:
         return [_outcome(_reference_dist_info, dict(env), dict) for env in envs]
 
-    INFO.case(name, compare=_compare_infos, expect=expect, hint=hint)(run)
+    INFO.case(name, compare=_compare_infos, expect=expect, hint=hint, recipe=recipe)(run)
 
 
 def _compare_infos(got: Any, expected: list[Any]) -> None:
@@ -137,7 +145,7 @@ _info_case("torchrun with one worker: WORLD_SIZE=1 is still distributed",
 _info_case("rank 5 of 8 on the second of two nodes", [_NODE_1_OF_2],
            hint="GROUP_RANK is the node's rank; LOCAL_RANK counts from 0 on every node.")
 _info_case("only RANK and WORLD_SIZE set", [{"RANK": "3", "WORLD_SIZE": "4"}],
-           hint="Without LOCAL_WORLD_SIZE assume one node: local_world_size = world_size.")
+           hint="Without LOCAL_WORLD_SIZE assume one node: the local world is the whole world.")
 _info_case("malformed values raise ValueError", [
     {"RANK": "two", "WORLD_SIZE": "4"}, {"RANK": "0", "WORLD_SIZE": "0"},
     {"RANK": "-1", "WORLD_SIZE": "4"}, {"MASTER_PORT": "70000"}, {"LOCAL_RANK": "1.5"},
@@ -147,8 +155,11 @@ _info_case("inconsistent values raise ValueError", [
     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "3"},
     {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
     {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"},
-], hint="rank < world_size, local_rank < local_world_size, local_world_size divides world_size, "
-        "and rank == node_rank * local_world_size + local_rank.")
+], hint="The values must agree with each other: every rank inside its world, nodes of equal "
+        "size, and the global rank fixed by the node's rank and the local rank.",
+   recipe="Raise ValueError when the rank is not below the world size, the local rank not below "
+          "the local world size, the local world size does not divide the world size, or the "
+          "rank is not node rank times local world size plus local rank.")
 
 
 def _read_environ_on_rank(dist_info_from_env: Any) -> Any:
@@ -162,7 +173,8 @@ def _read_environ_on_rank(dist_info_from_env: Any) -> Any:
            expect=lambda seed: [{"rank": r, "local_rank": r, "world_size": 2, "local_world_size": 2,
                                  "node_rank": 0, "master_addr": "127.0.0.1", "is_distributed": True}
                                 for r in range(2)],
-           hint="Default env to os.environ: env = os.environ if env is None else env.")
+           hint="Called without an argument the function reads the real environment of the "
+                "process (os.environ), as it must under torchrun.")
 def _(dist_info_from_env: Any, seed: int) -> list[Any]:
     from kit.launcher import run_ranks
 
@@ -249,9 +261,14 @@ def _compare_params(got: Any, expected: dict[str, torch.Tensor]) -> None:
 
 TRAIN = task(
     "2.2", "resumable_train", points=4,
-    hint="Save model, optimizer and the next step after every step (rank 0, to a temporary file "
-         "then os.replace), barrier, and on start load the checkpoint if there is one and continue "
-         "from its step: train_step(model, optimizer, step) with the real step number.",
+    hint="A restart runs the script from the top: everything the next step depends on (the "
+         "weights, the optimizer's state, the step number) must be on disk, written so that a "
+         "crash never leaves half a checkpoint, and the run must continue from it exactly.",
+    recipe="At the start, if the checkpoint file exists, load it (onto the CPU) and restore the "
+           "model, the optimizer and the next step. For each remaining step call train_step with "
+           "the real step number; after it, on rank 0 only, save model, optimizer and step + 1 "
+           "to a temporary file and os.replace it over the checkpoint; then, when distributed, "
+           "wait at a barrier. Return the final state_dict.",
 )
 
 
@@ -440,9 +457,14 @@ def _mismatch_as_dict(m: Any) -> Any:
 
 MISMATCH = task(
     "2.3", "first_mismatch", points=3,
-    hint="Walk the call index from 0 up to the longest sequence; a rank with no call at that "
-         "index counts as None. The first index where the calls are not all equal is the "
-         "mismatch; the odd ranks are those that differ from the most common call.",
+    hint="Ranks must call the same collectives, with the same shapes, in the same order: the "
+         "first call number where they disagree (a missing call included) is the mismatch, and "
+         "the odd ranks are those that differ from the majority.",
+    recipe="Walk the call index from 0 up to the length of the longest sequence; a rank with no "
+           "call at that index has None there. At the first index where the calls are not all "
+           "equal (name and shape), count how often each call occurs; the most common one is "
+           "the norm (on a tie, the call of the lowest rank among the tied). Report the index, "
+           "every rank's call there, and the sorted ranks whose call differs.",
 )
 
 
@@ -463,7 +485,8 @@ _mismatch_case("rank 0 broadcasts where the others all-reduce",
                {r: [(_BC if r == 0 else _AR, (16,))] for r in range(3)})
 _mismatch_case("rank 3 is missing its last call",
                {r: [(_AR, (2,))] * (2 if r == 3 else 3) for r in range(4)},
-               hint="zip() stops at the shortest sequence; a missing call is a mismatch too.")
+               hint="A rank whose sequence ended early has no call where the others have one: "
+                    "that is a mismatch too (zip() would silently stop at the shortest).")
 _mismatch_case("two against two: the tie goes to rank 0's call",
                {r: [("barrier", ()), (_AR if r in (1, 3) else _BC, (5,))] for r in range(4)})
 _mismatch_case("two ranks with empty sequences: None",

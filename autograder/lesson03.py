@@ -28,11 +28,17 @@ from autograder.registry import CheckFailed, assert_same, task
 SAMPLER = task(
     "3.1", "ShardSampler", points=4, reference=DistributedSampler,
     forbidden=("torch.utils.data.DistributedSampler",),
-    hint="num_samples = ceil(len / num_replicas) (with drop_last and an uneven split: "
-         "ceil((len - num_replicas) / num_replicas)); pad by repeating indices from the start "
-         "(wrapping around as often as needed) up to num_samples * num_replicas, or cut to it "
-         "with drop_last; rank r takes indices[r::num_replicas]. Shuffle with "
-         "torch.randperm(len, generator=g), g seeded with seed + epoch.",
+    hint="Every rank must draw the same number of indices per epoch (or the ranks' collectives "
+         "fall out of step), all ranks together must see the whole dataset, and every rank must "
+         "agree on one order, new each epoch yet reproducible: the contract of torch's "
+         "DistributedSampler, index for index.",
+    recipe="Without drop_last each rank gets ceil(len / num_replicas) indices; with it, "
+           "floor(len / num_replicas). In __iter__ build the index list: the identity, or with "
+           "shuffle a permutation drawn by randperm from a fresh torch.Generator seeded with "
+           "seed + epoch. Without drop_last pad it to num_samples * num_replicas by repeating it "
+           "from the start as often as needed; with drop_last cut it to that length. Rank r "
+           "takes every num_replicas-th index starting at r. set_epoch only stores the epoch; "
+           "num_replicas and rank left as None come from the process group.",
 )
 
 
@@ -83,14 +89,14 @@ def _compare_streams(got: Any, expected: dict[str, Any]) -> None:
 
 
 def _sampler_case(name: str, grid: list[tuple[int, int, bool, int, bool, list[int]]],
-                  hint: str = "", weight: float = 1.0) -> None:
+                  hint: str = "", weight: float = 1.0, recipe: str = "") -> None:
     def run(impl: Any, seed: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for n, replicas, shuffle, s, drop_last, epochs in grid:
             out.update(_sampler_streams(impl, n, replicas, shuffle, s, drop_last, epochs))
         return out
 
-    SAMPLER.case(name, compare=_compare_streams, hint=hint, weight=weight)(run)
+    SAMPLER.case(name, compare=_compare_streams, hint=hint, weight=weight, recipe=recipe)(run)
 
 
 _sampler_case("10 items on 4 replicas, no shuffle (2 padded indices)",
@@ -107,12 +113,16 @@ _sampler_case("10 items on 4 replicas with drop_last (the uneven tail is dropped
                    "(shuffled) list is dropped, nothing is padded.")
 _sampler_case("shuffle from seed + epoch, over epochs 0-3 (set_epoch)",
               [(23, 4, True, 0, False, [0, 1, 2, 3]), (23, 4, True, 7, False, [0, 3])],
-              hint="Seed a fresh torch.Generator with seed + epoch on every __iter__ and use "
-                   "torch.randperm(len(dataset), generator=g).tolist(); set_epoch only stores epoch.")
+              hint="All ranks must shuffle alike (or they overlap and miss samples) and "
+                   "differently every epoch: the permutation depends on seed + epoch only.",
+              recipe="On every __iter__ seed a fresh torch.Generator with seed + epoch and draw "
+                     "the permutation of the dataset's length from it with randperm; set_epoch "
+                     "only stores the epoch.")
 
 
 @SAMPLER.case("defaults num_replicas and rank to the process group (3 real ranks)",
-              hint="num_replicas=None means dist.get_world_size(); rank=None means dist.get_rank().")
+              hint="Left out, num_replicas and rank come from the default process group, as in "
+                   "torch's DistributedSampler.")
 def _(impl: Any, seed: int) -> list[Any]:
     from kit.launcher import run_ranks
 
@@ -223,10 +233,14 @@ def _(impl: Any, seed: int) -> str:
 
 SEEDING = task(
     "3.2", "seed_worker", points=3,
-    hint="torch.initial_seed() in a worker is the loader's per-worker seed (new every epoch); "
-         "mix in the rank (int(os.environ.get('RANK', 0))) without collisions, e.g. "
-         "np.random.SeedSequence([torch.initial_seed(), rank]).generate_state(3), and seed "
-         "torch, numpy and random from it.",
+    hint="Every data-loader worker on every rank needs its own random streams, in torch, NumPy "
+         "and Python's random alike, reproducible from torch's seed and new every epoch: the "
+         "loader already gives each worker a fresh torch seed, but the same one on every rank.",
+    recipe="In the worker, torch.initial_seed() is the loader's per-worker seed (new every "
+           "epoch); read the rank from the RANK environment variable (0 when unset). Combine the "
+           "two without collisions, for example with NumPy's SeedSequence over both numbers, "
+           "ask it for three seeds, and seed torch, NumPy's legacy global generator (32 bits) "
+           "and random with one each.",
 )
 
 LIBRARIES = ("random", "numpy", "torch")
@@ -417,9 +431,13 @@ for _name, _compare, _weight, _hint in [
 
 GATHER = task(
     "3.3", "gather_unpadded", points=3,
-    hint="all_gather every rank's (S, ...) shard; rank r holds dataset positions r, r + W, "
-         "r + 2W, ..., so torch.stack(shards, dim=1).reshape(-1, *rest) restores dataset order; "
-         "then keep the first num_samples (the rest is padding).",
+    hint="Undo the sampler: the ranks' results together, in dataset order, every sample once. "
+         "A distributed sampler deals the samples out like cards (rank r holds positions r, "
+         "r + W, r + 2W, ...) and pads the last round with duplicates.",
+    recipe="All-gather every rank's (S, ...) shard. Put the shards side by side along a new "
+           "second dimension (sample k of every rank together) and flatten the first two "
+           "dimensions, keeping the trailing ones: that interleaves them back into dataset "
+           "order. Then keep the first num_samples rows; the rest is padding.",
 )
 
 
@@ -474,7 +492,8 @@ _gather_case("12 integer predictions on 4 ranks (no padding)", 12, 4, dtype=torc
              hint="Rank r's k-th sample is dataset sample k * world_size + r: interleave the "
                   "shards, do not concatenate them.")
 _gather_case("7 per-sample logits (7 x 5) on 3 ranks", 7, 3, shape=(5,),
-             hint="Keep the trailing dimensions: reshape to (-1, *local.shape[1:]).")
+             hint="Per-sample results may have trailing dimensions (logits): keep them, only "
+                  "the sample dimension is interleaved.")
 _gather_case("3 samples on 4 ranks (rank 3 holds only a duplicate)", 3, 4)
 
 

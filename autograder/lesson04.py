@@ -209,8 +209,11 @@ def _short(t: Any) -> str:
     return f"{[round(v, 4) for v in flat[:4].tolist()]}{' ...' if flat.numel() > 4 else ''}"
 
 
-BROADCAST_HINT = ("In __init__, dist.broadcast(t, src=0) every parameter and buffer of the module "
-                  "(under torch.no_grad()), so that every rank starts from rank 0's weights.")
+BROADCAST_HINT = ("Data parallelism only works if every rank starts from the same weights: each "
+                  "rank's random initialisation differs, so the wrapper makes rank 0's "
+                  "parameters and buffers everyone's before training.")
+BROADCAST_RECIPE = ("In __init__, broadcast every parameter and every buffer of the module from "
+                    "rank 0, in place, without recording gradients (frozen parameters too).")
 
 
 def _compare_initial(got: Any, expected: dict[str, Any]) -> None:
@@ -289,16 +292,20 @@ def _expected_calls(cap_mb: float, steps: int, extra: list[int], micro: int) -> 
 
 NAIVE = task(
     "4.1", "NaiveDDP", points=3, forbidden=DDP,
-    hint="After backward, for every parameter p of self.module with p.grad not None: "
-         "dist.all_reduce(p.grad) then p.grad /= world_size. module.parameters() lists a tied "
-         "parameter once.",
+    hint="Averaging the gradients over ranks that hold the same weights equals one step on the "
+         "global batch: after backward every gradient must be the mean over the ranks, each "
+         "parameter reduced exactly once.",
+    recipe="In finish_gradient_synchronization, go over the module's parameters (the list "
+           "parameters() gives holds a tied parameter once); for each that has a gradient, "
+           "all-reduce the gradient (a sum over ranks, in place) and divide it by the world "
+           "size. Skip parameters whose gradient is None.",
 )
 
 SEED_STEPS, SEED_EXTRA = 3, [1]
 
 
 @NAIVE.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
-            compare=_compare_initial, hint=BROADCAST_HINT,
+            compare=_compare_initial, hint=BROADCAST_HINT, recipe=BROADCAST_RECIPE,
             expect=lambda seed: _single_process(seed, 3, 0, []))
 def _(impl: Any, seed: int) -> list[Any]:
     return _launch(impl, seed, 3, steps=0)
@@ -332,8 +339,8 @@ def _compare_at_most_one_per_grad(got: Any, expected: list[int]) -> None:
             if n == 0:
                 raise CheckFailed(f"rank {rank}, step {step}: no dist.all_reduce was traced",
                                   expected=f"1 to {limit}", got=0,
-                                  hint="Call dist.all_reduce (torch.distributed.all_reduce) "
-                                       "so the tracer sees it.")
+                                  hint="The gradients must be averaged over the ranks with "
+                                       "an all-reduce: no all-reduce means no synchronisation.")
             if n > limit:
                 raise CheckFailed(
                     f"rank {rank}, step {step}: {n} all-reduces for {limit} parameters holding "
@@ -343,8 +350,10 @@ def _compare_at_most_one_per_grad(got: Any, expected: list[int]) -> None:
 
 @NAIVE.case("at most one all-reduce per parameter with a gradient (the tied weight once)",
             compare=_compare_at_most_one_per_grad,
-            hint="Iterate over self.module.parameters(): it yields a tied parameter once; "
-                 "iterating module by module visits it twice.",
+            hint="A parameter shared by two modules (a tied weight) has one gradient: reduce "
+                 "it once, or it is summed twice.",
+            recipe="Iterate over the whole module's parameters() (a tied parameter appears "
+                   "once), not module by module (which visits it twice).",
             expect=lambda seed: [_with_grad(s, SEED_EXTRA) for s in range(SEED_STEPS)])
 def _(impl: Any, seed: int) -> list[Any]:
     return _launch(impl, seed, 2, SEED_STEPS, SEED_EXTRA)
@@ -354,15 +363,19 @@ def _(impl: Any, seed: int) -> list[Any]:
 
 OVERLAPPED = task(
     "4.2", "OverlappedDDP", points=3, forbidden=DDP,
-    hint="In __init__, p.register_post_accumulate_grad_hook(hook) for every p of "
-         "self.module.parameters() that requires grad; the hook starts "
-         "dist.all_reduce(p.grad, async_op=True) and keeps the work; "
-         "finish_gradient_synchronization() waits for each work and divides by world_size.",
+    hint="Overlap: each gradient's all-reduce must start during backward, as soon as that "
+         "gradient is final, and run in the background while backward computes the rest; only "
+         "finish_gradient_synchronization waits.",
+    recipe="In __init__ register a post-accumulate-grad hook on every parameter that requires "
+           "grad (one per parameter; a tied one once). In the hook, start an asynchronous "
+           "all-reduce of that parameter's gradient and keep its work handle. In "
+           "finish_gradient_synchronization wait for every handle, divide each gradient by the "
+           "world size, and forget the handles.",
 )
 
 
 @OVERLAPPED.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
-                 compare=_compare_initial, hint=BROADCAST_HINT,
+                 compare=_compare_initial, hint=BROADCAST_HINT, recipe=BROADCAST_RECIPE,
                  expect=lambda seed: _single_process(seed, 3, 0, []))
 def _(impl: Any, seed: int) -> list[Any]:
     return _launch(impl, seed, 3, steps=0)
@@ -389,9 +402,9 @@ def _compare_one_per_grad_in_backward(got: Any, expected: list[int]) -> None:
 
 @OVERLAPPED.case("one async all-reduce per parameter with a gradient, each started during "
                  "backward; finish only waits", compare=_compare_one_per_grad_in_backward, weight=3,
-                 hint="Start the all-reduce in the post-accumulate-grad hook, with async_op=True; "
-                      "register one hook per parameter (self.module.parameters() lists a tied "
-                      "parameter once) and none on parameters that do not require grad.",
+                 hint="Each all-reduce must be started asynchronously, during backward, once per "
+                      "parameter with a gradient: blocking in the hook stalls backward, and "
+                      "starting them in finish does not overlap at all.",
                  expect=lambda seed: [_with_grad(s, SEED_EXTRA) for s in range(SEED_STEPS)])
 def _(impl: Any, seed: int) -> list[Any]:
     return _launch(impl, seed, 2, SEED_STEPS, SEED_EXTRA)
@@ -401,12 +414,17 @@ def _(impl: Any, seed: int) -> list[Any]:
 
 BUCKETED = task(
     "4.3", "BucketedDDP", points=4, forbidden=DDP,
-    hint="Walk reversed(list of parameters that require grad), closing a bucket when the next "
-         "parameter would take it past bucket_size_mb * 2**20 bytes. In the hook count the "
-         "bucket's ready parameters; when all are ready, flatten their grads (torch.cat of "
-         "g.reshape(-1), zeros for a None grad), divide by world_size and start one "
-         "dist.all_reduce(flat, async_op=True). In finish, start the buckets that never "
-         "became ready, wait for all, copy the slices back into p.grad, reset the counters.",
+    hint="Buckets: few large all-reduces instead of many small ones, still overlapped with "
+         "backward. Gradients become ready in reverse registration order, so buckets follow "
+         "that order, and each bucket is reduced once, as one flat buffer, as soon as all of "
+         "its gradients are ready.",
+    recipe="Plan the buckets in __init__: go over the parameters that require grad in reversed "
+           "order and close a bucket when the next one would take it past bucket_size_mb MiB. "
+           "In each parameter's post-accumulate-grad hook count the bucket's ready parameters; "
+           "when the count reaches the bucket's size, flatten its gradients into one buffer "
+           "(zeros for a missing gradient), divide by the world size and start one asynchronous "
+           "all-reduce. In finish, start the buckets that never became ready, wait for all, "
+           "copy each slice back into its parameter's gradient and reset the counters.",
 )
 
 SMALL_CAP = 600 / MIB  # 6 buckets of AwkwardNet, one of them holding the unused layer
@@ -414,7 +432,7 @@ LARGE_CAP = 1500 / MIB  # 4 buckets
 
 
 @BUCKETED.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
-               compare=_compare_initial, hint=BROADCAST_HINT,
+               compare=_compare_initial, hint=BROADCAST_HINT, recipe=BROADCAST_RECIPE,
                expect=lambda seed: _single_process(seed, 3, 0, []))
 def _(impl: Any, seed: int) -> list[Any]:
     return _launch(impl, seed, 3, steps=0, cap_mb=LARGE_CAP)
@@ -448,9 +466,9 @@ def _compare_bucket_calls(got: Any, expected: dict[str, Any]) -> None:
 
 @BUCKETED.case("exactly one all-reduce per bucket per step, started when the bucket is ready "
                "(600-byte buckets, reverse order)", compare=_compare_bucket_calls, weight=2,
-               hint="Buckets hold only parameters that require grad, in reversed() registration "
-                    "order; a bucket fires once, when its count of ready parameters reaches its "
-                    "size; buckets with a parameter that got no gradient fire in finish.",
+               hint="One all-reduce per bucket per step, started during backward the moment the "
+                    "bucket's last gradient is ready; a bucket with a parameter that got no "
+                    "gradient can only start in finish.",
                expect=lambda seed: {"plan": _bucket_plan(SMALL_CAP),
                                     "calls": _expected_calls(SMALL_CAP, SEED_STEPS, SEED_EXTRA, 1)})
 def _(impl: Any, seed: int) -> list[Any]:
@@ -461,8 +479,13 @@ def _(impl: Any, seed: int) -> list[Any]:
 
 NO_SYNC = task(
     "4.4", "BucketedDDP", points=2, forbidden=DDP,
-    hint="no_sync() sets self.require_backward_grad_sync = False, yields, and restores the old "
-         "value in a finally block; the gradient hook returns early while the flag is False.",
+    hint="Gradient accumulation: inside no_sync() backward only accumulates gradients locally, "
+         "with no communication; the first backward outside it reduces the accumulated sum, "
+         "and the previous setting comes back even if the block raises.",
+    recipe="Make no_sync a context manager that switches the require_backward_grad_sync flag "
+           "off for the duration of the block and restores its previous value in a finally "
+           "clause; while the flag is off, the gradient hook returns without counting or "
+           "starting anything.",
 )
 
 MICRO = 2  # micro-batches per step: PER_RANK sequences split in two

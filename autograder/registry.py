@@ -15,7 +15,8 @@ A *task* (id ``"L.N"``) is the student's function or class with a fixed name. It
 Lessons use it like this (``autograder/lesson00.py``)::
 
     T = task("0.1", "shard_range", points=2, reference=_reference_shard_range,
-             hint="The first n % world_size ranks get one extra item.")
+             hint="Balanced and contiguous: shard sizes differ by at most one.",
+             recipe="Each rank gets n // world_size items; the first n % world_size get one more.")
 
     @T.case("12 items on 4 ranks")
     def _(shard_range, seed):
@@ -23,6 +24,13 @@ Lessons use it like this (``autograder/lesson00.py``)::
 
 Points are split evenly over a task's cases (nbgrader partial credit); a case may carry a
 ``weight`` to count more.
+
+Hints come in two levels. ``hint`` names the *concept* a failing case tests (what property is
+broken, why it matters); ``recipe`` says how to get there, step by step, in words. Neither
+contains solution code. A task's ``hint``/``recipe`` apply to every case that gives none of its
+own, and a :class:`CheckFailed` may carry a more precise pair. ``check()`` in a notebook shows
+the concept on the first failure and the recipe from the second failure of the same task on (or
+at once with ``check(..., hint="recipe")``); the batch grader's feedback shows both.
 """
 
 from __future__ import annotations
@@ -51,12 +59,14 @@ __all__ = [
 class CheckFailed(AssertionError):
     """A case found wrong data. Carries what a student needs to fix it."""
 
-    def __init__(self, message: str, *, expected: Any = None, got: Any = None, hint: str = ""):
+    def __init__(self, message: str, *, expected: Any = None, got: Any = None, hint: str = "",
+                 recipe: str = ""):
         super().__init__(message)
         self.message = message
         self.expected = expected
         self.got = got
-        self.hint = hint
+        self.hint = hint  # the concept this failure breaks (shown first)
+        self.recipe = recipe  # how to fix it, in words (shown after repeated failures)
 
 
 def _describe(x: Any, limit: int = 200) -> str:
@@ -139,11 +149,12 @@ class Case:
     run: Callable[[Any, int], Any]
     compare: Callable[[Any, Any], None] = assert_same
     weight: float = 1.0
-    hint: str = ""
+    hint: str = ""  # the concept the case tests, shown on the first failure
     needs: str | None = None  # e.g. "cuda": the batch grader marks the case "blocked" without it
     # Trusted ``expect(seed) -> data`` computing the expected data directly (e.g. the mean of the
     # concatenation in one process) instead of running ``reference`` through ``run``.
     expect: Callable[[int], Any] | None = None
+    recipe: str = ""  # the steps, in words, shown after repeated failures or on request
 
 
 @dataclass
@@ -154,11 +165,12 @@ class Task:
     name: str
     points: float
     reference: Any = None
-    hint: str = ""
+    hint: str = ""  # the concept, for cases that give none of their own
     cases: list[Case] = field(default_factory=list)
     # Dotted names of what the task re-implements ("torch.distributed.all_reduce",
     # "torch.nn.parallel.DistributedDataParallel"): code of the task that uses one scores 0.
     forbidden: tuple[str, ...] = ()
+    recipe: str = ""  # the recipe, for cases that give none of their own
 
     @property
     def lesson(self) -> int:
@@ -166,13 +178,17 @@ class Task:
 
     def case(self, name: str, *, compare: Callable[[Any, Any], None] = assert_same,
              weight: float = 1.0, hint: str = "", needs: str | None = None,
-             expect: Callable[[int], Any] | None = None):
-        """Decorator registering ``run(impl, seed) -> data`` as a case of this task."""
+             expect: Callable[[int], Any] | None = None, recipe: str = ""):
+        """Decorator registering ``run(impl, seed) -> data`` as a case of this task.
+
+        ``hint`` (the concept) and ``recipe`` (the steps) default to the task's.
+        """
 
         def register(run: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
             if any(c.name == name for c in self.cases):
                 raise ValueError(f"task {self.id}: two cases named {name!r}")
-            self.cases.append(Case(name, run, compare, weight, hint or self.hint, needs, expect))
+            self.cases.append(Case(name, run, compare, weight, hint or self.hint, needs, expect,
+                                   recipe or self.recipe))
             return run
 
         return register
@@ -195,15 +211,17 @@ TASKS: dict[str, Task] = {}
 
 
 def task(id: str, name: str, *, points: float, reference: Any = None, hint: str = "",
-         forbidden: tuple[str, ...] = ()) -> Task:
+         forbidden: tuple[str, ...] = (), recipe: str = "") -> Task:
     """Register a task. ``id`` is ``"L.N"``; ``name`` is the student's function/class name;
-    ``forbidden`` names what the task re-implements (its use scores the task 0)."""
+    ``forbidden`` names what the task re-implements (its use scores the task 0); ``hint`` is
+    the concept shown on a first failure, ``recipe`` the steps shown after repeated failures."""
     lesson, _, number = id.partition(".")
     if not (lesson.isdigit() and number.isdigit()):
         raise ValueError(f"task id must look like '4.2', got {id!r}")
     if id in TASKS:
         raise ValueError(f"task {id} is registered twice")
-    TASKS[id] = Task(id, name, float(points), reference, hint, forbidden=tuple(forbidden))
+    TASKS[id] = Task(id, name, float(points), reference, hint, forbidden=tuple(forbidden),
+                     recipe=recipe)
     return TASKS[id]
 
 

@@ -56,9 +56,10 @@ class CaseResult:
     message: str = ""
     expected: str | None = None
     got: str | None = None
-    hint: str = ""
+    hint: str = ""  # the concept the failure breaks
     details: str = ""  # traceback or rank report, shown folded
     seconds: float = 0.0
+    recipe: str = ""  # the steps, in words; check() withholds it on a task's first failure
 
     @property
     def passed(self) -> bool:
@@ -86,6 +87,7 @@ class TaskReport:
     name: str
     cases: list[CaseResult] = field(default_factory=list)
     output: str = ""  # what the task's checks printed (batch and `kit grade` keep it)
+    note: str = ""  # a line for the student under the headline (check(): how to see the recipe)
 
     @property
     def score(self) -> float:
@@ -139,6 +141,8 @@ class TaskReport:
     def to_text(self, *, details: bool = True) -> str:
         """The report as plain text: the notebook outside Jupyter, feedback files, terminals."""
         lines = [f"Task {self.task_id} {self.name}: {self.headline()}"]
+        if self.note:
+            lines.append(f"  {self.note}")
         for c in self.cases:
             mark = {PASSED: "PASS", NOT_IMPLEMENTED: "TODO"}.get(c.status, "FAIL")
             lines.append(f"  [{mark}] {c.name}  ({_num(c.points)}/{_num(c.max_points)})"
@@ -149,6 +153,8 @@ class TaskReport:
                 lines += [f"         expected: {c.expected}", f"         got:      {c.got}"]
             if c.hint and c.status in (FAILED, ERROR, TIMEOUT):
                 lines.append(f"         hint: {c.hint}")
+            if c.recipe and c.status in (FAILED, ERROR, TIMEOUT):
+                lines.append(f"         recipe: {c.recipe}")
             if c.details and details:
                 lines += [f"           {line}" for line in c.details.rstrip().splitlines()[-12:]]
         return "\n".join(lines)
@@ -169,6 +175,8 @@ class TaskReport:
                             f"<td><code>{_esc(c.got)}</code></td></tr></table>")
             if c.hint and c.status in (FAILED, ERROR, TIMEOUT):
                 body.append(f"<div><i>Hint:</i> {_esc(c.hint)}</div>")
+            if c.recipe and c.status in (FAILED, ERROR, TIMEOUT):
+                body.append(f"<div><i>Recipe:</i> {_esc(c.recipe)}</div>")
             if c.details:
                 body.append(f"<details><summary>details</summary><pre>{_esc(c.details)}</pre></details>")
             rows.append(f"<tr><td style='color:{tint};font-size:1.2em;vertical-align:top'>{mark}</td>"
@@ -177,7 +185,8 @@ class TaskReport:
                         f"{_num(c.points)}/{_num(c.max_points)}</td></tr>")
         return (f"<div class='kit-check'><div style='font-weight:bold;color:{colour}'>"
                 f"Task {_esc(self.task_id)} <code>{_esc(self.name)}</code>: {_esc(self.headline())}</div>"
-                f"<table>{''.join(rows)}</table></div>")
+                + (f"<div style='font-size:0.9em'>{_esc(self.note)}</div>" if self.note else "")
+                + f"<table>{''.join(rows)}</table></div>")
 
 
 def _num(x: float) -> str:
@@ -200,10 +209,11 @@ def judge(task: Task, case: Case, got: Any, expected: Any, seconds: float = 0.0)
         return CaseResult(case.name, FAILED, 0.0, max_points, e.message,
                           None if e.expected is None else str(e.expected)[:500],
                           None if e.got is None else str(e.got)[:500], e.hint or case.hint,
-                          seconds=seconds)
+                          seconds=seconds, recipe=getattr(e, "recipe", "") or case.recipe)
     except Exception as e:  # compare met data of a form it did not expect (batch: untrusted data)
         return CaseResult(case.name, FAILED, 0.0, max_points, "the result has the wrong form "
-                          f"({type(e).__name__}: {str(e)[:200]})", hint=case.hint, seconds=seconds)
+                          f"({type(e).__name__}: {str(e)[:200]})", hint=case.hint, seconds=seconds,
+                          recipe=case.recipe)
     return CaseResult(case.name, PASSED, max_points, max_points, seconds=seconds)
 
 
@@ -238,17 +248,18 @@ def raised(task: Task, case: Case, e: BaseException, seconds: float = 0.0) -> Ca
     if isinstance(e, LaunchTimeout):
         return CaseResult(case.name, TIMEOUT, 0.0, max_points, "the ranks hung: they did not finish "
                           "in time. Does every rank call every collective, in the same order?",
-                          hint=case.hint, details=str(e), seconds=seconds)
+                          hint=case.hint, details=str(e), seconds=seconds, recipe=case.recipe)
     if isinstance(e, LaunchError):
         first = e.failures[0].summary if e.failures else str(e).splitlines()[0]
         return CaseResult(case.name, ERROR, 0.0, max_points, f"a rank failed: {first}",
-                          hint=case.hint, details=str(e), seconds=seconds)
+                          hint=case.hint, details=str(e), seconds=seconds, recipe=case.recipe)
     if not isinstance(e, Exception):  # SystemExit, KeyboardInterrupt raised by graded code
         return CaseResult(case.name, ERROR, 0.0, max_points, f"raised {type(e).__name__}: {e} "
                           "(do not call sys.exit() or os._exit() in graded code)", hint=case.hint,
                           seconds=seconds)
     return CaseResult(case.name, ERROR, 0.0, max_points, f"raised {type(e).__name__}: {e}",
-                      hint=case.hint, details=_student_traceback(e), seconds=seconds)
+                      hint=case.hint, details=_student_traceback(e), seconds=seconds,
+                      recipe=case.recipe)
 
 
 def settle(report: TaskReport) -> TaskReport:

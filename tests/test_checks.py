@@ -212,3 +212,78 @@ def test_global_mean_case_runs_a_loaded_function_on_spawned_ranks():
     impl = solutions(0).global_mean
     got = kit.launch(_mean_on_rank, impl, 5, shapes, world_size=2, start_method="spawn", timeout=120)
     assert [float(x) for x in got] == pytest.approx(_expected_means(5, shapes))
+
+
+# --------------------------------------------------------------------------- hint levels
+
+
+@pytest.fixture
+def fresh_hint_levels(monkeypatch):
+    from autograder import checking
+
+    monkeypatch.setattr(checking, "_failed_checks", {})
+    return checking
+
+
+def _off_by_one():
+    return dict(seeded_bugs(0)["0.1"])["stops one item early (off by one)"]
+
+
+def test_first_failure_shows_the_concept_and_the_second_the_recipe(fresh_hint_levels, capsys):
+    first = check("0.1", _off_by_one())
+    failing = [c for c in first.cases if c.status == FAILED]
+    assert failing and all(c.hint and not c.recipe for c in failing)
+    assert 'hint="recipe"' in first.note and 'hint="recipe"' in capsys.readouterr().out
+    second = check("0.1", _off_by_one())
+    assert all(c.recipe and c.recipe != c.hint for c in second.cases if c.status == FAILED)
+    text = second.to_text()
+    assert "hint:" in text and "recipe:" in text and "Recipe:" in second._repr_html_()
+    assert second.score == first.score  # the hint level never changes the points
+
+
+def test_asking_for_the_recipe_shows_it_on_the_first_failure(fresh_hint_levels, capsys):
+    report = check("0.1", _off_by_one(), hint="recipe")
+    assert all(c.recipe for c in report.cases if c.status == FAILED) and not report.note
+    with pytest.raises(ValueError, match="recipe"):
+        check("0.1", _off_by_one(), hint="solution")
+
+
+def test_a_pass_or_a_stub_does_not_count_as_a_failed_try(fresh_hint_levels, capsys):
+    check("0.1", _off_by_one())
+    check("0.1", solutions(0).shard_range)  # passing starts the count again
+    assert fresh_hint_levels.hint_level("0.1") == "concept"
+    check("0.1", stubs(0).shard_range)  # the untouched stub is not an attempt
+    assert fresh_hint_levels.hint_level("0.1") == "concept"
+    assert all(not c.recipe for c in check("0.1", _off_by_one()).cases)
+
+
+def test_run_checks_for_batch_feedback_carries_concept_and_recipe(fresh_hint_levels):
+    report = run_checks("0.2", _global_mean_of_means())
+    failing = [c for c in report.cases if c.status == FAILED]
+    assert failing and all(c.hint and c.recipe for c in failing)
+    assert all(c["recipe"] for c in report.to_dict()["cases"] if c["status"] == FAILED)
+
+
+def _solution_code(lesson: int) -> str:
+    source = SOURCES[lesson].read_text()
+    blocks = re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", source, re.S)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for b in blocks for line in b.splitlines()]
+    return " ".join(" ".join(line for line in lines if line and not line.startswith("#")).split())
+
+
+@pytest.mark.parametrize("lesson", [0, 1, 2, 3, 4])
+def test_every_task_has_a_recipe_and_no_hint_quotes_the_solution(lesson):
+    from difflib import SequenceMatcher
+
+    code = _solution_code(lesson)
+    for t in lesson_tasks(lesson):
+        assert t.hint and t.recipe and t.hint != t.recipe, t.id
+        texts = [t.hint, t.recipe] + [x for c in t.cases for x in (c.hint, c.recipe)]
+        for text in texts:
+            text = " ".join(text.split())
+            m = SequenceMatcher(None, text, code, autojunk=False).find_longest_match(
+                0, len(text), 0, len(code))
+            quoted = text[m.a:m.a + m.size].strip()
+            # 24 characters of the solution's code, unless it is one name (an attribute the
+            # task's contract names, like require_backward_grad_sync)
+            assert m.size < 24 or re.fullmatch(r"[\w.]+(\(\))?", quoted), (t.id, quoted)
