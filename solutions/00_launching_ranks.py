@@ -157,6 +157,11 @@ def shard_range(n: int, rank: int, world_size: int) -> range:
 check("0.1", shard_range)
 
 # %% [markdown]
+# When a check fails, each failing case shows what it expected, what it got and a *hint* that
+# names the idea it tests. Try again; if the same task fails a second time, its feedback adds
+# a *recipe*: the steps, in words (never the code). Want the recipe at once? Run
+# `check("0.1", shard_range, hint="recipe")`.
+#
 # Here is your `shard_range` drawn: one bar per rank, the number in the bar is how many items
 # the rank owns.
 
