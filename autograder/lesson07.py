@@ -292,6 +292,7 @@ def _(impl: Any, seed: int) -> list[Any]:
 
 SAVED = task(
     "7.2", "saved_activation_bytes", points=3,
+    forbidden=("autograder.lesson07._reference_saved_bytes",),
     hint="Inside torch.autograd.graph.saved_tensors_hooks(pack, unpack), pack(t) sees every "
          "tensor autograd keeps for backward (return t unchanged). Skip t when it is an "
          "nn.Parameter or its ._base is one; otherwise remember t.untyped_storage().nbytes() in "
@@ -398,7 +399,8 @@ CHECKPOINT = task(
     "7.3", "apply_checkpointing", points=4,
     forbidden=("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
                "torch.utils.checkpoint.CheckpointFunction",
-               "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper"),
+               "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
+               "autograder.lesson07._ReferenceCheckpoint", "autograder.lesson07._reference_apply"),
     hint="In forward: keep fn, torch.get_rng_state() and the tensor inputs "
          "(ctx.save_for_backward), and run fn under torch.no_grad(). In backward: detach each "
          "saved input and set requires_grad_ as the original had it; inside "
