@@ -97,14 +97,14 @@ def load_peptides(name: str = "AMPvsUniProt") -> tuple[list[str], torch.Tensor, 
 
 
 def read_fasta(path: str | Path) -> tuple[list[str], list[str]]:
-    """``(labels, sequences)`` of a FASTA file, e.g. UniRef50 (about 60 million sequences)."""
+    """``(labels, sequences)`` of a FASTA file, e.g. UniRef50 (tens of millions of sequences)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(
             f"{path} does not exist. This course never downloads data. For the set ESM-2 was "
             "trained on, fetch UniRef50 yourself on a machine with internet: "
             "https://ftp.uniprot.org/pub/databases/uniprot/uniref/uniref50/uniref50.fasta.gz "
-            "(about 12 GB), gunzip it, and pass its path here.")
+            "(tens of GB), gunzip it, and pass its path here.")
     from esm.data import FastaBatchedDataset
 
     data = FastaBatchedDataset.from_file(str(path))
