@@ -85,19 +85,23 @@ _OPENED: list[str] | None = None
 _HOOK_INSTALLED = False
 
 
-def _audit(event: str, args: tuple) -> None:
-    if _OPENED is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
-        try:
-            _OPENED.append(os.path.abspath(os.fsdecode(os.fspath(args[0]))))
-        except (TypeError, ValueError):
-            pass
-
-
 def _install_audit_hook() -> None:
     global _HOOK_INSTALLED
-    if not _HOOK_INSTALLED:
-        sys.addaudithook(_audit)
-        _HOOK_INSTALLED = True
+    if _HOOK_INSTALLED:
+        return
+
+    # A closure, not a module-level function: the hard gates put a trampoline on every function
+    # of autograder that refuses calls from student code, and an audit hook runs in the frame
+    # of whatever code opened the file.
+    def audit(event: str, args: tuple) -> None:
+        if _OPENED is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            try:
+                _OPENED.append(os.path.abspath(os.fsdecode(os.fspath(args[0]))))
+            except (TypeError, ValueError):
+                pass
+
+    sys.addaudithook(audit)
+    _HOOK_INSTALLED = True
 
 
 def _bytes_read() -> int:

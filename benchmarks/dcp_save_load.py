@@ -63,6 +63,33 @@ def _peak(fn):
     return seconds, out, peak
 
 
+def _operations(model, optimizer, full_path: str, sharded_path: str, rank: int) -> dict:
+    """The four ways to save and load, in the order they run."""
+
+    def full_save():
+        state = get_state_dict(model, optimizer,
+                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(state, full_path)
+
+    def dcp_save():
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=sharded_path)
+
+    def full_load():
+        state = torch.load(full_path, weights_only=True) if rank == 0 else ({}, {})
+        set_state_dict(model, optimizer, model_state_dict=state[0], optim_state_dict=state[1],
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def dcp_load():
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=sharded_path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    return {"full save": full_save, "dcp save": dcp_save, "full load": full_load, "dcp load": dcp_load}
+
+
 def _bench_on_rank(folder: str, dims: list[int], repeats: int) -> list[dict]:
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo")
@@ -78,30 +105,9 @@ def _bench_on_rank(folder: str, dims: list[int], repeats: int) -> list[dict]:
         results: dict[str, list] = {k: [] for k in ("full save", "dcp save", "full load", "dcp load",
                                                     "save blocked", "async_save blocked")}
 
-        def full_save():
-            state = get_state_dict(model, optimizer,
-                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if rank == 0:
-                torch.save(state, full_path)
-
-        def dcp_save():
-            model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=sharded_path)
-
-        def full_load():
-            state = torch.load(full_path, weights_only=True) if rank == 0 else ({}, {})
-            set_state_dict(model, optimizer, model_state_dict=state[0], optim_state_dict=state[1],
-                           options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-
-        def dcp_load():
-            model_state, optim_state = get_state_dict(model, optimizer)
-            state = {"model": model_state, "optim": optim_state}
-            dcp.load(state, checkpoint_id=sharded_path)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
+        ops = _operations(model, optimizer, full_path, sharded_path, rank)
         for _ in range(repeats):
-            for name, fn in (("full save", full_save), ("dcp save", dcp_save),
-                             ("full load", full_load), ("dcp load", dcp_load)):
+            for name, fn in ops.items():
                 seconds, _, peak = _peak(fn)
                 results[name].append((seconds, peak))
             model_state, optim_state = get_state_dict(model, optimizer)

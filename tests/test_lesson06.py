@@ -1,0 +1,217 @@
+"""Lesson 06's claims, proved against torch's own behaviour and trusted references.
+
+The solution/stub/seeded-bug runs of every task live in tests/test_checks.py; here: the hand-made
+sharded save/load round-trips any split onto any other (hypothesis, against plain slicing), the
+facts about DCP the lesson states (one copy of a key every rank saves, async_save stages a copy,
+.metadata written last through a rename, a fresh optimizer's state_dict is empty while
+get_state_dict creates the state, the CPU-backend requirement of async_save), the resumable
+sampler resumes exactly, the secret kill plan always exercises both kills, and the lesson runs
+headless.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autograder.lesson06 import RUN_TOTAL, _kill_plan
+from autograder.registry import lesson_tasks
+from kit.launcher import run_ranks
+from kit.resume import ResumableSampler, make_model, make_optimizer, token_dataset
+
+try:
+    from autograder.loading import load_tasks
+except ImportError:  # before the grading modules moved to autograder/
+    from kit.notebook import load_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "solutions" / "06_checkpointing.py"
+
+
+@pytest.fixture(scope="module")
+def solution():
+    return load_tasks(SOURCE)
+
+
+def test_lesson06_registers_tasks_6_1_to_6_3_with_their_points():
+    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(6)}
+    assert tasks == {"6.1": ("save_shards", 4.0), "6.2": ("TrainingState", 4.0),
+                     "6.3": ("train_with_checkpoints", 5.0)}
+
+
+# --------------------------------------------------------------------------- 6.1 by hand
+
+
+def _split(total: int, cuts: list[int]) -> list[int]:
+    edges = [0, *sorted(min(c, total) for c in cuts), total]
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def _save_piece(save_shards, folder, tensor, sizes):
+    rank = dist.get_rank()
+    offset = sum(sizes[:rank])
+    save_shards(folder, "t", tensor[offset:offset + sizes[rank]].clone(), offset, tensor.numel())
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), total=st.integers(0, 300), save_ws=st.integers(1, 4))
+def test_hand_made_shards_round_trip_any_split_onto_any_other(solution, tmp_path_factory, data, total, save_ws):
+    folder = str(tmp_path_factory.mktemp("shards"))
+    tensor = torch.arange(total, dtype=torch.float64) * 1.5
+    save_sizes = _split(total, data.draw(st.lists(st.integers(0, total), min_size=save_ws - 1,
+                                                  max_size=save_ws - 1)))
+    run_ranks(_save_piece, (solution.save_shards, folder, tensor, save_sizes), world_size=save_ws,
+              echo=False)
+    load_sizes = _split(total, data.draw(st.lists(st.integers(0, total), max_size=3)))
+    offset = 0
+    for n in load_sizes:  # one process loads every range: load_shards needs no collectives
+        got = solution.load_shards(folder, "t", offset, n)
+        assert got.dtype == torch.float64 and torch.equal(got, tensor[offset:offset + n])
+        offset += n
+
+
+# --------------------------------------------------------------------------- what the lesson says about DCP
+
+
+def _same_key(folder):
+    rank = dist.get_rank()
+    dcp.save({"x": torch.full((2,), float(rank)), "obj": {"r": rank}}, checkpoint_id=folder)
+    back = {"x": torch.zeros(2), "obj": {"r": -1}}
+    dcp.load(back, checkpoint_id=folder)
+    return back["x"][0].item(), back["obj"]["r"]
+
+
+def test_dcp_keeps_one_copy_of_a_key_every_rank_saves(tmp_path):
+    got = run_ranks(_same_key, (str(tmp_path),), world_size=3, echo=False)
+    assert len(set(got)) == 1, got  # every rank loads the same (one rank's) values
+    tensor_value, object_value = got[0]
+    assert tensor_value in (0.0, 1.0, 2.0) and object_value in (0, 1, 2)
+
+
+def _change_while_saving(folder):
+    w = torch.arange(100, dtype=torch.float32)
+    future = dcp.async_save({"w": w}, checkpoint_id=folder, process_group=dist.new_group(backend="gloo"))
+    w.zero_()
+    future.result()
+    back = {"w": torch.full((100,), -1.0)}
+    dcp.load(back, checkpoint_id=folder)
+    return back["w"]
+
+
+def test_async_save_keeps_the_values_of_the_moment_it_was_called(tmp_path):
+    got = run_ranks(_change_while_saving, (str(tmp_path),), world_size=2, echo=False)
+    for w in got:
+        assert torch.equal(w, torch.arange(100, dtype=torch.float32))
+
+
+def _save_watching_finish(folder):
+    from torch.distributed.checkpoint import filesystem
+
+    seen = {}
+    original = filesystem._FileSystemWriter.finish
+
+    def finish(self, *args, **kwargs):
+        seen["before"] = sorted(os.listdir(folder))
+        original(self, *args, **kwargs)
+        seen["after"] = sorted(os.listdir(folder))
+
+    filesystem._FileSystemWriter.finish = finish
+    dcp.save({"w": torch.ones(10) * dist.get_rank(), f"r{dist.get_rank()}": torch.ones(3)},
+             checkpoint_id=folder)
+    return seen
+
+
+def test_metadata_is_written_last_after_every_rank_wrote_its_data(tmp_path):
+    got = run_ranks(_save_watching_finish, (str(tmp_path),), world_size=2, echo=False)
+    seen = got[0]  # rank 0 coordinates and writes .metadata
+    assert ".metadata" not in seen["before"]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(seen["before"])
+    assert ".metadata" in seen["after"] and ".metadata.tmp" not in seen["after"]
+    assert got[1] == {}  # rank 1 never writes metadata
+    source = inspect.getsource(dcp.filesystem._FileSystemWriter.finish)
+    assert "rename(tmp_path, metadata_path)" in source
+
+
+def test_a_fresh_optimizer_has_no_state_until_get_state_dict_creates_it():
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = make_model()
+    optimizer = make_optimizer(model)
+    assert optimizer.state_dict()["state"] == {}
+    _, optim_state = get_state_dict(model, optimizer)
+    assert set(optim_state["state"]["tok.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_async_save_requires_a_group_with_a_cpu_backend_as_the_lesson_quotes():
+    source = inspect.getsource(dcp.async_save)
+    assert "A CPU backend must be enabled for async save; try initializing process group with " \
+           "'cpu:gloo,cuda:nccl'" in source
+
+
+# --------------------------------------------------------------------------- kit.resume and the kill plan
+
+
+@settings(max_examples=20, deadline=None)
+@given(first=st.integers(0, 30), world_size=st.integers(1, 4), rank=st.integers(0, 3))
+def test_resumable_sampler_resumes_exactly_where_it_stopped(first, world_size, rank):
+    rank = rank % world_size
+    data = token_dataset(40)
+    straight = ResumableSampler(data, num_replicas=world_size, rank=rank, seed=3)
+    straight.set_epoch(2)
+    order = list(straight)
+    stopped = ResumableSampler(data, num_replicas=world_size, rank=rank, seed=3)
+    stopped.set_epoch(2)
+    taken = [i for _, i in zip(range(first), stopped)]
+    resumed = ResumableSampler(data, num_replicas=world_size, rank=rank, seed=3)
+    resumed.set_epoch(stopped.epoch)
+    resumed.position = stopped.position
+    assert taken + list(resumed) == order
+
+
+@given(seed=st.integers(0, 2**31 - 1))
+def test_kill_plan_kills_mid_save_then_after_the_resume_point(seed):
+    plan = _kill_plan(seed)
+    assert plan["save_victim"] in (0, 1) and plan["step_victim"] in (0, 1)
+    assert plan["save_step"] in (4, 6)
+    # attempt 1 resumes at save_step - 2 at the latest: the second kill comes after that
+    assert plan["save_step"] < plan["kill_step"] < RUN_TOTAL
+
+
+def test_kill_plan_covers_both_ranks_and_both_saves():
+    plans = [_kill_plan(seed) for seed in range(40)]
+    assert {p["save_victim"] for p in plans} == {0, 1}
+    assert {p["step_victim"] for p in plans} == {0, 1}
+    assert {p["save_step"] for p in plans} == {4, 6}
+
+
+# --------------------------------------------------------------------------- the lesson
+
+
+@pytest.mark.slow
+def test_lesson06_runs_headless_with_its_solutions_and_shows_what_it_claims():
+    import json
+
+    from kit.runner import run_notebook
+
+    result = run_notebook(SOURCE, timeout=300)
+    assert result.ok, str(result.failure)
+    assert result.seconds < 240
+    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    assert "saved on 4, loaded on 2: equal to the saved model: True" in printed
+    assert "saved on 4, loaded on 3: equal to the saved model: True" in printed
+    assert "values in the checkpoint after an in-place change during async_save: [1.0]" in printed
+    assert "bit-identical after a SIGKILL and a restart: True" in printed
+    assert "same weights as the run's final parameters: True" in printed
+    assert "attempt 1: complete checkpoints ['step-000002'" in printed
+    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
+              for o in c.get("outputs", [])]
+    assert checks and '"stderr"' not in json.dumps(checks)
