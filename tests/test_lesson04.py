@@ -171,6 +171,9 @@ def test_lesson04_runs_headless_with_its_solutions_and_shows_what_it_claims():
     counts = {line.split()[0]: int(line.split()[1]) for line in printed.splitlines()
               if line.endswith("all-reduces in one step")}
     assert counts["NaiveDDP"] == counts["OverlappedDDP"] > counts["BucketedDDP"] >= 1
+    # torch DDP's own bucket all-reduces, issued by its C++ Reducer, are on the timeline
+    reducer = next(line for line in printed.splitlines() if line.startswith("torch DDP "))
+    assert "routes ['c++']" in reducer and int(reducer.split()[2]) >= 2
     accumulated = next(line for line in printed.splitlines() if "each micro-batch's backward" in line)
     silent, last = accumulated.split(": [")[1].rstrip("]").rsplit(", ", 1)
     assert silent == "0, 0, 0" and int(last) >= 1  # no_sync: only the last backward communicates
@@ -230,3 +233,44 @@ def test_nbgrader_autograde_gives_lesson04_full_marks_solved_and_zero_untouched(
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         scores = {s: gb.find_submission(name, s).score for s in ("solved", "untouched")}
     assert scores == {"solved": sum(t.points for t in lesson_tasks(4)), "untouched": 0}
+
+
+# --------------------------------------------------------------------------- the recorder
+
+
+def _torch_ddp_steps(steps: int, cap_mb: float) -> list[list[tuple[str, str, int, bool, bool]]]:
+    """Each rank: torch DDP on a transformer, every step traced; (op, route, bytes, async, in backward)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from kit.trace import region, trace
+
+    torch.manual_seed(0)
+    model = DDP(TinyTransformer(vocab=64, dim=64, layers=2, heads=4, context=32), bucket_cap_mb=cap_mb)
+    per_step = []
+    for step in range(steps):
+        x, y = token_batch(4, 32, 64, seed=10 * step + dist.get_rank())
+        with trace() as t:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            with region("backward"):
+                loss.backward()
+        backward = next(e for e in t.events if e.op == "backward")
+        per_step.append([(e.op, e.route, e.nbytes, e.async_op, backward.start <= e.start <= backward.end)
+                         for e in t.events if e.kind == "collective"])
+        model.zero_grad()
+    return per_step
+
+
+def test_torch_ddp_reducer_all_reduces_are_traced_inside_backward_as_cpp_route():
+    cap_mb = 0.05
+    steps = run_ranks(_torch_ddp_steps, (3, cap_mb), {}, world_size=2, timeout=120, echo=False)
+    grad_bytes = sum(p.numel() * p.element_size()
+                     for p in TinyTransformer(vocab=64, dim=64, layers=2, heads=4, context=32).parameters())
+    for rank_steps in steps:
+        for step, events in enumerate(rank_steps):
+            reduces = [e for e in events if e[0] == "all_reduce"]
+            # issued by the C++ Reducer (no Python dist.* call), async, during backward
+            assert reduces and all(route == "c++" and is_async and inside
+                                   for _, route, _, is_async, inside in reduces), (step, events)
+            assert sum(nbytes for _, _, nbytes, _, _ in reduces) == grad_bytes  # every gradient once
+        # after the first step DDP rebuilds its buckets under the cap: several all-reduces
+        assert len([e for e in rank_steps[-1] if e[0] == "all_reduce"]) >= 2
