@@ -162,11 +162,13 @@ plt.show()
 
 # %% [markdown]
 # Rank 0's memory grows with the *whole* model, three times over with AdamW (parameters plus
-# two moments), while each DCP rank holds only its quarter. On a laptop the times are close,
-# because all four ranks share one disk and a few cores; on a cluster each node writes to a
-# parallel filesystem at its own bandwidth, so DCP's save time stays flat as you add nodes
-# while the rank-0 save grows with the model. (`benchmarks/dcp_save_load.py` measures both,
-# save and load, side by side.)
+# two moments), while each DCP rank holds only its quarter. The times on one laptop say little:
+# the four ranks share one disk and a couple of cores, and at these sizes DCP's collective
+# planning (every rank sends its plan to rank 0 and gets its final plan back) can cost more
+# than the write itself, so DCP may well come out slower here. On a cluster each node writes
+# to a parallel filesystem at its own bandwidth: DCP's write is spread over every node, while
+# the rank-0 save pushes all bytes through one process and one network link.
+# `benchmarks/dcp_save_load.py` measures save, load and peak memory side by side.
 #
 # ## 2. What DCP writes
 #
@@ -502,16 +504,19 @@ plt.show()
 #   tensor before it returns; the loop may then change the parameters in place and the
 #   checkpoint still holds the values of the moment of the call (checked below). The copy
 #   doubles the state's memory while a save is in flight, so keep **at most one save in
-#   flight**: call the previous future's `.result()` before starting the next.
+#   flight**: call the previous future's `.result()` before starting the next. (Two saves in
+#   flight on one group also run their collectives from two threads at once; in this course's
+#   checks, a loop that never waits hung until its timeout.)
 # - **A CPU backend.** The background thread runs the save's collectives on the process group
 #   you pass. `async_save` refuses a group without a CPU backend (in torch 2.13 it raises
 #   `AssertionError: A CPU backend must be enabled for async save; try initializing process
 #   group with 'cpu:gloo,cuda:nccl'`). On CPU, gloo is that backend.
 # - **Its own group.** The save's collectives run in another thread while training runs its
 #   own; on one shared group the two streams of collectives could interleave differently on
-#   different ranks. Pass `process_group=dist.new_group(backend="gloo")`, created once, as
-#   [torchtitan](https://github.com/pytorch/torchtitan/blob/main/torchtitan/components/checkpoint.py)
-#   does.
+#   different ranks. Create a group for checkpointing once and pass it as `process_group=`,
+#   as PyTorch's
+#   [asynchronous saving recipe](https://pytorch.org/tutorials/recipes/distributed_async_checkpoint_recipe.html)
+#   does (on CPU: `dist.new_group(backend="gloo")`).
 
 # %%
 def change_while_saving(folder: str) -> list:
@@ -657,7 +662,11 @@ script = write_script(
 )
 try:
     result = torchrun(script, demo_dir / "ckpt", nproc_per_node=2, max_restarts=1,
-                      env={"PYTHONPATH": os.getcwd()}, timeout=240)
+                      env={"PYTHONPATH": os.getcwd()}, timeout=240, echo=False)
+    # The survivor's traceback ("Connection reset by peer") is long; show the story only.
+    for line in result.lines:
+        if "attempt" in line or "exitcode" in line:
+            print(line)
     print(f"torchrun finished in {result.wall_time:.1f} s")
 except TorchrunError as e:
     print(e)
