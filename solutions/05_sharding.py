@@ -681,9 +681,9 @@ except LaunchError as e:
 # Without prefetching, each unit waits for its own all-gather before it can compute: the
 # green bars sit in the forward's critical path. With prefetching, unit $i+1$'s all-gather
 # is in flight while unit $i$ computes, and by the time it is needed it has (often) arrived.
-# On one laptop CPU the collectives and the matrix products share the same cores, so the
-# gain is small; on GPUs NCCL runs on its own stream and prefetching hides most of the
-# communication. The price is memory: two units are whole at once instead of one. On GPUs,
+# On one laptop CPU the collectives and the matrix products share the same cores, so how
+# much the forward gains varies from run to run (compare the two printed forward times); on
+# GPUs NCCL runs on its own stream and prefetching hides most of the communication. The price is memory: two units are whole at once instead of one. On GPUs,
 # torch's FSDP2 issues all-gathers on their own CUDA stream ahead of the compute that needs
 # them, prefetches the next module in backward by default, and takes explicit plans through
 # `module.set_modules_to_forward_prefetch([...])` and `set_modules_to_backward_prefetch`.
