@@ -45,8 +45,10 @@
 import contextlib
 import copy
 import logging
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -63,6 +65,7 @@ from kit.parallelism import (
     plot_schedule,
     simulate_schedule,
 )
+from kit.torchrun import torchrun, write_script
 from kit.trace import launch_traced, plot_timeline, region, trace
 
 # %% [markdown]
@@ -1085,6 +1088,72 @@ for r in sorted(layout_table(model_13b, 64), key=lambda r: sum(r.comm_seconds.va
 
 # %%
 layout_widget(model_13b, world_size=64)
+
+# %% [markdown]
+# ## The same code under `torchrun`
+#
+# Your layers take a process group and nothing else, so they run unchanged under `torchrun`.
+# The script below copies your classes from this notebook, builds a (2, 2) mesh of
+# `"dp"` × `"tp"` on 4 workers, runs the MLP tensor-parallel over `mesh["tp"]` and averages the
+# gradients over `mesh["dp"]` (Lesson 04's data parallelism, by hand), each `"dp"` row on its
+# half of every batch. Its losses must be one process's on the whole batch:
+
+# %%
+WORK = Path(tempfile.mkdtemp(prefix="lesson08-"))
+HEADER = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.distributed.device_mesh import init_device_mesh
+"""
+MAIN = """
+def batches(steps=3):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(8, 16, generator=gen) for _ in range(steps)]
+
+
+def main():
+    dist.init_process_group("gloo")  # GPUs: "nccl", after torch.cuda.set_device(LOCAL_RANK)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
+    torch.manual_seed(0)  # the same full layers everywhere; each rank keeps its slices
+    model = nn.Sequential(ColumnParallelLinear(nn.Linear(16, 64), tp_group), nn.GELU(),
+                          RowParallelLinear(nn.Linear(64, 16), tp_group))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step, x in enumerate(batches()):
+        x = x.chunk(2)[mesh["dp"].get_local_rank()]  # this "dp" row's half of the batch
+        loss = model(x).square().mean()
+        loss.backward()
+        for p in model.parameters():  # average over "dp"; the "tp" ranks hold different slices
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad /= 2
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(loss.detach(), group=dp_group)
+        if dist.get_rank() == 0:
+            print(f"step {step}: loss {loss.item() / 2:.6f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+"""
+script = write_script(WORK / "tp_dp.py", HEADER, CopyToTP, ReduceFromTP, GatherFromTP, ScatterToTP,
+                      ColumnParallelLinear, RowParallelLinear, MAIN)
+result = torchrun(script, nproc_per_node=4, echo=False, timeout=300)
+print("\n".join(line for line in result.output.splitlines() if "step" in line))
+
+torch.manual_seed(0)  # one process, the whole batch
+reference = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+gen = torch.Generator().manual_seed(0)
+for step in range(3):
+    loss = reference(torch.randn(8, 16, generator=gen)).square().mean()
+    loss.backward()
+    sgd.step()
+    sgd.zero_grad()
+    print(f"one process, step {step}: loss {loss.item():.6f}")
 
 # %% [markdown]
 # ## Running at scale

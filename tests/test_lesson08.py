@@ -289,6 +289,11 @@ def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert "Schedule1F1B: gradients equal gpipe's on every stage: True" in printed
     assert "GPipe: activations held at most [8, 8, 8, 8] per stage" in printed
     assert "1F1B: activations held at most [4, 3, 2, 1] per stage" in printed
+    import re
+
+    under_torchrun = re.findall(r"\]:step (\d): loss ([0-9.]+)", printed)
+    one_process = re.findall(r"one process, step (\d): loss ([0-9.]+)", printed)
+    assert len(under_torchrun) == 3 and under_torchrun == one_process  # TP x DP = one process
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)
