@@ -434,7 +434,11 @@ class GatherShards(torch.autograd.Function):
 
 
 class Unit:
-    """One wrapped submodule: its flat fp32 shard, and the hooks that gather and free it."""
+    """One wrapped submodule: its flat fp32 shard, and the hooks that gather and free it.
+
+    Keep this rank's piece as self.shard (an nn.Parameter of padded / W elements, registered
+    on self.module) and the padded length as self.padded.
+    """
 
     def __init__(self, module: nn.Module, prefix: str, compute_dtype=None):
         self.module, self.prefix = module, prefix
