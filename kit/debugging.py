@@ -16,13 +16,15 @@ import torch
 import torch.distributed as dist
 
 from kit.launcher import run_ranks
+from kit.recorder import COLLECTIVE_OPS
 
 __all__ = ["RECORDED", "record_collectives"]
 
-# Collectives replaced while recording; each is noted with the shape of its first tensor.
-RECORDED = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-            "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-            "gather", "scatter", "barrier", "monitored_barrier")
+# Collectives replaced while recording, each noted with the shape of its first tensor: the
+# tensor collectives of kit.recorder's list (object collectives and point-to-point calls run for
+# real; the coalesced and underscore variants are internal), in a fixed order.
+RECORDED = tuple(sorted(op for op in COLLECTIVE_OPS
+                        if not op.startswith("_") and "object" not in op and "coalesced" not in op))
 
 
 def _shape_of(args: tuple, kwargs: dict) -> tuple[int, ...]:

@@ -16,15 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The torch.distributed entry points a rank can block in, by the name of their Python frame.
-COLLECTIVES = frozenset({
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
-    "all_gather_object", "all_gather_coalesced", "broadcast", "broadcast_object_list", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
-    "gather_object", "scatter", "scatter_object_list", "barrier", "monitored_barrier", "send",
-    "recv", "send_object_list", "recv_object_list", "batch_isend_irecv", "init_process_group",
-    "new_group", "new_subgroups", "_store_based_barrier",
-})
+from kit.recorder import PUBLIC_OPS
+
+# The torch.distributed entry points a rank can block in, by the name of their Python frame:
+# every operation the recorder knows (one list, kit.recorder), and the group set-up calls.
+COLLECTIVES = PUBLIC_OPS | {"init_process_group", "new_group", "new_subgroups", "_store_based_barrier"}
 
 _THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME_RE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["NAME", "RecordingProcessGroup", "Record", "install", "installed", "observers"]
+__all__ = ["COLLECTIVE_OPS", "NAME", "P2P_OPS", "PUBLIC_OPS", "RecordingProcessGroup", "Record", "install",
+           "installed", "observers"]
 
 NAME = "kitgloo"  # the registered backend name; code asking for the backend still sees "gloo"
 _C = torch._C._distributed_c10d
@@ -47,9 +48,11 @@ observers: list[Callable[[Record], None]] = []
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
 _FUNCTIONAL_FILES = ("_functional_collectives.py", "_ops.py", "_functional_collectives_impl.py")
-# Public c10d functions the user calls; the outermost one in a chain names the operation.
-PUBLIC_OPS = frozenset({
-    "send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "batch_isend_irecv",
+# The one list of torch.distributed's operations, by the names of their public functions;
+# kit.trace, kit.hang and kit.debugging use it. The outermost one in a chain of c10d frames
+# names the operation the user called.
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
+COLLECTIVE_OPS = frozenset({
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_single",
     "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
     "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "monitored_barrier",
@@ -57,7 +60,8 @@ PUBLIC_OPS = frozenset({
     "all_reduce_coalesced", "all_gather_coalesced", "_all_gather_base", "_reduce_scatter_base",
     "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
 })
-P2P = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
+PUBLIC_OPS = P2P_OPS | COLLECTIVE_OPS | {"batch_isend_irecv"}
+P2P = P2P_OPS  # the name this module used first
 _ASYNC_BY_NATURE = frozenset({"isend", "irecv"})
 
 

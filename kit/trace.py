@@ -1,8 +1,8 @@
 """A collective tracer: which operations a rank made, how many bytes, and when.
 
 Lesson 01 uses it to show collectives happen and the checks use it to grade communication
-patterns; Lessons 04-05 draw its timeline to show DDP's bucketed all-reduces overlapping the
-backward pass and FSDP's all-gathers. Inside a rank::
+patterns; Lessons 04, 05, 08 and 10 draw its timeline (DDP's bucketed all-reduces overlapping the
+backward pass, torch DDP's own Reducer among them; FSDP's all-gathers; pipeline stages). Inside a rank::
 
     with trace() as t:            # every operation in the block is recorded
         dist.all_reduce(x)
@@ -55,13 +55,9 @@ __all__ = [
     "trace",
 ]
 
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
-COLLECTIVE_OPS = frozenset({
-    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
-    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
-    "monitored_barrier", "all_gather_object", "gather_object", "broadcast_object_list",
-    "scatter_object_list", "all_reduce_coalesced", "_all_gather_base", "_reduce_scatter_base",
-})
+# The operations the recorder knows, by kind (one list, kept in kit.recorder).
+P2P_OPS = recorder.P2P_OPS
+COLLECTIVE_OPS = recorder.COLLECTIVE_OPS
 
 
 @dataclass
