@@ -978,9 +978,9 @@ def _compare_mixed(got: Any, expected: dict[str, Any]) -> None:
 
 FSDP2 = task(
     "5.4", "apply_fsdp2", points=3,
-    hint="for block in model.blocks: fully_shard(block, mesh=mesh, ...); then "
-         "fully_shard(model, mesh=mesh, ...); add mp_policy=MixedPrecisionPolicy(...) when a "
-         "dtype is given.",
+    hint="Each block is its own unit of all-gather: call fully_shard on every block of "
+         "model.blocks with the mesh, then once on the root for the parameters no block holds; "
+         "when a dtype is given, pass the same MixedPrecisionPolicy to every call.",
 )
 
 
