@@ -8,6 +8,8 @@ record, the host's loopback port never sees a connection, and nothing is left ru
 submission still gets the points its honest tasks deserve.
 
 These tests need what CI has: root and bubblewrap. Elsewhere they skip; with ``CI=true`` they fail.
+On a clean clone (CI) every file of autograder/ and kit/ must be byte-identical; on a working
+copy that people edit while the batch runs, their files are told apart from what the attacks aim at.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import sysconfig
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,9 @@ def _tree_digest() -> dict[str, tuple[str, int]]:
             digest[str(path.relative_to(ROOT))] = (f"{stat.S_IMODE(info.st_mode):o} "
                                                    + hashlib.sha256(path.read_bytes()).hexdigest(), info.st_uid)
     return digest
+
+
+TARGETED = {"autograder/registry.py", "autograder/lesson00.py", "autograder/grade/batch.py", "kit/__init__.py"}
 
 
 def _being_edited() -> set[str]:
@@ -192,9 +198,16 @@ def test_the_project_is_byte_identical_and_nothing_was_planted(graded):
     changed = {k for k in before if k not in graded["editing"] and before[k] != after.get(k)}
     # A file that appeared is the batch's doing if a non-root uid (a worker) owns it.
     changed |= {k for k in after.keys() - before.keys() if after[k][1] != 0}
-    assert not changed, f"changed during grading: {sorted(changed)}"
     if graded["editing"]:
-        print(f"left out, being edited in this checkout: {sorted(graded['editing'])}")
+        # A shared working copy (people saving files while the batch runs): a changed file counts
+        # when an attack aimed at it or it carries the run's token; the rest are people's edits.
+        others = {k for k in changed if k not in TARGETED and not (
+            (ROOT / k).is_file() and graded["targets"].token.encode() in (ROOT / k).read_bytes())}
+        if others:
+            warnings.warn(f"changed during grading in this shared checkout, by people: {sorted(others)}",
+                          stacklevel=1)
+        changed -= others
+    assert not changed, f"changed during grading: {sorted(changed)}"
     assert not graded["planted"], f"attack files (now removed): {graded['planted']}"
     lines = _attack_lines(graded["records"]["writes_project"])
     assert "cannot create" in lines and "could " not in lines and "created" not in lines, lines

@@ -234,8 +234,10 @@ def _namespaced(workdir: Path, uid: int, argv: list[str], hide: Any, nsswitch_fd
     path that lies inside one of them (the output folder, submissions) is covered by an empty
     folder or ``/dev/null``. ``nsswitch_fd``: from :func:`_offline_nsswitch` (pass it on).
     """
-    cmd = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-           "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    # The host name is localhost: torchrun and c10d advertise it to ranks, and the only interface
+    # in the namespace is the loopback (the host's own name may resolve to an address not there).
+    cmd = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--hostname",
+           "localhost", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     # First the empty places, so that a tree below them (a project cloned under /tmp) stays visible.
     cmd += ["--dev", "/dev", "--proc", "/proc",
             "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs", "/dev/shm"]
