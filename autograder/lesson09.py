@@ -60,6 +60,7 @@ MASK = task(
 )
 
 
+@functools.lru_cache(maxsize=8)
 def _peptide_tokens(seed: int, n: int = 256) -> torch.Tensor:
     """``(n, L)`` real peptides from modlamp, tokenised with <cls>, <eos> and <pad>."""
     from kit.proteins import load_peptides, tokenize
@@ -69,6 +70,7 @@ def _peptide_tokens(seed: int, n: int = 256) -> torch.Tensor:
     return tokenize([sequences[i] for i in pick.tolist()], _alphabet())
 
 
+@functools.lru_cache(maxsize=8)
 def _uniform_tokens(seed: int, rows: int = 512, length: int = 130) -> torch.Tensor:
     """``(rows, length)``: uniform canonical amino acids between <cls> and <eos>, random padding."""
     alphabet = _alphabet()
@@ -415,7 +417,9 @@ RING = task(
     forbidden=("torch.distributed.all_gather", "torch.distributed.all_gather_into_tensor",
                "torch.distributed.all_gather_object", "torch.distributed.all_to_all",
                "torch.distributed.all_to_all_single", "torch.distributed.broadcast",
-               "torch.distributed.all_reduce", "torch.distributed._functional_collectives",
+               "torch.distributed.all_reduce",
+               "torch.distributed._functional_collectives.all_gather_tensor",
+               "torch.distributed._functional_collectives.all_gather_tensor_autograd",
                "torch.nn.functional.scaled_dot_product_attention"),
     hint="Keep a running row max m, a running sum l of exp(scores - m) and an unnormalised "
          "output o. For each K/V block (your own first, then W-1 received from the left): "
@@ -624,6 +628,7 @@ CHUNK_RUNS = {  # name -> (L, chunk_size, dtype, tolerance)
 }
 
 
+@functools.lru_cache(maxsize=4)
 def _run_chunked(chunked: Any, seed: int) -> dict[str, Any]:
     out = {}
     for name, (length, chunk, dtype, _) in CHUNK_RUNS.items():
@@ -639,6 +644,7 @@ def _run_chunked(chunked: Any, seed: int) -> dict[str, Any]:
     return out
 
 
+@functools.lru_cache(maxsize=4)
 def _expected_chunked(seed: int) -> dict[str, Any]:
     out = {}
     for name, (length, chunk, dtype, tol) in CHUNK_RUNS.items():
