@@ -97,6 +97,7 @@ class Isolation:
 
 
 _ISOLATION: list[Isolation] = []  # probed once per process
+_ISOLATION_LOCK = threading.Lock()
 _PROBE = "import torch, autograder.grade.sandbox"
 
 
@@ -119,8 +120,13 @@ def _probe(cmd: list[str], **kwargs: Any) -> str | None:
 
 def isolation() -> Isolation:
     """Probe (once) which isolation this machine gives a worker; the probe imports torch there."""
-    if _ISOLATION:
+    with _ISOLATION_LOCK:
+        if not _ISOLATION:
+            _ISOLATION.append(_probe_isolation())
         return _ISOLATION[0]
+
+
+def _probe_isolation() -> Isolation:
     if not _is_root():
         found = Isolation(False, False, "not root: workers run as your user, with no namespaces and "
                           "no uid of their own")
@@ -146,9 +152,8 @@ def isolation() -> Isolation:
         else:
             uid = _probe([sys.executable, "-I", "-c", _PROBE], user=_uid(0), group=_uid(0), extra_groups=[])
             found = Isolation(False, uid is None, f"no namespaces: {why}" + (
-                "" if uid is None else f"; and uid {UID_BASE} cannot run {sys.executable} (a Python "
+                "" if uid is None else f"; and uid {_uid(0)} cannot run {sys.executable} (a Python "
                 "under a private /root?), so workers run as root"))
-    _ISOLATION.append(found)
     return found
 
 
@@ -178,7 +183,8 @@ def _uid(slot: int) -> int:
             if uid in taken:
                 continue
             try:
-                fd = os.open(Path(tempfile.gettempdir()) / f"kit-grade-uid-{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(Path(tempfile.gettempdir()) / f"kit-grade-uid-{uid}.lock",
+                             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             except OSError:
                 continue
             try:
