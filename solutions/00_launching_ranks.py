@@ -25,6 +25,8 @@
 # - start ranks from a cell with `kit.launch` and `%%distributed`;
 # - read the environment variables `torchrun` sets for every rank;
 # - read per-rank output, a crashed rank and a hung collective;
+# - start 4 ranks yourself with `torch.multiprocessing` (`spawn`, `Process`), and say why a
+#   notebook function cannot be spawned and how fork and cloudpickle get around it;
 # - split work across ranks (**Task 0.1**, 2 points) and combine a result from all of them
 #   (**Task 0.2**, 3 points).
 #
@@ -128,7 +130,277 @@ x.item()
 # live in the rank processes and vanish with them; return what you need as the last line.
 
 # %% [markdown]
-# ## 4. Task 0.1: give every rank its share
+# ## 4. Starting ranks by hand
+#
+# `launch` hides how ranks come to exist. Here is the whole story with nothing but torch. Each
+# rank is a separate Python process that must
+#
+# 1. learn its `rank` and `world_size` (here: passed as arguments; under `torchrun`: the
+#    environment variables above);
+# 2. meet the others: rank 0 hosts a
+#    [`TCPStore`](https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore),
+#    a small key-value server, and every rank connects to it (the *rendezvous*; Lesson 01 looks
+#    inside);
+# 3. join the group with
+#    [`init_process_group(store=...)`](https://pytorch.org/docs/stable/distributed.html#torch.distributed.init_process_group);
+# 4. work (one `all_reduce`), send its result back, leave the group and exit.
+#
+# The parent starts the ranks with
+# [`torch.multiprocessing.spawn`](https://pytorch.org/docs/stable/multiprocessing.html#spawning-subprocesses),
+# which starts `nprocs` fresh Python interpreters, calls `rank_main(i, *args)` in the `i`-th,
+# waits for all of them and raises if one failed. The cell below writes the script to a file
+# in a scratch folder, and the next one runs it with `subprocess`, as you would from a terminal.
+# (Why a file, and not a function in this notebook? Section 4c shows what goes wrong.)
+
+# %%
+import ast
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BY_HAND = Path(tempfile.mkdtemp(prefix="by-hand-"))  # the scripts of this section go here
+sys.path.insert(0, str(BY_HAND))  # so that this notebook can import them too
+
+
+def run_script(*args):
+    """Run `python ARGS...` in BY_HAND, as a terminal would; return what it printed."""
+    done = subprocess.run([sys.executable, *map(str, args)], cwd=BY_HAND, capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        print(done.stderr[-3000:])
+        raise RuntimeError(f"{' '.join(map(str, args))} exited with code {done.returncode}")
+    print(done.stdout, end="")
+    return done.stdout
+
+
+def results_in(printed):
+    """The list after "results by rank:" in a script's output."""
+    return ast.literal_eval(re.search(r"results by rank: (\[.*\])", printed).group(1))
+
+
+def seconds_in(printed):
+    """The seconds in "... joined in 1.23 s" in a script's output."""
+    return float(re.search(r"joined in ([0-9.]+) s", printed).group(1))
+
+
+# %%
+# %%writefile {BY_HAND}/spawn_by_hand.py
+"""Four ranks started by hand with torch.multiprocessing.spawn: python spawn_by_hand.py [world_size]"""
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def work():
+    """What every rank computes once it is in the group: the sum of (rank + 1)^2 over all ranks."""
+    t = torch.tensor([float(dist.get_rank() + 1) ** 2])
+    dist.all_reduce(t)  # 1 + 4 + 9 + 16 = 30 on 4 ranks, on every rank
+    return t.item()
+
+
+def rank_main(rank, world_size, port, results):
+    """One rank's whole life: meet the others, join the group, work, leave."""
+    torch.set_num_threads(1)  # the ranks share the cores: one thread each, as torchrun sets it
+    # rendezvous: rank 0 hosts the store on the port, the others connect to it
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=(rank == 0),
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    results.put((rank, work()))  # a process has its own memory: a queue carries the result out
+    dist.destroy_process_group()
+
+
+def free_port():
+    """A port nobody listens on now (the OS picks it); another program could take it before rank 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":  # each spawned rank imports this file again: only the parent runs this
+    world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    start = time.perf_counter()
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(rank_main, args=(world_size, free_port(), results), nprocs=world_size)  # waits for all
+    values = dict(results.get() for _ in range(world_size))
+    print("results by rank:", [values[rank] for rank in range(world_size)])
+    print(f"mp.spawn: {world_size} ranks started, done and joined in {time.perf_counter() - start:.2f} s")
+
+# %%
+by_spawn = run_script("spawn_by_hand.py")
+
+# %% [markdown]
+# Look at the last line of the script first: `if __name__ == "__main__":`. A spawned rank is a
+# new interpreter that knows nothing of its parent; to find `rank_main` it *imports the script
+# again*, under another name. Without that guard each of the 4 ranks would run the parent's
+# code too and try to spawn 4 ranks of its own (Python stops it with a `RuntimeError`).
+#
+# Now the same rank code imported into this notebook and run by `launch`: `work` is the function
+# both ran once their group existed, and the results agree.
+
+# %%
+import spawn_by_hand
+
+by_launch = launch(spawn_by_hand.work, world_size=4)
+print("kit.launch:", list(by_launch), "  same as by hand:", list(by_launch) == results_in(by_spawn))
+
+# %% [markdown]
+# ### 4b. The same with `Process` and `join`
+#
+# `mp.spawn` is a convenience. Underneath are
+# [`Process`](https://docs.python.org/3/library/multiprocessing.html#multiprocessing.Process)
+# objects: create one per rank, `start()` them all, then `join()` each one (wait until it
+# exits). `get_context` chooses how a process starts: `"spawn"` starts a fresh interpreter,
+# `"fork"` (Linux, macOS) copies the parent as it is, with everything it has imported.
+
+# %%
+# %%writefile {BY_HAND}/process_by_hand.py
+"""The same ranks with torch.multiprocessing.Process and join: python process_by_hand.py [spawn|fork]"""
+import sys
+import time
+
+import torch.multiprocessing as mp
+from spawn_by_hand import free_port, rank_main  # the same rank code as before
+
+if __name__ == "__main__":
+    method = sys.argv[1] if len(sys.argv) > 1 else "spawn"
+    world_size = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    ctx = mp.get_context(method)  # "spawn": fresh interpreters; "fork": copies of this process
+    start = time.perf_counter()
+    results, port = ctx.SimpleQueue(), free_port()
+    ranks = [ctx.Process(target=rank_main, args=(rank, world_size, port, results))
+             for rank in range(world_size)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join()  # wait for this rank to exit (a rank stuck in a collective: forever)
+    if any(p.exitcode != 0 for p in ranks):
+        sys.exit(f"ranks exited with codes {[p.exitcode for p in ranks]}")
+    values = dict(results.get() for _ in range(world_size))
+    print("results by rank:", [values[rank] for rank in range(world_size)])
+    print(f"Process ({method}): {world_size} ranks started, done and joined in "
+          f"{time.perf_counter() - start:.2f} s")
+
+# %%
+by_fork = run_script("process_by_hand.py", "fork")
+
+# %% [markdown]
+# Forked ranks start in a fraction of the time: they are copies of a parent that has already
+# imported torch, where each spawned rank imports it again. Note what `join` does *not* do: it
+# never gives up. A rank that crashes closes its connections, and gloo fails its peers'
+# `all_reduce` ("Connection closed by peer"), so all exit; but a rank that hangs without
+# crashing leaves the others waiting in their collective, and `join` waiting for them,
+# for as long as the collective's timeout (30 minutes on gloo). `launch` watches every rank,
+# stops them all at the first failure or at its own timeout, and says which rank did what
+# (sections 7 and 8).
+
+# %% [markdown]
+# ### 4c. Why not spawn a function defined in this notebook?
+#
+# To start a rank under spawn, the parent *pickles* the function to run, and pickle stores a
+# function by reference: its module and its name, here `__main__.notebook_rank`. The new
+# interpreter then looks that name up. A script can be imported again (that is what the
+# `__main__` guard was for), but this notebook's `__main__` lives only in this kernel: the child
+# has nothing to import, and fails before running a single line of ours. The cell below catches
+# the failure, and what the child wrote to its error output (file descriptor 2, kept in a file):
+
+# %%
+import os
+import pickle
+
+import torch.multiprocessing as mp
+
+
+def notebook_rank(rank):
+    print(f"rank {rank} started")  # never printed: the child cannot find this function
+
+
+print("what pickle sends for it:", pickle.dumps(notebook_rank))
+with tempfile.TemporaryFile() as child_stderr:
+    saved = os.dup(2)
+    os.dup2(child_stderr.fileno(), 2)  # a child inherits file descriptor 2: send it to the file
+    try:
+        mp.spawn(notebook_rank, nprocs=1)
+    except mp.ProcessExitedException as err:
+        print(f"{type(err).__name__}: {err}")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    child_stderr.seek(0)
+    print("the child said:", child_stderr.read().decode().strip().splitlines()[-1])
+
+# %% [markdown]
+# `launch` avoids this in two ways. On Linux it **forks** by default: a forked rank is a copy of
+# the kernel, your function is already in its memory, and nothing has to be pickled. Where fork
+# is not safe (macOS and Windows, or after this kernel has used CUDA, whose state a forked child
+# cannot use) it **spawns**, but sends the function with
+# [`cloudpickle`](https://github.com/cloudpipe/cloudpickle), which pickles functions of
+# `__main__` *by value*: their code, and the globals they use. That is longer than pickle's
+# name, and it works:
+
+# %%
+import cloudpickle
+
+
+def square_and_sum():
+    """work() again, defined in this notebook this time."""
+    t = torch.tensor([float(dist.get_rank() + 1) ** 2])
+    dist.all_reduce(t)
+    return t.item()
+
+
+print(f"pickle: {len(pickle.dumps(square_and_sum))} bytes (a name), "
+      f"cloudpickle: {len(cloudpickle.dumps(square_and_sum))} bytes (the code)")
+launch_spawn = launch(square_and_sum, world_size=4, start_method="spawn")
+print(f"kit.launch, spawn: {list(launch_spawn)}")
+
+# %% [markdown]
+# ### 4d. Three launchers side by side
+#
+# How long does each way take to start 4 ranks, run one all-reduce and wait for them, on *your*
+# machine? The by-hand numbers come from the runs above; `launch` is timed on the same work
+# (best of 3 for fork).
+
+# %%
+import matplotlib.pyplot as plt
+
+launch_fork = min((launch(square_and_sum, world_size=4) for _ in range(3)), key=lambda r: r.wall_time)
+seconds = {
+    "mp.spawn (by hand)": seconds_in(by_spawn),
+    "Process + fork (by hand)": seconds_in(by_fork),
+    "kit.launch (fork)": launch_fork.wall_time,
+    "kit.launch (spawn + cloudpickle)": launch_spawn.wall_time,
+}
+print("same result everywhere:",
+      results_in(by_spawn) == results_in(by_fork) == list(launch_fork) == list(launch_spawn))
+for name, s in seconds.items():
+    print(f"{name:34s} {s:6.2f} s")
+
+fig, ax = plt.subplots(figsize=(7, 2.4))
+ax.barh(list(seconds), list(seconds.values()), color=["C0", "C1", "C2", "C3"])
+ax.set(xlabel="seconds to start 4 ranks, all-reduce once and join", xscale="log")
+ax.invert_yaxis()
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Spawned ranks pay for a fresh interpreter and `import torch`, once per rank and once per
+# launch: seconds, more when the ranks outnumber your cores. Forked ranks pay for copying a
+# process: tenths of a second at most. Compare `launch` on fork with the bare fork script:
+# capturing each rank's output and watching for crashes and hangs adds little to the cost of
+# forking. On a cluster the start-up cost is paid once per job and hardly matters; in a notebook
+# you launch dozens of times, which is why `launch` forks whenever it is safe. From here on,
+# `launch` starts the ranks for you.
+
+
+# %% [markdown]
+# ## 5. Task 0.1: give every rank its share
 #
 # Before ranks can work in parallel they must agree, without talking, on who does what.
 # Split `n` items (numbered `0 .. n-1`) into `world_size` contiguous slices whose sizes differ
@@ -190,7 +462,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## 5. Task 0.2: a mean over all ranks
+# ## 6. Task 0.2: a mean over all ranks
 #
 # Each rank now computes on its own slice, and the answer has to be combined. Suppose rank
 # 0 holds `[1, 1, 1, 1]` and rank 1 holds `[10]`. The mean of all five numbers is
@@ -241,7 +513,7 @@ true_mean, mean_of_means = launch(compare_means, world_size=4)[0]
 print(f"global_mean: {true_mean:.2f}   mean of per-rank means: {mean_of_means:.2f}")
 
 # %% [markdown]
-# ## 6. When a rank crashes
+# ## 7. When a rank crashes
 #
 # If one rank raises, the others are left waiting in their next collective for a partner that
 # will never come. `launch` notices the failed rank, stops all the others and raises a single
@@ -268,7 +540,7 @@ except LaunchError as err:
 # nothing wrong; they were stopped because they could not go on without rank 2.
 
 # %% [markdown]
-# ## 7. When ranks hang
+# ## 8. When ranks hang
 #
 # Worse than a crash is a rank that skips a collective: nobody fails, everybody waits. Below,
 # rank 0 skips the `all_reduce` and goes on to the `barrier`, while ranks 1 and 2 wait in the
@@ -331,6 +603,10 @@ except LaunchTimeout as err:
 # - `launch(fn, world_size=N)` and `%%distributed -n N` start ranks from a notebook with the
 #   environment `torchrun` sets (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`,
 #   `MASTER_ADDR`, `MASTER_PORT`) and an initialised process group.
+# - By hand, each rank meets the others at a `TCPStore` hosted by rank 0 and joins with
+#   `init_process_group(store=...)`; `mp.spawn` or `Process` + `join` starts the ranks. Spawned
+#   ranks re-import your script (hence `if __name__ == "__main__":`) and find functions by
+#   name, so a notebook function cannot be spawned; `launch` forks, or sends it with cloudpickle.
 # - Ranks split work by rank number alone (`shard_range`) and combine results with
 #   collectives (`global_mean`): combine sums and counts, never means.
 # - A crash on one rank stops all of them with one `LaunchError`; a collective skipped by
@@ -352,3 +628,9 @@ except LaunchTimeout as err:
 #    return, and why?
 # 5. Write `global_max(local)` with `dist.all_reduce(..., op=dist.ReduceOp.MAX)`. What should an
 #    empty rank contribute?
+# 6. Run `run_script("process_by_hand.py", "spawn")` and `run_script("spawn_by_hand.py", 8)`.
+#    How does the start-up time grow with the number of spawned ranks on your machine?
+# 7. In `spawn_by_hand.py`'s `rank_main`, make rank 2 raise before `work()` and run
+#    `process_by_hand.py fork`: what do the other ranks report? Then make rank 2
+#    `time.sleep(600)` instead, give `join` a timeout and stop the stuck ranks with `p.kill()`:
+#    you have begun to write `launch`.
