@@ -297,3 +297,18 @@ def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)
+
+
+@pytest.mark.slow
+def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
+    import kit.launcher
+    from autograder import lesson08
+    from autograder.registry import get_task
+
+    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
+    lesson08._CACHE.clear()  # launches made with forked ranks must not answer for spawned ones
+    for task_id in ("8.1", "8.2", "8.3", "8.4"):
+        task = get_task(task_id)
+        case = task.cases[-1]
+        case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
+    lesson08._CACHE.clear()
