@@ -5,7 +5,8 @@ data-parallel wrapper must get right: a frozen layer (``requires_grad=False``), 
 never gets a gradient, a branch used only on some steps, embedding weights tied to the output
 layer (one ``Parameter`` reached twice in ``forward``) and a buffer. :class:`TinyTransformer`
 is a GPT-style language model, big enough for a step-time benchmark and small enough for a
-laptop CPU.
+laptop CPU. Lesson 09's AlphaFold module, :class:`TriangleAttentionStartingNode`, lives with
+the other protein helpers in :mod:`kit.proteins` and is reachable here too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["AwkwardNet", "TinyTransformer", "token_batch"]
+__all__ = ["AwkwardNet", "TinyTransformer", "TriangleAttentionStartingNode", "token_batch"]
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: the protein helpers are only imported by the lessons that use them.
+    if name == "TriangleAttentionStartingNode":
+        from kit.proteins import TriangleAttentionStartingNode
+
+        return TriangleAttentionStartingNode
+    raise AttributeError(f"module 'kit.models' has no attribute {name!r}")
 
 
 class AwkwardNet(nn.Module):
