@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autograder import lesson02 as checks
+from autograder.loading import load_tasks
 from autograder.registry import CheckFailed, lesson_tasks
 from kit.debugging import RECORDED, _run_recorded, record_collectives
 from kit.launcher import run_ranks
-from autograder.loading import load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "02_torchrun.py"
@@ -187,6 +187,33 @@ def test_recorded_hang_is_located_by_first_mismatch(lesson):
     assert found.calls[1] == ("barrier", ())
 
 
+# --------------------------------------------------------------------------- plain gloo, mismatched sizes
+
+
+def _mismatched(collective: str, sizes: tuple[int, int]) -> list[float]:
+    rank = dist.get_rank()
+    t = torch.arange(1.0, sizes[rank] + 1) * (rank + 1)
+    if collective == "broadcast":
+        dist.broadcast(t, src=0)
+    else:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def test_plain_gloo_broadcast_of_mismatched_sizes_returns_wrong_data_without_an_error():
+    # The lesson's claim, on torch's gloo: no size check across ranks, no error, stale data.
+    got = run_ranks(_mismatched, ("broadcast", (3, 4)), {}, world_size=2, timeout=30, echo=False)
+    assert list(got) == [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 8.0]]
+
+
+def test_plain_gloo_all_reduce_of_mismatched_sizes_can_abort_a_rank():
+    from kit.launcher import LaunchError
+
+    with pytest.raises(LaunchError) as err:
+        run_ranks(_mismatched, ("all_reduce", (8, 7)), {}, world_size=2, timeout=30, echo=False)
+    assert any(not f.consequence and "SIGABRT" in f.summary for f in err.value.failures)
+
+
 # --------------------------------------------------------------------------- the lesson
 
 
@@ -200,6 +227,8 @@ def test_lesson02_runs_headless_and_shows_each_failure_it_discusses():
     assert "rank 1: killed at step 3" in printed and "resuming at step 3" in printed
     assert "identical to the uninterrupted run: True" in printed
     assert "two nodes == one process: True" in printed
+    assert "broadcast (3, 4): returned [1.0, 2.0, 3.0, 8.0]" in printed  # plain gloo: silently wrong
+    assert "hung: a rank never returned" in printed and "SIGABRT" in printed
     assert "Timed out waiting 2000ms" in printed
     assert "Rank 2 failed to pass monitoredBarrier" in printed
     assert "rank 0 in all_reduce; rank 1 in barrier" in printed  # the kit's hang report
