@@ -602,10 +602,12 @@ def _(impl: Any, seed: int) -> dict[str, Any]:
 READY = task(
     "7.4", "compile_ready",
     points=3,
-    hint="Drop the print. Replace the loop up to the longest length with a (B, T) mask, "
-         "torch.arange(T) < lengths[:, None], and a masked sum divided by lengths. Replace the "
-         "Python if on .item() by torch.where(norm > max_norm, rescaled, pooled). Use the "
-         "model's own modules, so that gradients reach its parameters.",
+    hint="Graph breaks come from Python that needs a value Dynamo cannot know while tracing. "
+         "Drop the print. Replace the loop up to the longest length by a (B, T) boolean mask "
+         "that compares each position with its sequence's length, then a masked sum divided by "
+         "the lengths. Replace the Python if on .item() by torch.where, which computes both "
+         "sides and picks per element. Call the model's own modules, so that gradients reach "
+         "its parameters.",
 )
 
 BATCHES = [(4, 7, 11), (4, 7, 12), (4, 7, 13)]  # same shapes, different lengths
