@@ -31,6 +31,8 @@
 # - build a broadcast tree (**Task 1.1**, 3 points) and a ring all-reduce (**Task 1.2**,
 #   4 points) from point-to-point calls, and a barrier from a store (**Task 1.3**, 3 points);
 # - fit the alpha-beta cost model and predict an all-reduce (**Task 1.4**, 2 points).
+# - write the same all-reduce with MPI (`mpi4py` under `mpirun`), compare the two programming
+#   models, and measure `MPI_Allreduce` against gloo.
 #
 # Replace each `raise NotImplementedError(...)` with your code, run the cell, then the
 # `check(...)` cell under it.
@@ -736,6 +738,250 @@ plt.show()
 # rarely, small enough to start communicating early.
 
 # %% [markdown]
+# ## 10. MPI side by side
+#
+# Everything in this lesson existed before PyTorch. The **Message Passing Interface**
+# ([MPI](https://www.mpi-forum.org/docs/), a standard since 1994) is how supercomputer programs
+# have always talked, and `torch.distributed` borrowed its vocabulary: rank, world size,
+# send/recv, broadcast, all-reduce, reduce-scatter, barrier. Below, the same all-reduce, a ring
+# and a subgroup are written twice, once with [`mpi4py`](https://mpi4py.readthedocs.io/)
+# (Python on top of Open MPI) and started by `mpirun`, once with `torch.distributed` on gloo
+# and started by `torchrun`; then both all-reduces are timed on the same sizes.
+#
+# The MPI cells need Open MPI's `mpirun` and `mpi4py`. On Debian or Ubuntu:
+# `sudo apt-get install openmpi-bin libopenmpi-dev`, then `pip install -e ".[mpi]"` in the
+# course folder (macOS: `brew install open-mpi`). Without them the cells below say so and skip.
+
+# %%
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+MPIRUN = shutil.which("mpirun")
+HAVE_MPI = MPIRUN is not None and importlib.util.find_spec("mpi4py") is not None
+MPI_DIR = Path(tempfile.mkdtemp(prefix="mpi-"))  # the scripts of this section go here
+if not HAVE_MPI:
+    print("MPI cells skipped: " + ("mpirun" if MPIRUN is None else "mpi4py") + " not found. "
+          "Install openmpi-bin and libopenmpi-dev (apt) and `pip install mpi4py` to run them.")
+
+
+def run_ranks_with(launcher, script, *args, n=4):
+    """Start `script ARGS` on n processes with "mpirun" or "torchrun"; return rank 0's JSON line."""
+    if launcher == "mpirun":
+        # python -m mpi4py: an uncaught exception on one rank aborts them all (MPI_Abort)
+        cmd = [MPIRUN, "-n", str(n), "--oversubscribe", "-x", "OMP_NUM_THREADS=1"]
+        cmd += ["--allow-run-as-root"] if os.geteuid() == 0 else []  # containers run as root
+        cmd += [sys.executable, "-m", "mpi4py", script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={n}", script]
+    done = subprocess.run([*cmd, *map(str, args)], cwd=MPI_DIR, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        print(done.stdout[-2000:], done.stderr[-3000:])
+        raise RuntimeError(f"{launcher} {script} exited with code {done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+# %%
+# %%writefile {MPI_DIR}/mpi_allreduce.py
+"""All-reduce, a ring and a subgroup with MPI: mpirun -n 4 python -m mpi4py mpi_allreduce.py [NBYTES ...]"""
+import json
+import sys
+import time
+
+import torch
+from mpi4py import MPI  # importing it calls MPI_Init: this process joins the world mpirun made
+
+comm = MPI.COMM_WORLD  # the communicator of every process mpirun started
+rank, world_size = comm.Get_rank(), comm.Get_size()
+
+# all-reduce: MPI reduces buffers (an address, a count, a datatype); t.numpy() is t's memory
+t = torch.tensor([float(rank + 1) ** 2])
+comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM)  # in place, like dist.all_reduce(t)
+
+# a ring: pass a message to the right and receive from the left, p - 1 times, adding up
+right, left = (rank + 1) % world_size, (rank - 1) % world_size
+message, incoming = torch.tensor([float(rank)]), torch.empty(1)
+ring = message.clone()
+for _ in range(world_size - 1):
+    comm.Sendrecv(message.numpy(), dest=right, recvbuf=incoming.numpy(), source=left)
+    ring += incoming
+    message, incoming = incoming, message
+
+# a subgroup: each rank names the group it joins (color) and its place in it (key)
+pairs = comm.Split(color=rank // 2, key=rank)
+pair_sum = torch.tensor([float(rank)])
+pairs.Allreduce(MPI.IN_PLACE, pair_sum.numpy(), op=MPI.SUM)
+
+# time MPI_Allreduce: best of 5 per size on each rank, then the slowest rank's best
+seconds = {}
+for nbytes in map(int, sys.argv[1:]):
+    buf = torch.ones(nbytes // 4)  # float32
+    best = float("inf")
+    for _ in range(5):
+        comm.Barrier()  # start together: time the collective, not a late rank
+        start = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+        best = min(best, time.perf_counter() - start)
+    seconds[nbytes] = comm.allreduce(best, op=MPI.MAX)  # lower case: any picklable object
+
+if rank == 0:
+    print(json.dumps({"all_reduce": t.item(), "ring": ring.item(), "pair_sum": pair_sum.item(),
+                      "pair_rank": pairs.Get_rank(), "seconds": seconds}))
+
+# %%
+# %%writefile {MPI_DIR}/gloo_allreduce.py
+"""The same with torch.distributed on gloo: torchrun --standalone --nproc-per-node=4 gloo_allreduce.py [NBYTES ...]"""
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # rendezvous: every rank meets at the store on MASTER_ADDR:MASTER_PORT
+rank, world_size = dist.get_rank(), dist.get_world_size()
+
+# all-reduce: torch reduces tensors
+t = torch.tensor([float(rank + 1) ** 2])
+dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+# a ring: send right and receive left as one batch, p - 1 times, adding up
+right, left = (rank + 1) % world_size, (rank - 1) % world_size
+message, incoming = torch.tensor([float(rank)]), torch.empty(1)
+ring = message.clone()
+for _ in range(world_size - 1):
+    for handle in dist.batch_isend_irecv([dist.P2POp(dist.isend, message, right),
+                                          dist.P2POp(dist.irecv, incoming, left)]):
+        handle.wait()
+    ring += incoming
+    message, incoming = incoming, message
+
+# a subgroup: every rank creates every group, in the same order, listing its members
+groups = [dist.new_group([r, r + 1]) for r in range(0, world_size, 2)]  # an even world size
+pairs = groups[rank // 2]
+pair_sum = torch.tensor([float(rank)])
+dist.all_reduce(pair_sum, group=pairs)
+
+# time gloo's all_reduce: best of 5 per size on each rank, then the slowest rank's best
+seconds = {}
+for nbytes in map(int, sys.argv[1:]):
+    buf = torch.ones(nbytes // 4)  # float32
+    best = float("inf")
+    for _ in range(5):
+        dist.barrier()  # start together: time the collective, not a late rank
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        best = min(best, time.perf_counter() - start)
+    slowest = torch.tensor([best])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    seconds[nbytes] = slowest.item()
+
+if rank == 0:
+    print(json.dumps({"all_reduce": t.item(), "ring": ring.item(), "pair_sum": pair_sum.item(),
+                      "pair_rank": dist.get_rank(pairs), "seconds": seconds}))
+dist.destroy_process_group()
+
+# %% [markdown]
+# Both scripts compute the same things on 4 processes: the all-reduce of `(rank + 1)²`
+# (`1 + 4 + 9 + 16 = 30`), the ring sum of the ranks (`0 + 1 + 2 + 3 = 6`) and the sum within
+# the pair `{0, 1}` (`1`). Run them with the sizes of section 9:
+
+# %%
+if HAVE_MPI:
+    by_mpi = run_ranks_with("mpirun", "mpi_allreduce.py", *SIZES)
+    by_gloo = run_ranks_with("torchrun", "gloo_allreduce.py", *SIZES)
+    for key in ("all_reduce", "ring", "pair_sum", "pair_rank"):
+        print(f"{key:10s}  MPI: {by_mpi[key]:4g}   gloo: {by_gloo[key]:4g}")
+else:
+    print("skipped: the MPI side by side needs mpirun and mpi4py (see above)")
+
+# %% [markdown]
+# Same numbers, two programming models:
+#
+# | | MPI (`mpi4py`) | `torch.distributed` |
+# | --- | --- | --- |
+# | start | `mpirun -n 4 python ...` starts the copies (SPMD: single program, multiple data) *and* hands each its place: `MPI_Init` asks `mpirun`, launcher and library are one system | any launcher starts the copies (`torchrun`, `mp.spawn`, `kit.launch`, Lesson 00 by hand); each then finds the others itself, through a store (`init_process_group`, section 1) |
+# | the world | `MPI.COMM_WORLD`, there from the start | the default process group, once `init_process_group` returns |
+# | subgroups | a **communicator**: `comm.Split(color, key)`, each rank names only the group it joins | a **process group**: `dist.new_group(ranks)`, every rank creates every group, in the same order |
+# | data | **buffers**: an address, a count and a datatype (a NumPy array; `t.numpy()` shares a CPU tensor's memory); lower-case methods (`comm.allreduce`) pickle any Python object | **tensors**, on CPU or GPU; `all_gather_object` and friends pickle objects |
+# | a send and a receive at once | `comm.Sendrecv(...)` | `dist.batch_isend_irecv([...])` |
+# | a rank raises | with `python -m mpi4py`, `MPI_Abort` kills every rank; with plain `python` the others wait in their collective | gloo fails the peers' collective when the rank's connections close; a rank that hangs makes the others wait until the timeout (Lesson 00) |
+# | GPUs | CUDA-aware MPI builds | NCCL |
+#
+# Note the ring: MPI's `Sendrecv` posts both halves of the exchange in one call, exactly what
+# `batch_isend_irecv` does for your `ring_all_reduce`, and for the same reason (no deadlock).
+
+# %% [markdown]
+# ### Why not `init_process_group("mpi")`?
+#
+# `torch.distributed` has an MPI backend, but not in the wheels you install with pip:
+
+# %%
+print("torch.distributed.is_mpi_available():", dist.is_mpi_available())
+try:
+    dist.init_process_group("mpi")
+except RuntimeError as err:
+    print(f"RuntimeError: {err}")
+print("a process group was left behind:", dist.is_initialized())
+
+# %% [markdown]
+# The [backends section](https://pytorch.org/docs/stable/distributed.html#backends) of the docs
+# says it: "MPI is an optional backend that can only be included if you build PyTorch from
+# source (e.g. building PyTorch on a host that has MPI installed)". An MPI program is compiled
+# against one implementation's `mpi.h` and linked to its `libmpi`; Open MPI, MPICH and the
+# vendors' MPIs (Intel, Cray, ...) are not binary compatible with each other, and a cluster's
+# MPI is built for its own network. So PyTorch would have to ship one backend per MPI; it ships
+# none and lets you compile it against yours. `mpi4py` answers the same problem differently:
+# its wheel carries two compiled builds (look in its folder: `MPI.openmpi...so` and
+# `MPI.mpich...so`, one per family of binary-compatible MPIs) and picks the one that matches
+# the MPI library it finds at run time.
+
+# %% [markdown]
+# ### `MPI_Allreduce` against gloo's `all_reduce`
+#
+# The two scripts timed the all-reduce of a float32 buffer on 4 processes, best of 5 per size.
+# Above 1 the ratio means MPI was faster; below 1, gloo.
+
+# %%
+if HAVE_MPI:
+    mpi_s = [by_mpi["seconds"][str(n)] for n in SIZES]
+    gloo_s = [by_gloo["seconds"][str(n)] for n in SIZES]
+    print(f"{'bytes':>10s} {'MPI_Allreduce':>14s} {'gloo all_reduce':>16s} {'gloo / MPI':>11s}")
+    for n, m, g in zip(SIZES, mpi_s, gloo_s):
+        print(f"{n:10d} {m * 1e6:11.0f} us {g * 1e6:13.0f} us {g / m:10.2f}x")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
+    left.loglog(SIZES, mpi_s, "o-", label="MPI_Allreduce (Open MPI)")
+    left.loglog(SIZES, gloo_s, "s-", label="gloo all_reduce")
+    left.set(xlabel="bytes", ylabel="seconds", title="all-reduce on 4 processes")
+    left.legend(fontsize="small")
+    right.semilogx(SIZES, [g / m for m, g in zip(mpi_s, gloo_s)], "o-", color="C2")
+    right.axhline(1, color="k", ls="--")
+    right.set(xlabel="bytes", ylabel="gloo time / MPI time", title="above 1: MPI faster")
+    fig.tight_layout()
+    plt.show()
+else:
+    print("skipped: the timing needs mpirun and mpi4py (see above)")
+
+# %% [markdown]
+# How to read it. Open MPI's processes on one machine exchange data through **shared memory**,
+# while gloo goes through the **TCP stack** on loopback: for small buffers, where each message
+# costs latency (`α` of section 9), MPI is usually many times faster. For large buffers both
+# are copying bytes and the gap shrinks; it can even turn around on a laptop. An MPI rank waits
+# for its data by *polling*, spinning on a core, which is the fastest way to wait when each
+# rank owns a core and the slowest when 4 ranks share 2 cores: the spinning rank takes the
+# core from the one it waits for. gloo waits in the operating system, which hands the core
+# over. Run `kit doctor` to see your core count, and measure with `-n 2` to compare.
+#
+# On GPU clusters neither is used for the gradients: NCCL is. MPI is still everywhere in HPC,
+# often as the launcher (`mpirun` or Slurm's `srun` starting the ranks, and `torchrun`-style
+# variables read from `OMPI_COMM_WORLD_RANK` or `SLURM_PROCID`), and `mpi4py` is a quick way to
+# try an idea before writing it for `torch.distributed`.
+
+# %% [markdown]
 # ## Running at scale
 #
 # > Everything here runs unchanged under `torchrun`; on GPUs swap the backend:
@@ -784,12 +1030,15 @@ plt.show()
 # - `T = α + β·n` per message; a ring all-reduce costs `2(p-1)α + 2(p-1)/p·n·β`. Bus
 #   bandwidth makes measurements comparable across `p`.
 # - `kit.trace` shows every collective on a per-rank timeline.
+# - MPI has the same collectives: `mpirun` starts *and* connects the ranks, communicators
+#   split by color, and it moves buffers; PyTorch's own MPI backend needs a source build.
 #
 # **Read more:** [torch.distributed](https://pytorch.org/docs/stable/distributed.html),
 # [point-to-point communication](https://pytorch.org/docs/stable/distributed.html#point-to-point-communication),
 # [collective functions](https://pytorch.org/docs/stable/distributed.html#collective-functions),
 # [stores](https://pytorch.org/docs/stable/distributed.html#distributed-key-value-store),
-# [writing distributed applications](https://pytorch.org/tutorials/intermediate/dist_tuto.html).
+# [writing distributed applications](https://pytorch.org/tutorials/intermediate/dist_tuto.html),
+# [mpi4py](https://mpi4py.readthedocs.io/en/stable/tutorial.html).
 #
 # ## Exercises (not graded)
 #
@@ -803,3 +1052,6 @@ plt.show()
 #    spends as long on latency as on bandwidth.
 # 5. Build `ring_all_gather(out, tensor)` from the second half of your ring, and check it
 #    against `dist.all_gather_single`.
+# 6. Run the MPI and gloo scripts with `n=2` (`run_ranks_with("mpirun", "mpi_allreduce.py",
+#    *SIZES, n=2)`), and with as many processes as your machine has cores. How do the
+#    ratios change when no two ranks share a core?
