@@ -958,7 +958,7 @@ if HAVE_MPI:
     left.loglog(SIZES, gloo_s, "s-", label="gloo all_reduce")
     left.set(xlabel="bytes", ylabel="seconds", title="all-reduce on 4 processes")
     left.legend(fontsize="small")
-    right.semilogx(SIZES, [g / m for m, g in zip(mpi_s, gloo_s)], "o-", color="C2")
+    right.loglog(SIZES, [g / m for m, g in zip(mpi_s, gloo_s)], "o-", color="C2")
     right.axhline(1, color="k", ls="--")
     right.set(xlabel="bytes", ylabel="gloo time / MPI time", title="above 1: MPI faster")
     fig.tight_layout()
