@@ -208,7 +208,7 @@ def test_lesson07_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert result.seconds < 240
     printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
     formula = [line for line in printed.splitlines() if line.startswith("T=")]
-    assert len(formula) == 4 and all(line.split()[2] == line.split()[6] for line in formula)
+    assert len(formula) == 4 and all(line.split()[3] == line.split()[6] for line in formula)
     memory = [float(line.split(":")[1].split()[0]) for line in printed.splitlines()
               if line.split(":")[0].strip() in ("none", "every 4", "every 2", "every 1")]
     assert len(memory) == 4 and memory == sorted(memory, reverse=True) and memory[0] > 4 * memory[3]
