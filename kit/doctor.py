@@ -169,13 +169,31 @@ def check_isolation() -> Finding:
                    "(Docker: --privileged; or grade in a VM); see CONTRIBUTING.md, Isolation")
 
 
+def check_mpi() -> Finding:
+    """Lesson 01's MPI cells: Open MPI's ``mpirun`` and ``mpi4py`` (optional: the cells skip)."""
+    import subprocess
+
+    mpirun, mpi4py = shutil.which("mpirun"), _version("mpi4py")
+    if mpirun and mpi4py:
+        try:  # "mpirun (Open MPI) 4.1.4"
+            first = subprocess.run([mpirun, "--version"], capture_output=True, text=True,
+                                   timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            first = mpirun
+        return Finding("MPI (optional)", OK, f"{first}, mpi4py {mpi4py}")
+    missing = " and ".join(name for name, found in (("mpirun", mpirun), ("mpi4py", mpi4py)) if not found)
+    return Finding("MPI (optional)", WARN, f"{missing} not found: Lesson 01's MPI cells will skip",
+                   "apt-get install openmpi-bin libopenmpi-dev (macOS: brew install open-mpi), "
+                   "then pip install -e '.[mpi]'")
+
+
 def run_checks(world_size: int = 4) -> list[Finding]:
     findings = [check_python(), check_torch()]
     if findings[-1].status == FAIL:
         return findings
     findings += check_backends()
     findings += [check_fork(), check_loopback(), check_shm(), check_cores(world_size), check_widgets(),
-                 check_isolation()]
+                 check_isolation(), check_mpi()]
     if not any(f.status == FAIL for f in findings):
         findings.append(check_launch(world_size))
     return findings

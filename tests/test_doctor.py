@@ -14,7 +14,7 @@ def test_doctor_passes_on_this_machine_and_lists_every_check():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for row in ("Python", "PyTorch", "gloo backend", "nccl backend / GPUs", "start method",
                 "loopback + free port", "/dev/shm", "CPU cores", "JupyterLab + widgets",
-                "launch + all_reduce"):
+                "MPI (optional)", "launch + all_reduce"):
         assert row in proc.stdout
     assert "2 ranks in" in proc.stdout and "Ready" in proc.stdout
 
@@ -56,3 +56,27 @@ def test_kit_lab_command_opens_the_first_lesson_and_starts_as_root(monkeypatch):
     assert cmd[-1] == "--no-browser"
     monkeypatch.setattr(lab.os, "geteuid", lambda: 1000)
     assert "--allow-root" not in lab.lab_command(root)
+
+
+def test_missing_mpi_is_a_warning_with_its_fix_and_never_blocks(monkeypatch, capsys):
+    real_which = doctor.shutil.which
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: None if name == "mpirun" else real_which(name))
+    row = doctor.check_mpi()
+    assert row.status == doctor.WARN and "mpirun" in row.detail and "MPI cells will skip" in row.detail
+    assert "openmpi-bin" in row.fix and ".[mpi]" in row.fix
+    assert doctor.main(["-n", "2"]) == 0
+    assert "MPI (optional)" in capsys.readouterr().out
+
+
+def test_mpi_row_names_the_versions_when_both_are_installed():
+    import shutil
+
+    import pytest
+
+    mpi4py = doctor._version("mpi4py")
+    if not (shutil.which("mpirun") and mpi4py):
+        pytest.skip("mpirun or mpi4py not installed here")
+    row = doctor.check_mpi()
+    assert row.status == doctor.OK and f"mpi4py {mpi4py}" in row.detail
+    assert "Open MPI" in row.detail or "mpirun" in row.detail
+
