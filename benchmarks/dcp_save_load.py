@@ -10,11 +10,14 @@ alternating the two ways, this measures:
 
 * **save**: rank 0 gathers ``get_state_dict(..., full_state_dict=True, cpu_offload=True)`` and
   ``torch.save``s one file, against ``dcp.save`` of the sharded state dicts;
-* **load**: rank 0 ``torch.load``s the file and ``set_state_dict(..., broadcast_from_rank0=True)``
-  scatters it, against ``dcp.load`` into the sharded state dicts;
-* **peak bytes per rank**: the rise of the resident set above its level before the operation
-  (Linux ``VmHWM`` after resetting it through ``/proc/self/clear_refs``), max over ranks and
-  on rank 0;
+* **load**: rank 0 ``torch.load``s the file and ``set_model_state_dict`` /
+  ``set_optimizer_state_dict(..., broadcast_from_rank0=True)`` send each rank its shards,
+  against ``dcp.load`` into the sharded state dicts;
+* **bytes per rank**: the checkpoint state each rank materialises (tensor bytes; a DTensor
+  counts its local shard), on rank 0 and the most on any rank, and the rise of the resident set
+  above its level before the operation (Linux ``VmHWM`` after resetting it through
+  ``/proc/self/clear_refs``; it understates, since the allocator reuses memory freed by the
+  previous operation);
 * **blocked**: how long the training loop waits in ``dcp.save`` against ``dcp.async_save``
   (staging only; the write continues in a background thread on a gloo group of its own).
 
@@ -35,7 +38,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from kit.launcher import run_ranks
 from kit.resume import DropoutTransformer, make_optimizer, shard_model
@@ -63,6 +72,17 @@ def _peak(fn):
     return seconds, out, peak
 
 
+def _state_bytes(tree) -> int:
+    """Bytes of the tensors a state dict holds on this rank (a DTensor: its local shard)."""
+    if isinstance(tree, dict):
+        return sum(_state_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_state_bytes(v) for v in tree)
+    if hasattr(tree, "to_local"):
+        tree = tree.to_local()
+    return tree.numel() * tree.element_size() if isinstance(tree, torch.Tensor) else 0
+
+
 def _operations(model, optimizer, full_path: str, sharded_path: str, rank: int) -> dict:
     """The four ways to save and load, in the order they run."""
 
@@ -71,21 +91,27 @@ def _operations(model, optimizer, full_path: str, sharded_path: str, rank: int) 
                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save(state, full_path)
+        return _state_bytes(state)
 
     def dcp_save():
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=sharded_path)
+        return _state_bytes((model_state, optim_state))
 
     def full_load():
+        # Only rank 0 reads the file; the others pass empty dicts and receive their shards.
         state = torch.load(full_path, weights_only=True) if rank == 0 else ({}, {})
-        set_state_dict(model, optimizer, model_state_dict=state[0], optim_state_dict=state[1],
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, state[0], options=options)
+        set_optimizer_state_dict(model, optimizer, state[1], options=options)
+        return _state_bytes(state)
 
     def dcp_load():
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=sharded_path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return _state_bytes(state)
 
     return {"full save": full_save, "dcp save": dcp_save, "full load": full_load, "dcp load": dcp_load}
 
@@ -108,17 +134,17 @@ def _bench_on_rank(folder: str, dims: list[int], repeats: int) -> list[dict]:
         ops = _operations(model, optimizer, full_path, sharded_path, rank)
         for _ in range(repeats):
             for name, fn in ops.items():
-                seconds, _, peak = _peak(fn)
-                results[name].append((seconds, peak))
+                seconds, held, peak = _peak(fn)
+                results[name].append((seconds, peak, held))
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optim": optim_state}
             start = time.perf_counter()
             dcp.save(state, checkpoint_id=sharded_path + "-sync")
-            results["save blocked"].append((time.perf_counter() - start, -1))
+            results["save blocked"].append((time.perf_counter() - start, -1, -1))
             dist.barrier()
             start = time.perf_counter()
             future = dcp.async_save(state, checkpoint_id=sharded_path + "-async", process_group=group)
-            results["async_save blocked"].append((time.perf_counter() - start, -1))
+            results["async_save blocked"].append((time.perf_counter() - start, -1, -1))
             future.result()
             dist.barrier()
         params = sum(p.numel() for p in model.parameters())  # DTensors count global elements
@@ -134,22 +160,23 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-dcp-") as folder:
         per_rank = run_ranks(_bench_on_rank, (folder, args.dims, args.repeats),
-                             world_size=args.world_size, timeout=1200, echo=False)
+                             world_size=args.world_size, timeout=900, echo=False)
     print(f"{args.world_size} ranks (gloo, CPU), FSDP2 transformer + AdamW state; medians of "
           f"{args.repeats} runs, time = slowest rank")
-    print(f"{'dim':>4} {'params':>9} {'operation':<20} {'seconds':>8} {'peak MiB rank 0':>16} "
-          f"{'peak MiB max rank':>18}")
+    print(f"{'dim':>4} {'params':>9} {'operation':<20} {'seconds':>8} {'state MiB rank 0':>17} "
+          f"{'state MiB max':>14} {'RSS peak MiB max':>17}")
     for i, dim in enumerate(args.dims):
         params = per_rank[0][i]["params"]
         medians = {}
         for op in per_rank[0][i]["results"]:
             runs = [[rank_rows[i]["results"][op][k] for rank_rows in per_rank] for k in range(args.repeats)]
-            seconds = statistics.median(max(s for s, _ in run) for run in runs)
-            peak0 = statistics.median(run[0][1] for run in runs)
-            peak_max = statistics.median(max(p for _, p in run) for run in runs)
+            seconds = statistics.median(max(r[0] for r in run) for run in runs)
+            held0 = statistics.median(run[0][2] for run in runs)
+            held_max = statistics.median(max(r[2] for r in run) for run in runs)
+            peak_max = statistics.median(max(r[1] for r in run) for run in runs)
             medians[op] = seconds
-            peaks = (f"{peak0 / 2**20:>16.1f} {peak_max / 2**20:>18.1f}" if peak0 >= 0 else
-                     f"{'':>16} {'':>18}")
+            peaks = (f"{held0 / 2**20:>17.1f} {held_max / 2**20:>14.1f} {peak_max / 2**20:>17.1f}"
+                     if held0 >= 0 else f"{'':>17} {'':>14} {'':>17}")
             print(f"{dim:>4} {params:>9,d} {op:<20} {seconds:>8.3f} {peaks}")
         print(f"{'':>4} {'':>9} ratios: save full/dcp {medians['full save'] / medians['dcp save']:.2f}x, "
               f"load full/dcp {medians['full load'] / medians['dcp load']:.2f}x, blocked "
