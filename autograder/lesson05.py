@@ -978,6 +978,8 @@ def _compare_mixed(got: Any, expected: dict[str, Any]) -> None:
 
 FSDP2 = task(
     "5.4", "apply_fsdp2", points=3,
+    # Lesson 06's kit.resume.shard_model wraps a TinyTransformer the same way: not an answer here.
+    forbidden=("kit.resume.shard_model",),
     hint="Each block is its own unit of all-gather: call fully_shard on every block of "
          "model.blocks with the mesh, then once on the root for the parameters no block holds; "
          "when a dtype is given, pass the same MixedPrecisionPolicy to every call.",

@@ -476,6 +476,12 @@ def apply_fsdp2_flattens_the_mesh(model, mesh, param_dtype=None, reduce_dtype=No
     return model
 
 
+def apply_fsdp2_borrows_lesson06(model, mesh, param_dtype=None, reduce_dtype=None):
+    from kit.resume import shard_model  # Lesson 06's helper: the same wrapping, without the mesh
+
+    return shard_model(model)
+
+
 BUGS = {
     "5.1": [
         ("counts numel * element_size per tensor, not storages", state_bytes_counts_numel),
@@ -506,5 +512,6 @@ BUGS = {
         ("ignores param_dtype and reduce_dtype", apply_fsdp2_ignores_dtypes),
         ("wraps the root only, not each block", apply_fsdp2_root_only),
         ("shards over the whole 2-D mesh", apply_fsdp2_flattens_the_mesh),
+        ("calls Lesson 06's kit.resume.shard_model", apply_fsdp2_borrows_lesson06),
     ],
 }
