@@ -931,11 +931,12 @@ print("a process group was left behind:", dist.is_initialized())
 # %% [markdown]
 # The [backends section](https://pytorch.org/docs/stable/distributed.html#backends) of the docs
 # says it: "MPI is an optional backend that can only be included if you build PyTorch from
-# source (e.g. building PyTorch on a host that has MPI installed)". An MPI program is compiled
-# against one implementation's `mpi.h` and linked to its `libmpi`; Open MPI, MPICH and the
-# vendors' MPIs (Intel, Cray, ...) are not binary compatible with each other, and a cluster's
-# MPI is built for its own network. So PyTorch would have to ship one backend per MPI; it ships
-# none and lets you compile it against yours. `mpi4py` answers the same problem differently:
+# source." An MPI program is compiled against one implementation's `mpi.h` and linked to its
+# `libmpi`, and the two big families are not binary compatible: Open MPI on one side, MPICH and
+# the MPIs built on it (Intel MPI, Cray MPICH, MVAPICH) on the other. A cluster's MPI is also
+# built for its own network. Rather than ship a backend per MPI, PyTorch leaves it out of its
+# wheels: you compile it against yours (`USE_MPI`, on by default when the build finds an MPI).
+# `mpi4py` answers the same problem differently:
 # its wheel carries two compiled builds (look in its folder: `MPI.openmpi...so` and
 # `MPI.mpich...so`, one per family of binary-compatible MPIs) and picks the one that matches
 # the MPI library it finds at run time.
