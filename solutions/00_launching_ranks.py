@@ -236,7 +236,7 @@ if __name__ == "__main__":  # each spawned rank imports this file again: only th
 by_spawn = run_script("spawn_by_hand.py")
 
 # %% [markdown]
-# Look at the last line of the script first: `if __name__ == "__main__":`. A spawned rank is a
+# Look at the script's last block first, `if __name__ == "__main__":`. A spawned rank is a
 # new interpreter that knows nothing of its parent; to find `rank_main` it *imports the script
 # again*, under another name. Without that guard each of the 4 ranks would run the parent's
 # code too and try to spawn 4 ranks of its own (Python stops it with a `RuntimeError`).
