@@ -12,6 +12,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -154,21 +155,6 @@ def check_launch(world_size: int) -> Finding:
     return Finding("launch + all_reduce", OK, f"{world_size} ranks in {got.wall_time:.2f} s")
 
 
-def check_isolation() -> Finding:
-    """Which isolation ``kit grade`` gives each submission's worker here (probed: imports torch once)."""
-    from autograder.grade.sandbox import isolation
-
-    found = isolation()
-    if found.missing is None:
-        return Finding("grading isolation", OK, found.describe())
-    if not (hasattr(os, "geteuid") and os.geteuid() == 0):  # a student's machine: nothing to fix
-        return Finding("grading isolation", OK, f"{found.describe()} (instructors: grade as root "
-                       "with bubblewrap for a uid and namespaces per worker)")
-    return Finding("grading isolation", WARN, f"{found.describe()}; {found.missing}",
-                   "apt-get install bubblewrap, and let the container create namespaces "
-                   "(Docker: --privileged; or grade in a VM); see CONTRIBUTING.md, Isolation")
-
-
 def check_mpi() -> Finding:
     """Lesson 01's MPI cells: Open MPI's ``mpirun`` and ``mpi4py`` (optional: the cells skip)."""
     import subprocess
@@ -187,13 +173,14 @@ def check_mpi() -> Finding:
                    "then pip install -e '.[mpi]'")
 
 
-def run_checks(world_size: int = 4) -> list[Finding]:
+def run_checks(world_size: int = 4, extra: Sequence[Callable[[], Finding]] = ()) -> list[Finding]:
+    """Every check's finding; ``extra`` adds rows of other packages (the grader's isolation)."""
     findings = [check_python(), check_torch()]
     if findings[-1].status == FAIL:
         return findings
     findings += check_backends()
     findings += [check_fork(), check_loopback(), check_shm(), check_cores(world_size), check_widgets(),
-                 check_isolation(), check_mpi()]
+                 *(check() for check in extra), check_mpi()]
     if not any(f.status == FAIL for f in findings):
         findings.append(check_launch(world_size))
     return findings
@@ -210,11 +197,11 @@ def format_table(findings: list[Finding]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, extra: Sequence[Callable[[], Finding]] = ()) -> int:
     parser = argparse.ArgumentParser(prog="kit doctor", description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--world-size", type=int, default=4, help="ranks to test (default 4)")
     args = parser.parse_args(argv)
-    findings = run_checks(args.world_size)
+    findings = run_checks(args.world_size, extra)
     print(format_table(findings))
     blocking = [f for f in findings if f.status == FAIL]
     print()

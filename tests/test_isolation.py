@@ -373,20 +373,24 @@ def test_without_namespaces_grading_says_what_is_missing_in_one_line(monkeypatch
     assert isolation_note() is None
 
 
-def test_kit_doctor_reports_the_isolation_this_machine_gives(monkeypatch):
+def test_kit_doctor_reports_the_isolation_this_machine_gives(monkeypatch, capsys):
+    from autograder.grade import doctor as grader_doctor
     from kit import doctor
 
     monkeypatch.setattr(sandbox, "_ISOLATION", [Isolation(False, True, "no namespaces: bubblewrap is not installed")])
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    finding = doctor.check_isolation()
+    finding = grader_doctor.check_isolation()
     assert finding.status == doctor.WARN and "bubblewrap is not installed" in finding.detail
     assert "apt-get install bubblewrap" in finding.fix
     monkeypatch.setattr(sandbox, "_ISOLATION", [Isolation(True, True, None)])
-    finding = doctor.check_isolation()
+    finding = grader_doctor.check_isolation()
     assert finding.status == doctor.OK and "namespaces" in finding.detail
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(sandbox, "_ISOLATION", [Isolation(False, False, "not root: ...")])
-    assert doctor.check_isolation().status == doctor.OK  # a student's laptop: nothing to fix
+    assert grader_doctor.check_isolation().status == doctor.OK  # a student's laptop: nothing to fix
+    monkeypatch.setattr(doctor, "check_launch", lambda n: doctor.Finding("launch + all_reduce", doctor.OK, "skipped"))
+    grader_doctor.main(["-n", "2"])
+    assert "grading isolation" in capsys.readouterr().out  # `kit doctor` shows the row
 
 
 def test_two_graders_on_one_machine_never_share_a_uid(tmp_path):

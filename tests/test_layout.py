@@ -56,7 +56,7 @@ def test_the_cli_names_grading_commands_as_strings_only():
     from kit.cli import COMMANDS
 
     assert {name for name, (module, _, _) in COMMANDS.items() if module.startswith("autograder.")} \
-        == {"build", "course", "grade"}
+        == {"build", "course", "grade", "doctor"}
     assert _autograder_imports(ROOT / "kit" / "cli.py") == []
 
 
