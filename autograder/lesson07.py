@@ -440,17 +440,31 @@ def _apply(impl: Any, model: nn.Module, every: int) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Bit-for-bit comparisons across processes need one summation order: one intra-op thread
+    (the grader's process and a sandboxed worker may otherwise run with different counts)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _checkpointed_grads(impl: Any, seed: int, every: int) -> dict[str, Any]:
-    model = _dropout_model(seed)
-    named = list(model.named_parameters())  # names before wrapping: wrapping renames them
-    with _watch(_torch_checkpoints()) as used:
-        result = _step_grads(_apply(impl, model, every), named, seed)
+    with _one_thread():
+        model = _dropout_model(seed)
+        named = list(model.named_parameters())  # names before wrapping: wrapping renames them
+        with _watch(_torch_checkpoints()) as used:
+            result = _step_grads(_apply(impl, model, every), named, seed)
     return {**result, "uses": list(used)}
 
 
 def _plain_grads(seed: int) -> dict[str, Any]:
-    model = _dropout_model(seed)
-    return {**_step_grads(model, list(model.named_parameters()), seed), "uses": []}
+    with _one_thread():
+        model = _dropout_model(seed)
+        return {**_step_grads(model, list(model.named_parameters()), seed), "uses": []}
 
 
 def _compare_bitwise(got: Any, expected: dict[str, Any]) -> None:

@@ -223,3 +223,22 @@ def test_lesson07_runs_headless_with_its_solutions_and_shows_what_it_claims():
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bitwise_checkpoint_cases_hold_whatever_thread_count_each_side_runs_with(threads):
+    # The batch grader computes the expectation in its own process and runs the student's code in a
+    # sandboxed worker, whose intra-op thread counts may differ (the gradients then differ by ~1e-8).
+    from autograder.registry import get_task
+    from conftest import solutions
+
+    task, impl = get_task("7.3"), solutions(7).apply_checkpointing
+    before = torch.get_num_threads()
+    try:
+        for case in task.cases[:2]:
+            torch.set_num_threads(threads)
+            got = case.run(impl, 0)
+            torch.set_num_threads(3 - threads)
+            case.compare(got, task.expected(case, 0))
+    finally:
+        torch.set_num_threads(before)
