@@ -229,8 +229,9 @@ def test_lesson07_runs_headless_with_its_solutions_and_shows_what_it_claims():
 def test_bitwise_checkpoint_cases_hold_whatever_thread_count_each_side_runs_with(threads):
     # The batch grader computes the expectation in its own process and runs the student's code in a
     # sandboxed worker, whose intra-op thread counts may differ (the gradients then differ by ~1e-8).
-    from autograder.registry import get_task
     from conftest import solutions
+
+    from autograder.registry import get_task
 
     task, impl = get_task("7.3"), solutions(7).apply_checkpointing
     before = torch.get_num_threads()
