@@ -489,11 +489,14 @@ def _expected_straight(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 STATE = task(
     "6.2", "TrainingState", points=4,
-    hint="state_dict() returns get_state_dict(model, optimizer) as two entries, the step, and "
-         "under a key that names this rank: torch.get_rng_state(), random.getstate(), "
-         "np.random.get_state() and the sampler's epoch and position (plus the scaler's "
-         "state_dict when there is one). load_state_dict() calls set_state_dict and sets each "
-         "piece back.",
+    hint="An exact resume needs everything the next step reads: the weights and the optimizer's "
+         "moments, the step, every random generator this rank draws from, and where the "
+         "sampler is in its epoch. Random state differs per rank, so it must be saved per rank.",
+    recipe="state_dict() holds the model and optimizer from DCP's get_state_dict, the step, and, "
+           "under a key naming this rank, the torch, Python and NumPy generator states and the "
+           "sampler's epoch and position (and the scaler's state when there is one). "
+           "load_state_dict() hands the first two to set_state_dict and puts each other piece "
+           "back where it came from.",
 )
 
 _SNAPSHOT_PARTS = [
@@ -752,10 +755,14 @@ def _reference_params() -> dict[int, dict[str, torch.Tensor]]:
 
 LOOP = task(
     "6.3", "train_with_checkpoints", points=5,
-    hint="List ckpt_root's step-* folders, keep those holding .metadata (DCP writes it last), "
-         "take the highest step from the name and dcp.load it. In the loop, when "
-         "state.step % every == 0: wait for the previous save's future, then start "
-         "dcp.async_save (on a gloo group of its own). Wait for the last future before returning.",
+    hint="A checkpoint counts only once it is complete, and DCP writes its metadata last; the "
+         "newest is the one with the highest step in its name, not the newest file on disk. At "
+         "most one asynchronous save may be in flight.",
+    recipe="On start, look through ckpt_root's step folders, keep those whose metadata file "
+           "exists, and load the one with the highest step number. In the loop, after every "
+           "every-th step, wait for the previous save to finish, then start an asynchronous "
+           "save (on a gloo group of its own) into the folder named after the step. Wait for the "
+           "last save before returning.",
 )
 
 
@@ -772,8 +779,8 @@ def _compare_quick_first(got: Any, expected: Any) -> None:
                               f"complete checkpoints are at steps {g['complete']}",
                               expected=[f"step-{s:06d}" for s in want],
                               got=[f"step-{s:06d}" for s in g["complete"]],
-                              hint="Save when state.step % every == 0, after the step, into "
-                                   "ckpt_root/step-{state.step:06d}, and wait for the last save.")
+                              hint="Save after every every-th step into the folder named after "
+                                   "that step (six digits), and wait for the last save.")
 
 
 @LOOP.case(f"an uninterrupted run on 2 ranks (launch) ends with the reference parameters and "

@@ -293,10 +293,13 @@ def _(impl: Any, seed: int) -> list[Any]:
 SAVED = task(
     "7.2", "saved_activation_bytes", points=3,
     forbidden=("autograder.lesson07._reference_saved_bytes",),
-    hint="Inside torch.autograd.graph.saved_tensors_hooks(pack, unpack), pack(t) sees every "
-         "tensor autograd keeps for backward (return t unchanged). Skip t when it is an "
-         "nn.Parameter or its ._base is one; otherwise remember t.untyped_storage().nbytes() in "
-         "a dict keyed by t.untyped_storage().data_ptr(), so a storage counts once. Sum the dict.",
+    hint="Autograd can tell you every tensor it keeps for backward as it keeps it; what costs "
+         "memory is the storage behind a tensor, and several saved tensors (views, a weight and "
+         "its transpose) can share one storage. Parameters are not activations.",
+    recipe="Run fn under saved-tensor hooks (torch.autograd.graph); the pack hook sees each saved "
+           "tensor and returns it unchanged. Leave out parameters and views of parameters. "
+           "Remember each remaining tensor's storage size keyed by the storage's address, so "
+           "that a storage counts once, and add up what you remembered.",
 )
 
 
@@ -401,13 +404,15 @@ CHECKPOINT = task(
                "torch.utils.checkpoint.CheckpointFunction",
                "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
                "autograder.lesson07._ReferenceCheckpoint", "autograder.lesson07._reference_apply"),
-    hint="In forward: keep fn, torch.get_rng_state() and the tensor inputs "
-         "(ctx.save_for_backward), and run fn under torch.no_grad(). In backward: detach each "
-         "saved input and set requires_grad_ as the original had it; inside "
-         "torch.random.fork_rng(devices=[]) set the saved RNG state and, under "
-         "torch.enable_grad(), run fn again; torch.autograd.backward(outputs, grad_outputs); "
-         "return None for fn and each input's .grad. apply_checkpointing replaces "
-         "model.blocks[i] for (i + 1) % every == 0 by a module whose forward calls checkpoint.",
+    hint="Checkpointing trades compute for memory: forward keeps only the inputs, backward "
+         "recomputes the block with grad on and backpropagates through the recomputation. "
+         "Dropout must draw the same mask both times, and nothing else may notice.",
+    recipe="In forward, keep the function, the CPU RNG state and the inputs, and run the block "
+           "without grad. In backward, take detached copies of the inputs that require grad as "
+           "the originals did; inside a forked RNG set the saved state and recompute with grad "
+           "on; backpropagate the incoming gradients and return the inputs' gradients (none for "
+           "the function). apply_checkpointing swaps every every-th block of model.blocks (the "
+           "last of each group of every) for a module whose forward calls checkpoint.",
 )
 
 LAYERS, VOCAB, DROPOUT = 4, 32, 0.3
@@ -489,7 +494,7 @@ def _compare_bitwise(got: Any, expected: dict[str, Any]) -> None:
         raise CheckFailed("after backward, the random number generator is not where it would be "
                           "without checkpointing", expected=expected["rng after backward"],
                           got=got["rng after backward"],
-                          hint="Restore the RNG state inside torch.random.fork_rng(devices=[]), "
+                          hint="Restore the RNG state inside a forked RNG (torch.random), "
                                "so that the generator continues afterwards as if nothing happened.")
 
 

@@ -896,8 +896,12 @@ def _compare_played(got: Any, expected: Any) -> None:
 
 ONE_F_ONE_B = task(
     "8.4", "one_f_one_b", points=2, forbidden=PIPELINING,
-    hint="w = min(num_stages - stage - 1, m) forwards; then m - w times: the next forward, the "
-         "oldest backward; then the w remaining backwards.",
+    hint="1F1B fills the pipe, then alternates: a stage runs as many forwards as there are "
+         "stages after it before its first backward, and from then on never keeps more "
+         "activations than that plus one.",
+    recipe="Warm up with one forward per later stage (never more than there are micro-batches); "
+           "in the steady state alternate the next forward with the oldest pending backward; "
+           "cool down with the backwards that are left, oldest first.",
 )
 
 

@@ -601,9 +601,12 @@ def _(ring_attention: Any, seed: int) -> list[Any]:
 CHUNKED = task(
     "9.4", "chunked",
     points=2,
-    hint="Compute the pair bias once from the whole z (module.pair_bias(z)); then call the module "
-         "on z[start:start + chunk_size] (the first axis: rows i) with that bias, for start in "
-         "steps of chunk_size, and concatenate the outputs along the first axis.",
+    hint="Attention around the starting node treats each row i of the pair representation "
+         "independently, except for a bias computed from all of z: rows can be processed in "
+         "blocks as long as every block sees the same bias.",
+    recipe="Compute the module's pair bias once from the whole z; then call the module on blocks "
+           "of at most chunk_size consecutive rows (the first axis), passing that bias, and join "
+           "the outputs along the first axis in order.",
 )
 
 C_Z, HEADS_TRI, C_TRI = 16, 4, 8
@@ -675,7 +678,7 @@ def _compare_rows(got: Any, expected: dict[str, Any]) -> None:
         if max(rows) > chunk:
             raise CheckFailed(f"{name}: the module saw {max(rows)} rows at once (chunk_size "
                               f"{chunk})", expected=f"<= {chunk} rows per call", got=rows,
-                              hint="Call the module once per block z[start:start + chunk_size].")
+                              hint="Call the module once per block of at most chunk_size rows.")
         if sum(rows) != length:
             raise CheckFailed(f"{name}: the calls covered {sum(rows)} rows of {length}: every row "
                               "exactly once", expected=length, got=sum(rows))

@@ -588,10 +588,13 @@ def _compare_invalid(got: Any, expected: Any) -> None:
 
 SCAFFOLD = task(
     "10.3", "scaffold_split", points=3, reference=reference_scaffold_split,
-    hint="Group indices by MurckoScaffoldSmiles(mol=..., includeChirality=False); order the sets "
-         "as DeepChem does (by size, ties by first index, both descending); walk them: a set goes "
-         "to train unless it would pass frac_train * n, else to valid unless train + valid + set "
-         "would pass (frac_train + frac_valid) * n, else to test.",
+    hint="A scaffold split keeps every molecule of one Bemis-Murcko scaffold in the same split, "
+         "so the test set holds chemistry the model never saw; DeepChem fills the splits "
+         "greedily, biggest scaffold sets first.",
+    recipe="Group the indices by their Murcko scaffold SMILES without chirality; order the groups "
+           "as DeepChem does (by size, ties by first index, both descending); give each group to "
+           "train while train stays within its fraction of n, else to valid while train and "
+           "valid together stay within their summed fraction, else to test.",
     forbidden=("deepchem.splits.ScaffoldSplitter", "deepchem.splits.splitters.ScaffoldSplitter",
                "autograder.lesson10.reference_scaffold_split"),
 )
