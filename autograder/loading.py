@@ -269,19 +269,22 @@ def _setup_chunks(cells: list[Cell], report: LoadReport) -> list[_Chunk]:
             chunks.append(_Chunk(f"cell {cell.index} (setup)", code, []))
     if chunks:
         return chunks
-    # No setup cell: keep every top-level import of the notebook so the tasks can still run.
-    imports = []
+    # No setup cell: keep every top-level import of the notebook so the tasks can still run, each
+    # on its own, so that one that fails here (a module a demo wrote to disk) drops only itself.
+    imports: dict[str, int] = {}
     for cell in cells:
         try:
             tree = ast.parse(_as_python(cell.source) or "")
         except SyntaxError:
             continue
         lines = cell.source.splitlines()
-        imports += ["\n".join(lines[n.lineno - 1:n.end_lineno]) for n in tree.body
-                    if isinstance(n, (ast.Import, ast.ImportFrom))]
+        for n in tree.body:
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                imports.setdefault("\n".join(lines[n.lineno - 1:n.end_lineno]), cell.index)
     report.missing[SETUP] = ("no setup cell (tag 'setup' or grade_id 'setup'); used the "
                              "notebook's import statements instead")
-    return [_Chunk("imports (no setup cell)", "\n".join(dict.fromkeys(imports)), [])]
+    return [_Chunk(f"an import of cell {index} (no setup cell)", code, [])
+            for code, index in imports.items()]
 
 
 def _free_names(code: str) -> set[str]:
