@@ -54,7 +54,7 @@ def test_lesson05_registers_tasks_5_1_to_5_4_with_points_and_gates():
         "5.3": ("FSDP", 6.0, ("torch.distributed.fsdp.fully_shard",
                               "torch.distributed.fsdp.FullyShardedDataParallel",
                               "torch.nn.parallel.DistributedDataParallel")),
-        "5.4": ("apply_fsdp2", 3.0, ()),
+        "5.4": ("apply_fsdp2", 3.0, ("kit.resume.shard_model",)),
     }
 
 
