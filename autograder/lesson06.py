@@ -22,7 +22,9 @@ import random
 import signal
 import sys
 import tempfile
+import threading
 import types
+from concurrent.futures import Future
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -584,6 +586,44 @@ _NOT_A_FUNCTION = ("train_with_checkpoints must be a function that calls the set
                    "train_step(state) once per step (the check watches those calls)")
 
 
+_GATE_S = 3.0  # a save's handle completes by itself this long after it started
+
+
+class _GatedSave(Future):
+    """The handle the student's loop gets from ``dcp.async_save``.
+
+    It completes once the real save has and the loop has waited on it (``result()`` or
+    ``exception()``), or, for loops that wait some other way, ``_GATE_S`` seconds after the
+    save started. So a loop that starts the next save without waiting always finds this one
+    still in flight, however fast the machine writes: the check no longer depends on timing.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self._waited = threading.Event()
+
+        def settle() -> None:
+            try:
+                value, error = inner.result(), None
+            except BaseException as e:  # noqa: BLE001 - handed to the loop unchanged
+                value, error = None, e
+            self._waited.wait(_GATE_S)
+            if error is not None:
+                self.set_exception(error)
+            else:
+                self.set_result(value)
+
+        threading.Thread(target=settle, name="kit-gated-save", daemon=True).start()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._waited.set()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._waited.set()
+        return super().exception(timeout)
+
+
 class _Watch:
     """What a rank's run did: steps started, saves started (and whether one was in flight),
     loads (and whether the folder held .metadata)."""
@@ -605,7 +645,12 @@ class _Watch:
             if self.pending is not None and not self.pending.done():
                 self.overlapping += 1
             self.saves.append(_checkpoint_name(args, kwargs))
-            self.pending = original_async(*args, **kwargs)
+            response = original_async(*args, **kwargs)
+            if isinstance(response, Future):
+                self.pending = _GatedSave(response)
+            else:  # an AsyncSaveResponse (a custom async_stager): watched as it is
+                self.pending = getattr(response, "upload_completion", response)
+                return response
             return self.pending
 
         def load(*args: Any, **kwargs: Any) -> Any:
