@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autograder.registry import CheckFailed, assert_same, task
+from autograder.registry import CheckFailed, assert_same, pickle_for_worker, task
 
 # --------------------------------------------------------------------------- task 2.1
 
@@ -367,21 +367,6 @@ def torchrun_worker(workdir: str) -> None:
     dist.destroy_process_group()
 
 
-def _pickle_impl(impl: Any) -> bytes:
-    import cloudpickle
-
-    module = sys.modules.get(getattr(impl, "__module__", "") or "")
-    by_value = module is not None and module.__name__ != "__main__" and not module.__name__.startswith(
-        ("autograder", "kit", "torch"))
-    if by_value:  # a notebook-loaded or test module the worker could not import by name
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return cloudpickle.dumps(impl)
-    finally:
-        if by_value:
-            cloudpickle.unregister_pickle_by_value(module)
-
-
 def _steps(work: Path, rank: int, attempt: int) -> list[int]:
     path = work / f"steps-rank{rank}-attempt{attempt}.txt"
     return [int(s) for s in path.read_text().split()] if path.exists() else []
@@ -397,7 +382,7 @@ def _(resumable_train: Any, seed: int) -> Any:
     with tempfile.TemporaryDirectory(prefix="kit-torchrun-") as tmp:
         work = Path(tmp)
         (work / "ckpt").mkdir()
-        (work / "impl.pkl").write_bytes(_pickle_impl(resumable_train))
+        (work / "impl.pkl").write_bytes(pickle_for_worker(resumable_train))
         script = work / "worker.py"
         script.write_text(_WORKER)
         # The worker imports what this process can: the same sys.path (loaded lesson modules too).

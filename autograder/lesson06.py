@@ -24,8 +24,8 @@ import sys
 import tempfile
 import threading
 import types
-from concurrent.futures import Future
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import kit.resume  # noqa: F401 - imports DDP's, FSDP2's and DCP's modules once, before ranks fork
-from autograder.registry import CheckFailed, assert_same, task
+from autograder.registry import CheckFailed, assert_same, pickle_for_worker, task
 
 # --------------------------------------------------------------------------- task 6.1
 
@@ -967,7 +967,6 @@ _TORCHRUN_CACHE: dict[tuple[int, int], tuple[Any, Any]] = {}
 
 
 def _torchrun_run(impl: Any, seed: int) -> dict[str, Any]:
-    from autograder.lesson02 import _pickle_impl
     from kit.torchrun import TorchrunError, torchrun
 
     key = (id(impl), seed)
@@ -979,7 +978,7 @@ def _torchrun_run(impl: Any, seed: int) -> dict[str, Any]:
         work = Path(tmp)
         (work / "ckpt").mkdir()
         (work / "plan.json").write_text(json.dumps(plan))
-        (work / "impl.pkl").write_bytes(_pickle_impl(impl))
+        (work / "impl.pkl").write_bytes(pickle_for_worker(impl))
         (work / "worker.py").write_text(_WORKER)
         env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         result: dict[str, Any] = {"error": None}

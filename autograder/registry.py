@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,3 +251,23 @@ def lesson_tasks(lesson: int) -> list[Task]:
     _import_lesson(lesson)
     found = [t for t in TASKS.values() if t.lesson == lesson]
     return sorted(found, key=lambda t: int(t.id.split(".")[1]))
+
+
+def pickle_for_worker(impl: Any) -> bytes:
+    """``impl`` as bytes a separate Python process (a ``torchrun`` worker) can load.
+
+    Functions of a notebook-loaded or test module travel by value, since the worker cannot
+    import that module by name; those of ``autograder``, ``kit`` and ``torch`` by reference.
+    """
+    import cloudpickle
+
+    module = sys.modules.get(getattr(impl, "__module__", "") or "")
+    by_value = module is not None and module.__name__ != "__main__" and not module.__name__.startswith(
+        ("autograder", "kit", "torch"))
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(impl)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)

@@ -127,8 +127,34 @@ def _plot(runs: dict[int, list], path: str) -> None:
     print(f"timeline of one traced step per wrapper: {path}")
 
 
-def _recorder_overhead(wrappers: dict, config: dict, args: Any, rounds: int = 3) -> None:
-    """Median step time with the recorder / with plain gloo, per wrapper, launches alternating."""
+def _time_ops(n_ops: int) -> dict:
+    """Seconds per call of a 1-element all-reduce and a 1 MiB one (the cost that does not
+    scale with bytes, and a bucket's), each the fastest of 10 blocks of ``n_ops`` calls: with
+    two ranks on two cores, small-message latency jumps between ~100 and ~200 us from one
+    launch to the next (whether a rank spins or sleeps), and the minimum is what is left
+    when that noise is not."""
+    out = {}
+    for label, numel in (("1 element", 1), ("1 MiB", 2**18)):
+        t = torch.ones(numel)
+        dist.barrier()
+        blocks = []
+        for _ in range(10):
+            start = time.perf_counter()
+            for _ in range(n_ops):
+                dist.all_reduce(t)
+            blocks.append((time.perf_counter() - start) / n_ops)
+        out[label] = min(blocks)
+    return out
+
+
+def _recorder_overhead(wrappers: dict, config: dict, args: Any) -> None:
+    """Median step time with the recorder / with plain gloo, per wrapper, launches alternating.
+
+    The spread is the ratio of the quartiles: recorder Q1 / plain Q3 to recorder Q3 / plain Q1.
+    """
+    rounds = args.rounds
+    print(f"{'ranks':>5} {'wrapper':>14}  recorder / plain gloo (median, quartile spread), "
+          f"{rounds} alternating launches of each")
     for world_size in args.world_sizes:
         steps: dict[str, dict[str, list[float]]] = {"recorder": {n: [] for n in NAMES},
                                                     "plain gloo": {n: [] for n in NAMES}}
@@ -143,11 +169,25 @@ def _recorder_overhead(wrappers: dict, config: dict, args: Any, rounds: int = 3)
                 os.environ.pop("KIT_RECORDER", None)
             for n in NAMES:
                 steps[mode][n] += [max(r["times"][n][s] for r in result) for s in range(args.steps)]
+        ops: dict[str, list[dict]] = {"recorder": [], "plain gloo": []}
+        for i in range(4 * rounds):  # per call: a cost that step-time noise cannot hide
+            mode = "recorder" if i % 2 == 0 else "plain gloo"
+            os.environ["KIT_RECORDER"] = "1" if mode == "recorder" else "0"
+            try:
+                ops[mode] += list(run_ranks(_time_ops, (100,), {}, world_size=world_size,
+                                            timeout=300, echo=False))
+            finally:
+                os.environ.pop("KIT_RECORDER", None)
+        for label in ("1 element", "1 MiB"):
+            rec = statistics.median(r[label] for r in ops["recorder"])
+            plain = statistics.median(r[label] for r in ops["plain gloo"])
+            print(f"{world_size:>5} {'all_reduce ' + label:>24}  {rec / plain:.3f}x, "
+                  f"{rec * 1e6:.0f} vs {plain * 1e6:.0f} us/call ({(rec - plain) * 1e6:+.0f} us)")
         for n in NAMES:
-            ratio = statistics.median(steps["recorder"][n]) / statistics.median(steps["plain gloo"][n])
-            print(f"{world_size:>5} {n:>14} recorder / plain gloo: {ratio:.3f}x "
-                  f"({statistics.median(steps['recorder'][n]) * 1e3:.1f} vs "
-                  f"{statistics.median(steps['plain gloo'][n]) * 1e3:.1f} ms/step)")
+            rec, plain = steps["recorder"][n], steps["plain gloo"][n]
+            (r1, r2, r3), (p1, p2, p3) = statistics.quantiles(rec, n=4), statistics.quantiles(plain, n=4)
+            print(f"{world_size:>5} {n:>14}  {r2 / p2:.3f}x ({r1 / p3:.2f}-{r3 / p1:.2f}), "
+                  f"{r2 * 1e3:.1f} vs {p2 * 1e3:.1f} ms/step")
 
 
 def main() -> None:
@@ -157,6 +197,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--bucket-mb", type=float, default=1.0)
     parser.add_argument("--timeline", help="write a PNG timeline of one step of each wrapper")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --recorder-overhead: launches of each mode, alternating")
     parser.add_argument("--recorder-overhead", action="store_true",
                         help="instead: time each wrapper with the recorder (kit/recorder.py) and "
                              "with plain gloo, alternating launches, and print the ratios")
@@ -171,11 +213,11 @@ def main() -> None:
           f"{4 * n_params / 2**20:.1f} MiB of fp32 gradients), {args.batch} x {config['context']} "
           f"tokens per rank, buckets of {args.bucket_mb:g} MiB, median of {args.steps} steps, "
           f"gloo, torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load}")
-    print(f"{'ranks':>5} {'wrapper':>14} {'ms/step':>9} {'vs torch DDP':>13} "
-          f"{'all-reduces':>12} {'started in backward':>20}")
     if args.recorder_overhead:
         _recorder_overhead(wrappers, config, args)
         return
+    print(f"{'ranks':>5} {'wrapper':>14} {'ms/step':>9} {'vs torch DDP':>13} "
+          f"{'all-reduces':>12} {'started in backward':>20}")
     runs = {}
     for world_size in args.world_sizes:
         result = run_ranks(_time_all, (wrappers, config, args.steps, args.batch, args.bucket_mb),

@@ -25,12 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from autograder.grade.batch import BatchConfig, grade_batch
 from autograder.build import render, source_notebook
+from autograder.grade.batch import BatchConfig, grade_batch
 from autograder.grade.notebook import grade_notebook
-from autograder.loading import lesson_of
 from autograder.grade.sandbox import Limits, isolation_note
 from autograder.grade.submissions import discover
+from autograder.loading import lesson_of
 
 ROOT = Path(__file__).resolve().parents[1]
 

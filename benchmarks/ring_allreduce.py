@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autograder.loading import load_tasks
 from kit import costmodel
 from kit.launcher import run_ranks
-from autograder.loading import load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 

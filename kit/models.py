@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["AwkwardNet", "TinyTransformer", "TriangleAttentionStartingNode", "token_batch"]
+__all__ = ["AwkwardNet", "TinyTransformer", "TriangleAttentionStartingNode", "token_batch"]  # noqa: F822 - lazy, see __getattr__
 
 
 def __getattr__(name: str) -> object:

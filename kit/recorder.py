@@ -12,7 +12,9 @@ C++ components that talk to the group, such as DDP's reducer and its bucketed al
 
 Code sees plain gloo: ``dist.get_backend()`` says ``"gloo"``, and groups made with
 ``dist.new_group()`` (or ``backend="gloo"``) are recorded too. With no tracer active a call costs
-one Python method dispatch on top of gloo (see ``benchmarks/launch_latency.py``).
+one Python method dispatch on top of gloo: ~1 us on a 1-element all-reduce, and DDP steps
+within run-to-run noise of plain gloo (``benchmarks/ddp_step_time.py --recorder-overhead``;
+launches: ``benchmarks/launch_latency.py``).
 
 Only groups created after :func:`install` in the rank's own process are recorded; under
 ``torchrun`` nothing changes. One known way around it: a backend object fetched with the

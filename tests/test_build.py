@@ -9,7 +9,6 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from autograder.registry import get_task, lesson_tasks
 from autograder.build import (
     BuildError,
     build_lessons,
@@ -21,6 +20,7 @@ from autograder.build import (
     student_notebook,
 )
 from autograder.loading import Cell, cell_role, lesson_of, read_cells
+from autograder.registry import get_task, lesson_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = lesson_sources(ROOT)

@@ -17,11 +17,18 @@ import pytest
 import torch
 from grading_corpus import CORPUS, write_corpus
 
-from autograder.registry import Task
-from autograder.grade.batch import BLOCKED, BatchConfig, grade_batch, grade_submission, load_records, read_result
+from autograder.grade.batch import (
+    BLOCKED,
+    BatchConfig,
+    grade_batch,
+    grade_submission,
+    load_records,
+    read_result,
+)
 from autograder.grade.reports import feedback_text, write_outputs
 from autograder.grade.sandbox import Limits
 from autograder.grade.submissions import Submission, discover
+from autograder.registry import Task
 
 LIMITS = Limits(case_wall_s=12.0, memory=2 << 30, output=1 << 20, file_size=16 << 20)
 
