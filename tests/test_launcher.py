@@ -348,9 +348,12 @@ def test_50_consecutive_launches_leak_no_process_or_fd():
 
 
 INTERRUPT_SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import faulthandler, os, sys, time
     import torch.distributed as dist
     import kit
+
+    # If this script ever hangs, its own stack reaches the test's report before the test gives up.
+    faulthandler.dump_traceback_later(75, exit=True)
 
     def work(path):
         with open(path + str(dist.get_rank()), "w") as f:
@@ -362,7 +365,8 @@ INTERRUPT_SCRIPT = textwrap.dedent("""
             kit.launch(work, sys.argv[1], world_size=4, timeout=300)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
-            print(kit.launch(lambda: dist.get_rank(), world_size=2), flush=True)
+            # A hang here is reported with every rank's stack after 30 s, within the test's wait.
+            print(kit.launch(lambda: dist.get_rank(), world_size=2, timeout=30), flush=True)
 """)
 
 
@@ -370,15 +374,22 @@ def test_interrupt_leaves_no_rank_behind_and_next_launch_works(tmp_path):
     script = tmp_path / "interrupt.py"
     script.write_text(INTERRUPT_SCRIPT)
     prefix = str(tmp_path / "pid")
-    proc = subprocess.Popen([sys.executable, str(script), prefix], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), prefix], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("pid*"))) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
+    time.sleep(0.1)  # each rank opens its file, then writes its pid
     pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
     assert len(pids) == 4
     proc.send_signal(signal.SIGINT)  # what the notebook's stop button does to the kernel
-    out, _ = proc.communicate(timeout=60)
-    assert "interrupted" in out and "[0, 1]" in out
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the script did not exit within 90 s of SIGINT\nstdout:\n{out}\nstderr:\n{err}")
+    assert "interrupted" in out and "[0, 1]" in out, f"stdout:\n{out}\nstderr:\n{err}"
     time.sleep(0.2)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
