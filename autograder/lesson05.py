@@ -216,12 +216,17 @@ def _bytes_expected(seed: int) -> list[Any]:
     return _expected_once("5.1", seed, compute)
 
 
-BYTES_HINTS = {
-    "params": "Walk module.parameters() (a tied parameter is listed once) and add up "
-              "t.untyped_storage().nbytes() for each storage not seen before (key: data_ptr()).",
-    "grads": "The same walk over p.grad for every parameter whose grad is not None.",
-    "optimizer": "Every tensor value in optimizer.state[p] (exp_avg, exp_avg_sq, step, "
-                 "momentum_buffer), and in optimizer.optim.state when the optimizer wraps one.",
+BYTES_HINTS = {  # key -> (concept, recipe)
+    "params": ("Memory is counted by storage, not by tensor: a tied weight and views of one "
+               "buffer share one storage, which counts once, with all its bytes.",
+               "Walk module.parameters() (a tied parameter is listed once) and add up "
+               "t.untyped_storage().nbytes() for each storage not seen before (key: data_ptr())."),
+    "grads": ("Gradients count like parameters: each storage once; a missing gradient counts 0.",
+              "The same walk over p.grad for every parameter whose grad is not None."),
+    "optimizer": ("The optimizer's memory is every tensor it keeps per parameter, including the "
+                  "state of a local optimizer it wraps.",
+                  "Every tensor value in optimizer.state[p] (exp_avg, exp_avg_sq, step, "
+                  "momentum_buffer), and in optimizer.optim.state when the optimizer wraps one."),
 }
 
 
@@ -235,19 +240,28 @@ def _bytes_compare(scenarios: list[str]) -> Any:
                                       f"{sorted(w)}", expected=w, got=g)
                 for key, value in w.items():
                     if g[key] != value:
+                        concept, recipe = BYTES_HINTS[key]
+                        if "FSDP2" in scenario:
+                            concept += " A DTensor costs this rank only its local shard."
+                            recipe += " For a DTensor, take dtensor.to_local() first."
                         raise CheckFailed(
                             f"rank {rank}, {scenario}: {key!r} is {g[key]} bytes, this rank "
                             f"holds {value}", expected=value, got=g[key],
-                            hint=BYTES_HINTS[key] + (
-                                " A DTensor holds only dtensor.to_local() on this rank."
-                                if "FSDP2" in scenario else ""))
+                            hint=concept, recipe=recipe)
     return compare
 
 
 BYTES = task(
     "5.1", "state_bytes", points=2,
-    hint="Count storages, not tensors: t.untyped_storage().nbytes(), each data_ptr() once; "
-         "for a DTensor use to_local() first.",
+    hint="Count memory, not tensors: tensors that share a storage (tied weights, views of one "
+         "buffer) cost it once, and a sharded DTensor costs this rank only its local shard.",
+    recipe="Write a helper that goes over some tensors and adds up the bytes of each storage "
+           "behind them (untyped_storage().nbytes()) the first time it sees it, keyed by the "
+           "storage's data_ptr(); for a DTensor, take its local tensor first. Apply it to the "
+           "module's parameters, to the gradients that are not None, and to every tensor value "
+           "in the optimizer's per-parameter state, plus the state of the optimizer it wraps "
+           "(its .optim) when there is one; with no optimizer that count is 0. Return the three "
+           "totals under 'params', 'grads' and 'optimizer'.",
 )
 
 
@@ -424,8 +438,10 @@ def _compare_ownership(got: Any, expected: dict[str, Any]) -> None:
                     f"{kind}: parameter {i} ({sizes[i]} elements) has optimizer state on "
                     f"{len(holders)} ranks {holders}; exactly one rank, its owner, keeps it",
                     expected=1, got=len(holders),
-                    hint="Step only the parameters this rank owns, and keep their state in "
-                         "self.state (the state of the optimizer that steps them).")
+                    hint="Sharding the state means a parameter's optimizer state exists on its "
+                         "owner only, and self.state is where it is looked for.",
+                    recipe="Build the inner optimizer over this rank's parameters only, so it "
+                           "steps only those, and make self.state refer to its state.")
             if per_rank[holders[0]][i] != full:
                 raise CheckFailed(f"{kind}: parameter {i}'s state on rank {holders[0]} is "
                                   f"{per_rank[holders[0]][i]} bytes; the unsharded optimizer "
@@ -438,18 +454,31 @@ def _compare_ownership(got: Any, expected: dict[str, Any]) -> None:
                     f"{kind}: rank {rank} owns {n} of {sum(sizes)} elements; balanced ownership "
                     f"keeps every rank at most 1/{len(got)} of them plus the largest parameter "
                     f"({bound:.0f})", expected=f"at most {bound:.0f}", got=elements,
-                    hint="Assign parameters largest first, each to the rank owning the fewest "
-                         "elements so far.")
+                    hint="Ownership balances memory: each rank should own about 1/W of the "
+                         "elements.",
+                    recipe="Assign parameters largest first, each to the rank owning the fewest "
+                           "elements so far.")
 
 
 ZERO = task(
     "5.2", "ShardedOptimizer", points=4,
     forbidden=("torch.distributed.optim.ZeroRedundancyOptimizer",),
-    hint="Assign owners in add_param_group (largest first, to the least loaded rank); give "
-         "optimizer_cls only this rank's parameters, in the same groups. In step: "
-         "dist.reduce the gradients to their owner (one flat buffer per owner) and divide by the "
-         "world size there, copy the groups' hyperparameters to the inner optimizer, step it, "
-         "then dist.broadcast each owner's parameters from it.",
+    hint="ZeRO-1: each parameter has one owner rank, which alone keeps its optimizer state and "
+         "steps it; the owner needs the mean gradient over ranks, and afterwards every rank "
+         "needs the owner's updated parameter.",
+    recipe="Keep a map from parameter to owner and a count of elements owned per rank. In "
+           "add_param_group, let the base class add the group, then go over its parameters "
+           "largest first and give each to the rank owning the fewest elements so far (ties: "
+           "the lowest rank); if the inner optimizer exists already, add the same group to it "
+           "with only this rank's parameters. In __init__, once the base class has built the "
+           "groups, build optimizer_cls over the same groups holding only this rank's "
+           "parameters, and make self.state that optimizer's state. In step: run the closure "
+           "(with gradients enabled) if there is one and keep its loss; for each owner, flatten "
+           "the gradients of its parameters into one buffer and dist.reduce it to that owner, "
+           "who divides by the world size and copies it back into the gradients; copy the "
+           "hyperparameters of self.param_groups into the inner optimizer's groups; step the "
+           "inner optimizer; then each owner broadcasts its parameters (one flat buffer per "
+           "owner) and every rank copies them back. Return the loss.",
 )
 
 
@@ -463,8 +492,11 @@ def _(impl: Any, seed: int) -> list[Any]:
 
 @ZERO.case(f"{ZERO_STEPS} SGD steps with momentum through step(closure) equal one process",
            compare=_compare_final("sgd"),
-           hint="Every rank's .grad holds its own slice's gradient: the owner needs the mean over "
-                "ranks (reduce to the owner, then divide by the world size).",
+           hint="Every rank's .grad holds only its own slice's gradient, and the owner must step "
+                "with the mean over ranks; step(closure) returns the closure's loss.",
+           recipe="Call the closure first (with gradients enabled) and keep its loss; reduce each "
+                  "owner's gradients to it and divide them by the world size there; step, "
+                  "broadcast, and return the loss.",
            expect=_zero_reference)
 def _(impl: Any, seed: int) -> list[Any]:
     return _zero_run(impl, seed)
@@ -640,13 +672,19 @@ def _compare_fsdp_grads(got: Any, expected: dict[str, Any]) -> None:
                     f"rank {rank}: unit {prefix} holds {len(piece) if isinstance(piece, list) else 0}"
                     " parameters of its own after wrapping; expected one, its flat shard",
                     expected=1, got=piece if not isinstance(piece, list) else len(piece),
-                    hint="Delete the unit's own parameters (del module._parameters[name]) and "
-                         "register the shard on the unit module in their place.")
+                    hint="After wrapping, a unit's only parameter is its flat shard, so that any "
+                         "optimizer trains the shard and nothing else.",
+                    recipe="Remove the unit's own parameters from the module (from its "
+                           "_parameters dict) and register the shard on the unit module in their "
+                           "place.")
             if piece[0] is None:
                 raise CheckFailed(f"rank {rank}: unit {prefix}'s shard has no .grad after "
                                   "backward and finish_gradient_synchronization()",
-                                  hint="The backward of the all-gather returns the shard's "
-                                       "gradient: reduce-scatter there.")
+                                  hint="The shard gets its gradient through autograd: the "
+                                       "backward of an all-gather is a reduce-scatter.",
+                                  recipe="Gather through the autograd Function in the forward "
+                                         "pre-hook, applied to the shard; its backward returns "
+                                         "the reduce-scattered gradient (and None for the unit).")
         numel = sum(math.prod(s) for _, s in params)
         padded = _padded(numel, world_size)
         sizes = [p[0].numel() for p in pieces]
@@ -654,8 +692,10 @@ def _compare_fsdp_grads(got: Any, expected: dict[str, Any]) -> None:
             raise CheckFailed(f"unit {prefix} ({numel} elements): shards of {sizes} elements on "
                               f"the {world_size} ranks; padded to {padded}, each holds "
                               f"{padded // world_size}", expected=[padded // world_size] * world_size,
-                              got=sizes, hint="Pad the flat buffer with zeros to the next multiple "
-                                              "of the world size, then split it in equal pieces.")
+                              got=sizes, hint="Shards are equal: a flat size the world size does "
+                                              "not divide is padded first.",
+                              recipe="Pad the flat buffer with zeros to the next multiple of the "
+                                     "world size, then split it in equal pieces.")
         flat = torch.cat([p[0].reshape(-1) for p in pieces])
         offset = 0
         for name, shape in params:
@@ -679,8 +719,11 @@ def _compare_fsdp_grads(got: Any, expected: dict[str, Any]) -> None:
                 raise CheckFailed(f"rank {rank}: the replicated {name}.grad after "
                                   f"finish_gradient_synchronization() {problem}",
                                   expected=_short(want), got=_short(have),
-                                  hint="All-reduce every replicated parameter's gradient and "
-                                       "divide by the world size, as in DDP.")
+                                  hint="Parameters outside the units are replicated, as in DDP: "
+                                       "their gradients must be the mean over ranks.",
+                                  recipe="In finish_gradient_synchronization, all-reduce every "
+                                         "replicated parameter's gradient (skip None) and divide "
+                                         "it by the world size.")
 
 
 def _compare_fsdp_final(labels: list[str]) -> Any:
@@ -693,8 +736,10 @@ def _compare_fsdp_final(labels: list[str]) -> Any:
                 if set(have) != set(want):
                     raise CheckFailed(f"rank {rank}, {label}: full_state_dict() has the wrong keys",
                                       expected=sorted(want), got=sorted(have),
-                                      hint="Key every full tensor by its name in the original "
-                                           "model (prefix of the unit + '.' + parameter name).")
+                                      hint="full_state_dict() looks like the unwrapped model's: "
+                                           "its original names, full shapes, fp32.",
+                                      recipe="Key every full tensor by its name in the original "
+                                             "model (prefix of the unit + '.' + parameter name).")
                 for name, tensor in want.items():
                     problem = _diff(have[name], tensor, rtol, atol)
                     if problem is not None:
@@ -724,8 +769,11 @@ def _compare_fsdp_bytes(got: Any, expected: dict[str, Any]) -> None:
                         f"parameters() hold {nbytes} bytes on this rank; its shards (1/"
                         f"{world_size} of the units' {model} bytes, padded) and the replicated "
                         f"parameters hold {bound}", expected=f"at most {bound}", got=nbytes,
-                        hint="Each unit keeps a clone of its piece (a slice view keeps the whole "
-                             "buffer alive) as the only parameter of the unit module.")
+                        hint="Sharding saves memory only if each rank holds just its 1/W piece: "
+                             "a view of a slice keeps the whole buffer alive.",
+                        recipe="Register a clone of this rank's piece (not a view of the padded "
+                               "buffer) as the only parameter of the unit module, after "
+                               "removing the originals from it.")
 
 
 def _expected_collectives(units: dict[str, Any], world_size: int, dtype: torch.dtype | None
@@ -753,9 +801,11 @@ def _compare_fsdp_collectives(got: Any, expected: dict[str, Any]) -> None:
                         f"{reduces} all-reduces", expected={"all-gather bytes": gathers,
                                                            "reduce-scatter bytes": scatters},
                         got={"all-gather bytes": have_g, "reduce-scatter bytes": have_s},
-                        hint="Gather a unit in its forward pre-hook and again when its backward "
-                             "starts (a hook on its output); reduce-scatter its flat gradient "
-                             "(cast to float32) once, in the backward of the gather.")
+                        hint="FSDP's traffic per unit and step: two all-gathers (forward, "
+                             "backward) in the compute dtype and one reduce-scatter in float32.",
+                        recipe="Gather a unit in its forward pre-hook and again when its backward "
+                               "starts (a hook on its output); reduce-scatter its flat gradient "
+                               "(cast to float32) once, in the backward of the gather.")
 
 
 def _compare_fsdp_freed(got: Any, expected: dict[str, Any]) -> None:
@@ -767,9 +817,12 @@ def _compare_fsdp_freed(got: Any, expected: dict[str, Any]) -> None:
                         f"rank {rank}, compute_dtype={label}, step {step}: right after the "
                         f"forward, full parameters still hold memory: {', '.join(left[:4])}",
                         expected="none", got=left[:4],
-                        hint="Delete the views in the forward hook, and make autograd save a note "
-                             "(torch.autograd.graph.saved_tensors_hooks) instead of the gathered "
-                             "parameters; gather again when backward needs them.")
+                        hint="A gathered unit must be freed after its forward, and what autograd "
+                             "saves for backward counts too: a saved weight keeps the full buffer "
+                             "alive.",
+                        recipe="Delete the views in the forward hook, and make autograd save a "
+                               "note (torch.autograd.graph.saved_tensors_hooks) instead of the "
+                               "gathered parameters; gather again when backward needs them.")
 
 
 FSDP_TASK = task(
@@ -777,9 +830,25 @@ FSDP_TASK = task(
     forbidden=("torch.distributed.fsdp.fully_shard",
                "torch.distributed.fsdp.FullyShardedDataParallel",
                "torch.nn.parallel.DistributedDataParallel"),
-    hint="Per unit: flatten, pad to a multiple of W, keep your piece as a Parameter on the unit; "
-         "gather in a forward pre-hook through an autograd Function whose backward "
-         "reduce-scatters; free in the forward hook; gather again when backward starts.",
+    hint="ZeRO-3: each unit's parameters live only as one flat shard per rank; a unit is "
+         "all-gathered just before it computes (in forward, and again in backward) and freed "
+         "right after, and its gradient is reduce-scattered back onto the shards.",
+    recipe="FSDP: make a Unit for every submodule of a wrap type that has parameters of its own "
+           "(ValueError if two units share one); all other parameters are replicated. Unit: "
+           "flatten its own parameters into one fp32 buffer, pad it with zeros to a multiple of "
+           "the world size, keep a clone of this rank's piece as an nn.Parameter registered on "
+           "the module in place of the originals, and register a forward pre-hook and a forward "
+           "hook. gather all-gathers the shard, cast to the dtype asked for, into a buffer of the "
+           "padded length. The autograd Function's forward returns that gather (compute dtype), "
+           "its backward the reduce-scatter. Pre-hook: apply the Function to the shard, set each "
+           "original name on the module to its view of the result, remember that buffer's "
+           "storage, and enter saved-tensor hooks. Forward hook: leave those hooks, delete the "
+           "views, and register a hook on the output that gathers again when backward starts. "
+           "pack turns a tensor in the gathered storage into a note (size, stride, offset); "
+           "unpack rebuilds it from the buffer gathered for backward. reduce_scatter drops that "
+           "buffer, reduce-scatters the gradient in fp32 and divides by the world size. "
+           "finish_gradient_synchronization averages the replicated gradients; full_state_dict "
+           "gathers each unit in fp32 and names each view after the unit's prefix and parameter.",
 )
 
 
@@ -800,8 +869,10 @@ def _(impl: Any, seed: int) -> list[Any]:
 
 @FSDP_TASK.case("the same with compute_dtype bf16 and fp16, against one process that casts "
                 "the units the same way", compare=_compare_fsdp_final(["bfloat16", "float16"]),
-                hint="Cast the shard to compute_dtype before the all-gather; cast the gradient "
-                     "back to float32 before the reduce-scatter; the shards stay float32.",
+                hint="Mixed precision: parameters are gathered and used in compute_dtype, but "
+                     "the shards (the master weights) and their gradients stay float32.",
+                recipe="Cast the shard to compute_dtype before the all-gather; cast the gradient "
+                       "back to float32 before the reduce-scatter; the shards stay float32.",
                 expect=_fsdp_reference)
 def _(impl: Any, seed: int) -> list[Any]:
     return _fsdp_run(impl, seed)
@@ -923,16 +994,19 @@ def _compare_placements(got: Any, expected: dict[str, Any]) -> None:
                         f"rank {rank}, {label}: {name} is {placed.get(name)}, expected a DTensor "
                         f"placed {PLACEMENTS[label]}", expected=PLACEMENTS[label],
                         got=placed.get(name),
-                        hint="fully_shard(block, mesh=mesh) for each block, then "
-                             "fully_shard(model, mesh=mesh): the root owns the parameters no "
-                             "block holds (embeddings, final norm, output layer).")
+                        hint="Every parameter must belong to some unit: the blocks hold theirs, "
+                             "and the root holds the rest (embeddings, final norm, output layer).",
+                        recipe="Shard each block with the mesh, then shard the root model with "
+                               "the same mesh.")
             wrapped = set(run[label]["fully_shard applied to"])
             want = set(expected["blocks"]) | {"the root"}
             if wrapped != want:
                 raise CheckFailed(f"rank {rank}, {label}: fully_shard applied to {sorted(wrapped)}",
                                   expected=sorted(want), got=sorted(wrapped),
-                                  hint="One fully_shard per block (each its own all-gather), then "
-                                       "one on the root.")
+                                  hint="Each block is its own unit (its own all-gather), and "
+                                       "the root is one more.",
+                                  recipe="One fully_shard call per block of model.blocks, then "
+                                         "one on the model itself.")
 
 
 def _compare_losses(got: Any, expected: dict[str, Any]) -> None:
@@ -968,8 +1042,12 @@ def _compare_mixed(got: Any, expected: dict[str, Any]) -> None:
             raise CheckFailed(f"rank {rank}: with param_dtype=torch.bfloat16, blocks.0.qkv runs "
                               f"with weights of {mixed['forward weight dtype']}",
                               expected=["torch.bfloat16"], got=mixed["forward weight dtype"],
-                              hint="Pass mp_policy=MixedPrecisionPolicy(param_dtype=..., "
-                                   "reduce_dtype=...) to every fully_shard call.")
+                              hint="FSDP2 casts parameters for compute through a mixed-precision "
+                                   "policy that every unit must be given; shards and gradients "
+                                   "stay fp32.",
+                              recipe="Build a MixedPrecisionPolicy from param_dtype and "
+                                     "reduce_dtype and pass it as mp_policy to every fully_shard "
+                                     "call, the root's too.")
         if mixed["grad dtype"] != "torch.float32":
             raise CheckFailed(f"rank {rank}: the sharded gradient is {mixed['grad dtype']}; "
                               "FSDP2 keeps fp32 shards and gradients", expected="torch.float32",
@@ -980,9 +1058,12 @@ FSDP2 = task(
     "5.4", "apply_fsdp2", points=3,
     # Lesson 06's kit.resume.shard_model wraps a TinyTransformer the same way: not an answer here.
     forbidden=("kit.resume.shard_model",),
-    hint="Each block is its own unit of all-gather: call fully_shard on every block of "
-         "model.blocks with the mesh, then once on the root for the parameters no block holds; "
-         "when a dtype is given, pass the same MixedPrecisionPolicy to every call.",
+    hint="FSDP2 shards unit by unit: each block is its own unit of all-gather, the root takes "
+         "the parameters no block holds, and mixed precision is a policy every unit is given.",
+    recipe="Call fully_shard on every block of model.blocks with the mesh, then once on the "
+           "model itself. When param_dtype or reduce_dtype is given, build one "
+           "MixedPrecisionPolicy from them and pass it as mp_policy to every call. Return the "
+           "model.",
 )
 
 

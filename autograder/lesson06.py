@@ -186,14 +186,23 @@ SHARDS = task(
     forbidden=("torch.distributed.checkpoint.save", "torch.distributed.checkpoint.load",
                "torch.distributed.checkpoint.state_dict_saver.save",
                "torch.distributed.checkpoint.state_dict_loader.load"),
-    hint="Each rank writes its piece to a file of its own; the offsets and sizes of all pieces go "
-         "in metadata (gather them to rank 0, or put them in the file names). A load reads the "
-         "metadata, skips every piece whose [offset, offset + numel) does not intersect the "
-         "requested range, and copies the intersection of the others into place.",
+    hint="A sharded checkpoint: each rank writes only its own piece, and metadata records where "
+         "every piece lies in the whole tensor, so a load on any number of ranks finds and reads "
+         "just the pieces that overlap its range.",
+    recipe="save_shards: create the folder; save a contiguous clone of this rank's piece, alone, "
+           "to a file named after the tensor and the rank; gather every rank's file name, offset "
+           "and size to rank 0 (or encode them in the file names), which writes the tensor's "
+           "metadata (total size, dtype, the pieces) to a temporary file and renames it into "
+           "place; end with a barrier, so that nobody loads before the metadata exists. "
+           "load_shards: read the tensor's metadata, make an empty result of numel elements in "
+           "the saved dtype, and for each piece work out where its range meets [offset, offset "
+           "+ numel); skip a piece that does not meet it without opening its file, and copy the "
+           "overlap of each other piece into place.",
 )
 
 
-def _value_case(name: str, select: Callable[[tuple], bool], hint: str = "") -> None:
+def _value_case(name: str, select: Callable[[tuple], bool], hint: str = "",
+                recipe: str = "") -> None:
     jobs = _load_jobs()
     chosen = [i for i, job in enumerate(jobs) if select(job)]
 
@@ -212,7 +221,7 @@ def _value_case(name: str, select: Callable[[tuple], bool], hint: str = "") -> N
                 raise CheckFailed(f"{where} returned {g}", expected="a 1-D tensor", got=g)
             assert_same(g, e, rtol=0.0, atol=0.0, path=where)
 
-    SHARDS.case(name, compare=compare, expect=expect, hint=hint)(run)
+    SHARDS.case(name, compare=compare, expect=expect, hint=hint, recipe=recipe)(run)
 
 
 _value_case("saved on 2 ranks, loaded on 2 ranks with another split: exact values",
@@ -220,15 +229,20 @@ _value_case("saved on 2 ranks, loaded on 2 ranks with another split: exact value
 _value_case("saved on 4 ranks (one piece empty), loaded on 1, 2, 3 and 4 ranks with uneven "
             "splits whose borders are one element off the saved ones",
             lambda j: j[0] == 4 and j[1] == "weight" and j[4] == "split",
-            hint="At a border, the range [offset, offset + numel) and a piece [start, start + n) "
-                 "overlap on [max(offset, start), min(offset + numel, start + n)) when that is "
-                 "not empty; both ends are exclusive.")
+            hint="Borders are where off-by-one errors live: ranges are half-open, so a piece "
+                 "and a range that only touch do not overlap.",
+            recipe="The range [offset, offset + numel) and a piece [start, start + n) overlap on "
+                   "[max(offset, start), min(offset + numel, start + n)) when that is not empty; "
+                   "both ends are exclusive.")
 _value_case("saved on 1 and on 3 ranks (a 7-element piece), loaded on 1 to 4 ranks",
             lambda j: j[0] in (1, 3) and j[1] == "weight" and j[4] == "split")
 _value_case("an int64 tensor in the same folder, with empty pieces and empty ranges: its dtype "
             "and values", lambda j: j[1] == "steps",
-            hint="Several tensors share one folder: name files and metadata after the tensor. Keep "
-                 "the dtype in the metadata, and return an empty tensor of it for an empty range.")
+            hint="Several tensors share one folder, and a load gives back the saved dtype, even "
+                 "for an empty range.",
+            recipe="Name each piece file and the metadata after the tensor; store the dtype in "
+                   "the metadata and build the result in it (an empty range gives an empty "
+                   "tensor of that dtype).")
 
 
 def _probe_files(got: list[dict[str, Any]], jobs: list[tuple], w: int) -> tuple[set[str], list[set[str]]]:
@@ -254,16 +268,21 @@ def _compare_opened(got: Any, expected: Any) -> None:
                     f"the same files as loading one element of any other piece: {sorted(common)}",
                     expected="each load opens the metadata and only the files of the pieces it "
                              "overlaps", got=sorted(common),
-                    hint="Read the metadata first and open a piece's file only if the piece "
-                         "intersects the requested range; a piece file that also holds the "
-                         "offsets forces every load to open every file.")
+                    hint="Where the pieces lie must be known without opening them: from the "
+                         "metadata (or the file names) alone.",
+                    recipe="Keep the offsets and sizes in the metadata, not only inside the piece "
+                           "files; read the metadata first and open a piece's file only if the "
+                           "piece intersects the requested range.")
             for m, other in enumerate(own):
                 if m != k and files & other:
                     raise CheckFailed(
                         f"saved on {w} ranks: loads of one element in two different pieces both "
                         f"opened {sorted(files & other)}", expected="disjoint files per piece",
                         got=sorted(files & other),
-                        hint="Check the overlap test: a load must not open a neighbouring piece.")
+                        hint="Check the overlap test: a load must not open a neighbouring piece.",
+                        recipe="A piece overlaps the range only when the larger of the two "
+                               "starts is below the smaller of the two ends; ends are "
+                               "exclusive, so touching is not overlapping.")
         for i, (sw, name, offset, numel, purpose) in enumerate(jobs):
             if sw != w or name != "weight" or purpose != "split":
                 continue
@@ -277,7 +296,9 @@ def _compare_opened(got: Any, expected: Any) -> None:
                     f"saved on {w} ranks, load_shards('weight', offset={offset}, numel={numel}) "
                     f"opened {sorted(extra)}, which belong to pieces outside that range",
                     expected=sorted(needed), got=sorted(got[i]["opened"]),
-                    hint="Open only the pieces that overlap [offset, offset + numel).")
+                    hint="Open only the pieces that overlap [offset, offset + numel).",
+                    recipe="Before opening a piece's file, compute its overlap with the range "
+                           "and skip the piece when the overlap is empty.")
 
 
 @SHARDS.case("a load opens only the metadata and the files of the pieces it overlaps (an audit "
@@ -306,8 +327,10 @@ def _compare_bytes(got: Any, expected: list[int]) -> None:
                 f"{g:,} bytes, more than the pieces it overlaps plus {BYTES_SLACK // 1024} KiB "
                 "per file for headers and metadata",
                 expected=f"at most {allowed:,} bytes", got=f"{g:,} bytes",
-                hint="Read only the overlapping pieces, and save each piece alone: torch.save of "
-                     "a view writes its whole storage.")
+                hint="A load should cost the pieces it needs, no more: torch.save of a view writes "
+                     "the whole storage behind it.",
+                recipe="Save a contiguous clone of the local piece, so that its file holds only "
+                       "its own elements, and read only the pieces that overlap the range.")
 
 
 @SHARDS.case("no load reads more bytes than the pieces it overlaps (plus 32 KiB per file for "

@@ -84,12 +84,19 @@ SCALER = task(
     forbidden=("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.cpu.amp.GradScaler",
                "torch.amp.grad_scaler.GradScaler",
                "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"),
-    hint="scale() multiplies the loss. unscale_() runs once per step: multiply every gradient by "
-         "1/scale and set a flag if any is inf or NaN; with several ranks, all-reduce that flag "
-         "(MAX) so every rank sees it. step() unscales if needed, then steps only when no rank "
-         "found one. update() multiplies the scale by backoff_factor after a bad step and resets "
-         "the count of good steps; after growth_interval good steps in a row it multiplies by "
-         "growth_factor and resets the count; then it clears the per-step flags.",
+    hint="Dynamic loss scaling: scale the loss up so that small low-precision gradients do not "
+         "flush to zero, divide it out before the step, and skip any step whose gradients "
+         "overflowed, on every rank together; the scale backs off after an overflow and grows "
+         "after a run of good steps.",
+    recipe="scale() returns the loss times the scale. unscale_() runs once per step: if it "
+           "already ran, return; otherwise multiply every gradient of the optimizer's groups by "
+           "1/scale, note whether any holds an inf or a NaN, all-reduce that flag (MAX) when a "
+           "process group of several ranks is initialised, and remember that it ran. step() "
+           "calls unscale_(), then steps the optimizer only when no rank found an inf or NaN. "
+           "update() multiplies the scale by backoff_factor after a bad step and resets the count "
+           "of good steps; otherwise it counts the step, and after growth_interval good steps in "
+           "a row multiplies the scale by growth_factor and resets the count; then it clears the "
+           "per-step flags. get_scale() returns the scale.",
 )
 
 STEPS = 12
@@ -177,24 +184,29 @@ def _compare_scaled(got: Any, expected: dict[str, Any], where: str = "") -> None
     if got["default scale"] != expected["default scale"]:
         raise CheckFailed(f"{where}DynamicLossScaler() starts at the wrong scale",
                           expected=expected["default scale"], got=got["default scale"],
-                          hint="The defaults are init_scale=2.0**16, growth_factor=2.0, "
-                               "backoff_factor=0.5, growth_interval=2000.")
+                          hint="DynamicLossScaler() with no arguments starts where torch's "
+                               "GradScaler starts.",
+                          recipe="The defaults are init_scale=2.0**16, growth_factor=2.0, "
+                                 "backoff_factor=0.5, growth_interval=2000.")
     for step, (g, e) in enumerate(zip(got["stepped"], expected["stepped"])):
         if g != e:
             raise CheckFailed(
                 f"{where}step {step}: the optimizer {'stepped' if g else 'skipped'}, torch's "
                 f"GradScaler {'stepped' if e else 'skipped'} (inf steps {list(INF_STEPS)}, NaN "
                 f"steps {list(NAN_STEPS)})", expected=expected["stepped"], got=got["stepped"],
-                hint="Skip exactly the steps where some gradient holds an inf or a NaN "
-                     "(torch.isfinite catches both).")
+                hint="A step is skipped exactly when some gradient overflowed: an inf or a NaN.",
+                recipe="In unscale_(), test every gradient with torch.isfinite (it catches both "
+                       "inf and NaN); in step(), skip the optimizer when any test failed.")
     for step, (g, e) in enumerate(zip(got["scales"], expected["scales"])):
         if g != e:
             raise CheckFailed(
                 f"{where}the scale after update() of step {step} is {g}, torch's GradScaler has {e}",
                 expected=expected["scales"], got=got["scales"],
-                hint="After a skipped step: scale *= backoff_factor and the count of good steps "
-                     "starts again from 0. After growth_interval good steps in a row: scale *= "
-                     "growth_factor and the count starts again.")
+                hint="The scale backs off after every overflow and grows only after "
+                     "growth_interval good steps in a row.",
+                recipe="After a skipped step: scale *= backoff_factor and the count of good steps "
+                       "starts again from 0. After growth_interval good steps in a row: scale *= "
+                       "growth_factor and the count starts again.")
     assert_same(got["params"], expected["params"], rtol=1e-6, atol=1e-7, path=f"{where}parameters")
 
 
@@ -212,6 +224,8 @@ def _compare_clipped(got: Any, expected: dict[str, Any]) -> None:
     except CheckFailed as e:
         e.hint = ("unscale_() may be called by the user before step() (to clip the true "
                   "gradients): step() must then not unscale a second time. " + e.hint)
+        e.recipe = ("Remember in unscale_() that it ran this step and return at once when it is "
+                    "called again; update() clears that flag. " + (e.recipe or SCALER.recipe))
         raise
 
 
@@ -272,9 +286,11 @@ def _compare_sharded(got: Any, expected: list[dict[str, Any]]) -> None:
                 f"step {step}: ranks disagree on skipping ({['stepped' if d else 'skipped' for d in decisions]}); "
                 "only rank 2's shard held an inf", expected=[expected[0]["stepped"][step]] * WORLD,
                 got=decisions,
-                hint="Each rank sees only its own shard of the gradients. All-reduce the "
-                     "found-inf flag (op=MAX, or SUM) before deciding, so that every rank skips "
-                     "and backs off together.")
+                hint="Each rank sees only its own shard of the gradients, so an overflow on one "
+                     "rank must stop the step on all of them.",
+                recipe="In unscale_(), keep the found-inf flag in a tensor and all-reduce it "
+                       "(op=MAX, or SUM) when a process group of several ranks is initialised, "
+                       "before step() decides, so that every rank skips and backs off together.")
     for rank, (g, e) in enumerate(zip(got, expected)):
         _compare_scaled(g, e, where=f"rank {rank}: ")
 
@@ -621,12 +637,16 @@ def _(impl: Any, seed: int) -> dict[str, Any]:
 READY = task(
     "7.4", "compile_ready",
     points=3,
-    hint="Graph breaks come from Python that needs a value Dynamo cannot know while tracing. "
-         "Drop the print. Replace the loop up to the longest length by a (B, T) boolean mask "
-         "that compares each position with its sequence's length, then a masked sum divided by "
-         "the lengths. Replace the Python if on .item() by torch.where, which computes both "
-         "sides and picks per element. Call the model's own modules, so that gradients reach "
-         "its parameters.",
+    hint="Graph breaks come from Python that needs a value Dynamo cannot know while tracing: a "
+         "side effect (print), a loop whose trip count is data, an if on .item(). Written as "
+         "tensor operations instead, one graph serves every batch.",
+    recipe="Make a module that keeps the model and recomputes its forward with the model's own "
+           "layers (embed, mix with tanh, head), so that gradients reach its parameters. Drop "
+           "the print. Replace the loop up to the longest length by a (B, T) boolean mask that "
+           "compares each position with its sequence's length, then a masked sum over positions "
+           "divided by the lengths. Replace the Python if on .item() by torch.where between the "
+           "rescaled and the plain averages: it computes both sides and picks one. "
+           "compile_ready returns that module.",
 )
 
 BATCHES = [(4, 7, 11), (4, 7, 12), (4, 7, 13)]  # same shapes, different lengths
