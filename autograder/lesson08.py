@@ -113,9 +113,10 @@ def _short(t: Any) -> str:
         " ..." if flat.numel() > 4 else "")
 
 
-def _compare_tensors(got: Any, expected: dict[str, Any], hints: dict[str, str] | None = None) -> None:
+def _compare_tensors(got: Any, expected: dict[str, Any], hints: dict[str, str] | None = None,
+                     recipes: dict[str, str] | None = None) -> None:
     """``expected[setting][rank][name]`` tensors; every one must match ``got``'s."""
-    hints = hints or {}
+    hints, recipes = hints or {}, recipes or {}
     if not isinstance(got, dict) or set(got) != set(expected):
         raise CheckFailed("the ranks' results could not be read", expected=sorted(expected),
                           got=repr(got)[:200])
@@ -127,7 +128,8 @@ def _compare_tensors(got: Any, expected: dict[str, Any], hints: dict[str, str] |
                 if problem is not None:
                     raise CheckFailed(f"{setting}, rank {rank}: {name} {problem}",
                                       expected=_short(tensor), got=_short(have.get(name)),
-                                      hint=hints.get(name.split(" ")[0], ""))
+                                      hint=hints.get(name.split(" ")[0], ""),
+                                      recipe=recipes.get(name.split(" ")[0], ""))
 
 
 # --------------------------------------------------------------------------- task 8.1
@@ -261,12 +263,23 @@ def _tp_expected(seed: int, world_size: int) -> list[dict[str, Any]]:
 TP_VALUE_KEYS = ("output", "input grad", "column weight", "column weight grad", "column bias grad",
                  "row weight", "row weight grad", "row bias grad")
 TP_HINTS = {
-    "output": "Forward: f (identity), the column layer's rows with their bias, GELU, the row "
-              "layer's columns without bias, g (all-reduce), then the bias once.",
+    "output": "The row layer's partial products add up to the full output only after g sums "
+              "them over the group; the bias belongs to the sum, so it is added once.",
     "input": "The input is used by every rank's slice, so its gradient is the sum over ranks: "
              "f's backward all-reduces it.",
+    "column": "The column layer owns a contiguous block of output features: its rows of the "
+              "weight and of the bias, chosen by its rank in the group.",
+    "row": "The row layer owns a contiguous block of input features: its columns of the weight, "
+           "and the whole bias.",
+}
+TP_RECIPES = {
+    "output": "Forward: f (identity), the column layer's rows with their bias, GELU, the row "
+              "layer's columns without bias, g (all-reduce), then the bias once.",
+    "input": "Write f as an autograd Function whose forward returns the input unchanged and whose "
+             "backward all-reduces a copy of the gradient over the group; apply it to the input "
+             "of the column layer.",
     "column": "The column layer keeps the rows r*out/t to (r+1)*out/t of the weight and of the "
-              "bias, r being the rank in the group (dist.get_rank(group)).",
+              "bias, r being the rank in the group (dist.get_rank(group)), as new Parameters.",
     "row": "The row layer keeps the columns r*in/t to (r+1)*in/t of the weight and the whole "
            "bias, added once, after the all-reduce.",
 }
@@ -279,7 +292,7 @@ def _compare_mlp(settings: tuple[str, ...]) -> Any:
         for setting in settings:
             want = {setting: [{k: e[setting][k] for k in TP_VALUE_KEYS} for e in expected]}
             have = {setting: [g.get(setting, {}) if isinstance(g, dict) else {} for g in got]}
-            _compare_tensors(have, want, TP_HINTS)
+            _compare_tensors(have, want, TP_HINTS, TP_RECIPES)
 
     return compare
 
@@ -313,17 +326,33 @@ def _compare_tp_calls(got: Any, expected: list[dict[str, Any]]) -> None:
                     raise CheckFailed(
                         f"{setting}, rank {rank}: the collectives of the MLP's {phase} pass "
                         "([op, bytes] as the tracer saw them)", expected=want, got=have,
-                        hint="Exactly one all-reduce in forward (g, on the row layer's output) "
-                             "and one in backward (f, on the input's gradient), each of the "
-                             "whole (batch, seq, hidden) tensor; no other collective, and call "
-                             "them through torch.distributed so the tracer sees them.")
+                        hint="A tensor-parallel MLP communicates exactly twice: one "
+                             "all-reduce of the output in forward (g) and one of the input's "
+                             "gradient in backward (f), each of the whole (batch, seq, hidden) "
+                             "tensor.",
+                        recipe="Put the only collective of forward in g's forward and the only "
+                               "one of backward in f's backward; reduce nothing else (not the "
+                               "weights' gradients, not the bias), and call them through "
+                               "torch.distributed so the tracer sees them.")
 
 
 TP = task(
     "8.1", "ColumnParallelLinear", points=4, forbidden=DTENSOR,
-    hint="Column: keep this rank's rows of weight and bias, f before the matmul. Row: keep this "
-         "rank's columns of the weight, g after the matmul, then add the whole bias once. "
-         "f = identity forward / all-reduce backward; g = all-reduce forward / identity backward.",
+    hint="Tensor parallelism splits each Linear over the ranks: the column layer computes a "
+         "slice of the output features, the row layer a partial sum over its slice of the input "
+         "features. Two conjugate operations carry all the communication: f (identity forward, "
+         "all-reduce backward) and g (all-reduce forward, identity backward).",
+    recipe="Let r be the rank in the group and t its size. Write f and g as "
+           "torch.autograd.Function classes: each all-reduces a copy (all-reduce works in place) "
+           "over the given group, and backward returns None for the group argument. "
+           "ColumnParallelLinear keeps rows r*out/t to (r+1)*out/t of the weight and the bias as "
+           "new Parameters (detached copies); forward applies f, then the linear map with its "
+           "bias; with gather_output=True it all-gathers the output slices along the last "
+           "dimension in rank order (backward: keep this rank's slice of the gradient). "
+           "RowParallelLinear keeps columns r*in/t to (r+1)*in/t of the weight and the whole "
+           "bias; forward (with input_is_parallel=False first keeping this rank's slice of the "
+           "input's last dimension, whose backward all-gathers the gradient) multiplies without "
+           "the bias, applies g, then adds the bias once.",
 )
 
 
@@ -455,23 +484,40 @@ def _sp_expected(seed: int, t: int) -> dict[str, Any]:
     return {"ranks": ranks, "saved": saved, "nbytes": nbytes}
 
 
+_NORM_HINT = ("Each rank's LayerNorm saw only its shard of the sequence: its gradient is part "
+              "of the whole, and the parts must be summed over the group in every backward pass.")
+_NORM_RECIPE = ("Sum the LayerNorm gradients over the group once per backward pass (a gradient "
+                "hook or an identity-forward / all-reduce-backward function on the weights where "
+                "they are used), not on the accumulated .grad.")
 SP_HINTS = {
+    "output": "The block must compute what the unsharded LayerNorm, Linear, GELU, Linear does, "
+              "for this rank's tokens: the all-gather and reduce-scatter replace the "
+              "tensor-parallel all-reduce.",
+    "input": "The all-gather's backward is a reduce-scatter: every rank's copy of the gathered "
+             "sequence contributed to the loss.",
+    "norm.weight": _NORM_HINT,
+    "norm.bias": _NORM_HINT,
+    "linear1.weight": "linear1 is column-parallel: each rank owns a block of its output features.",
+    "linear1.bias": "linear1 is column-parallel: each rank owns a block of its output features.",
+    "linear2.weight": "linear2 is row-parallel: each rank owns a block of its input features.",
+    "linear2.bias": "linear2's bias is added on the shard, after the reduce-scatter: like the "
+                    "LayerNorm's, each rank's copy saw only its own tokens.",
+}
+SP_RECIPES = {
     "output": "LayerNorm on the shard; all-gather along the sequence (dim 1); linear1's rows "
               "with their bias; GELU; linear2's columns without bias; reduce-scatter along the "
               "sequence; then linear2's whole bias.",
-    "input": "The all-gather's backward is a reduce-scatter: every rank's copy of the gathered "
-             "sequence contributed to the loss.",
-    "norm.weight": "Each rank's LayerNorm saw only its shard of the sequence: sum the LayerNorm "
-                   "gradients over the group, once per backward pass (a gradient hook or an "
-                   "identity-forward / all-reduce-backward function on the weights), not on "
-                   "the accumulated .grad.",
-    "norm.bias": "Each rank's LayerNorm saw only its shard of the sequence: sum the LayerNorm "
-                 "gradients over the group, once per backward pass, not on the accumulated .grad.",
+    "input": "Wrap the all-gather in an autograd Function whose backward reduce-scatters the "
+             "gradient along the sequence, and the reduce-scatter in one whose backward "
+             "all-gathers it.",
+    "norm.weight": _NORM_RECIPE,
+    "norm.bias": _NORM_RECIPE,
     "linear1.weight": "self.linear1 keeps the rows r*f/t to (r+1)*f/t of linear1's weight and bias.",
     "linear1.bias": "self.linear1 keeps the rows r*f/t to (r+1)*f/t of linear1's weight and bias.",
     "linear2.weight": "self.linear2 keeps the columns r*f/t to (r+1)*f/t of linear2's weight.",
-    "linear2.bias": "self.linear2 keeps the whole bias, added after the reduce-scatter, on the "
-                    "shard: like the LayerNorm's, its gradient must be summed over the group.",
+    "linear2.bias": "self.linear2 keeps the whole bias, added after the reduce-scatter; pass it "
+                    "through the same identity-forward / all-reduce-backward function as the "
+                    "LayerNorm's weights, once per pass.",
 }
 
 
@@ -488,13 +534,15 @@ def _compare_sp_values(got: Any, expected: dict[str, Any]) -> None:
                     what = "output shard" if key == "outputs" else "input shard's gradient"
                     raise CheckFailed(f"rank {rank}, pass {step + 1}: the {what} {problem}",
                                       expected=_short(want), got=_short(have),
-                                      hint=SP_HINTS[key.split(" ")[0].rstrip("s")])
+                                      hint=SP_HINTS[key.split(" ")[0].rstrip("s")],
+                                      recipe=SP_RECIPES[key.split(" ")[0].rstrip("s")])
         for name, want in e["grads"].items():
             problem = _close(g["grads"].get(name), want)
             if problem is not None:
                 raise CheckFailed(f"rank {rank}: {name}.grad after {SP_PASSES} backward passes "
                                   f"{problem}", expected=_short(want),
-                                  got=_short(g["grads"].get(name)), hint=SP_HINTS[name])
+                                  got=_short(g["grads"].get(name)), hint=SP_HINTS[name],
+                                  recipe=SP_RECIPES[name])
 
 
 def _compare_sp_calls(got: Any, expected: dict[str, Any]) -> None:
@@ -519,16 +567,30 @@ def _compare_sp_memory(got: Any, expected: dict[str, Any]) -> None:
             raise CheckFailed(
                 f"rank {rank}: bytes the LayerNorm saved for backward (its input, mean and "
                 f"1/std), unsharded block: {expected['saved']}", expected=expected["saved"] // t,
-                got=have, hint="Run the LayerNorm on this rank's (b, s/t, h) shard, before the "
-                               "all-gather: the given norm module or F.layer_norm with its weights.")
+                got=have, hint="Sequence parallelism saves memory only if the LayerNorm keeps "
+                               "1/t of the activation for backward: this rank's tokens only.",
+                recipe="Run the LayerNorm on this rank's (b, s/t, h) shard, before the "
+                       "all-gather: the given norm module or F.layer_norm with its weights.")
 
 
 SP = task(
     "8.2", "SequenceParallelMLP", points=3, forbidden=DTENSOR,
-    hint="norm(shard) -> all-gather (backward: reduce-scatter) -> column linear1 -> GELU -> row "
-         "linear2 -> reduce-scatter (backward: all-gather) -> + bias; the gradients of the "
-         "LayerNorm and of linear2's bias (used on shards) are summed over the group in every "
-         "backward pass.",
+    hint="Sequence parallelism runs the LayerNorm on this rank's shard of the sequence and "
+         "splits the tensor-parallel all-reduce into an all-gather before linear1 and a "
+         "reduce-scatter after linear2, each the other's backward. Parameters used on the shard "
+         "saw only this rank's tokens, so their gradients are summed over the group.",
+    recipe="In __init__ keep norm whole; make self.linear1 an nn.Linear holding rows r*f/t to "
+           "(r+1)*f/t of linear1's weight and bias, and self.linear2 one holding those columns "
+           "of linear2's weight and its whole bias. Write two autograd functions: an all-gather "
+           "along dimension 1 (backward: reduce-scatter of the gradient) and a reduce-scatter "
+           "along dimension 1 (backward: all-gather). The single-tensor collectives work on "
+           "dimension 0: move the sequence to the front, make it contiguous, and move it back "
+           "afterwards. Forward: LayerNorm on the (b, s/t, h) shard, all-gather to (b, s, h), "
+           "linear1, GELU, linear2's weight without its bias, reduce-scatter back to "
+           "(b, s/t, h), then add linear2's bias. Pass the LayerNorm's weight and bias and "
+           "linear2's bias through an identity-forward, all-reduce-backward function (Task "
+           "8.1's f) where they are used, so each pass's gradient is summed, not the "
+           "accumulated .grad.",
 )
 
 
@@ -637,9 +699,12 @@ def _compare_pipe_grads(got: Any, expected: dict[str, Any]) -> None:
                 raise CheckFailed(
                     f"stage {rank} of {p}, {expected['m']} micro-batches: the Linear's {name} "
                     f"gradient {problem}", expected=_short(want), got=_short(have),
-                    hint="Divide each micro-batch's loss by m before backward (the whole batch's "
-                         "loss is the mean of the micro-batch means); send each input's "
-                         "gradient to the previous stage (rank - 1).")
+                    hint="A stage's gradients must add up to the whole batch's: each "
+                         "micro-batch contributes 1/m of the mean loss, and each stage's input "
+                         "gradient must reach the stage before it.",
+                    recipe="Divide each micro-batch's loss by m before backward (the whole batch's "
+                           "loss is the mean of the micro-batch means); send each input's "
+                           "gradient to the previous stage (rank - 1).")
 
 
 def _compare_pipe_loss(got: Any, expected: dict[str, Any]) -> None:
@@ -695,9 +760,12 @@ def _compare_pipe_messages(got: Any, expected: dict[str, Any]) -> None:
             raise CheckFailed(
                 f"stage {rank}: its messages in order ([send or recv, peer, bytes])",
                 expected=want[rank], got=g["messages"],
-                hint="Forward: receive micro-batch i's activation from rank - 1, send the "
-                     "output to rank + 1, for every i; then backward: receive the gradient "
-                     "from rank + 1, send the input's gradient to rank - 1.")
+                hint="GPipe runs every forward before any backward, and each stage exchanges "
+                     "messages only with its two neighbours: activations go right, gradients "
+                     "go left.",
+                recipe="Forward: receive micro-batch i's activation from rank - 1, send the "
+                       "output to rank + 1, for every i; then backward: receive the gradient "
+                       "from rank + 1, send the input's gradient to rank - 1.")
 
 
 def _gpipe_launch(impl: Any, seed: int, p: int, m: int) -> list[dict[str, Any]]:
@@ -707,10 +775,18 @@ def _gpipe_launch(impl: Any, seed: int, p: int, m: int) -> list[dict[str, Any]]:
 
 GPIPE = task(
     "8.3", "gpipe", points=3, forbidden=PIPELINING,
-    hint="Forward every micro-batch: recv from rank - 1 (a leaf that requires grad), run the "
-         "stage, send the detached output to rank + 1. Then in reverse: the last stage does "
-         "backward of loss / m; the others recv the output's gradient from rank + 1 and call "
-         "output.backward(grad); send the input's .grad to rank - 1.",
+    hint="GPipe: micro-batches flow forward through the stages, then their gradients flow "
+         "back in reverse; a stage talks only to its neighbours, and the micro-batch losses, "
+         "each divided by m, add up to the whole batch's mean loss.",
+    recipe="Rank r holds stage r of p. Forward, for every micro-batch: stage 0 takes it from "
+           "the list; every other stage receives its activation from rank - 1 into an empty "
+           "tensor shaped like the micro-batch and marks it as requiring grad (a leaf). Run the "
+           "stage, send the detached output to rank + 1 unless this is the last stage, and keep "
+           "both input and output. Backward, micro-batches in reverse: the last stage computes "
+           "the micro-batch loss divided by m, calls backward on it and adds it to a running "
+           "total; the others receive the output's gradient from rank + 1 and call backward on "
+           "the output with it. Every stage but the first then sends its input's gradient to "
+           "rank - 1. Return the total as a 0-d tensor on the last stage, None elsewhere.",
 )
 
 PIPE_SHAPES = [(2, 3), (4, 4)]  # (stages, micro-batches)

@@ -52,11 +52,17 @@ def _within(count: int, n: int, p: float) -> bool:
 
 MASK = task(
     "9.1", "mask_tokens", points=3,
-    hint="Draw every random number from the generator you are given. Choose positions with one "
-         "uniform draw per position compared with mask_prob, never on cls, eos or pad; a second "
-         "uniform draw per position splits the chosen ones 80/10/10; the random tokens come "
-         "from the 20 canonical amino acids only. Labels: the original token where chosen, "
-         "-100 elsewhere.",
+    hint="BERT/ESM masking: every residue is chosen independently with probability mask_prob "
+         "(special tokens never); a chosen one becomes <mask> 80% of the time, a random amino "
+         "acid 10% and stays itself 10%, and only chosen positions carry a label. All "
+         "randomness comes from the generator given, so the masking is reproducible.",
+    recipe="Find the special positions (cls, eos, pad). Draw one uniform number per position "
+           "with the generator; select the positions where it is below mask_prob and that are "
+           "not special. Draw a second uniform number per position: below 0.8 a selected "
+           "position becomes alphabet.mask_idx; from 0.8 to 0.9 it becomes a token drawn "
+           "uniformly, with the generator, from the indices of the 20 canonical amino acids; "
+           "otherwise it stays. Change a copy of the tokens. The labels are the original tokens "
+           "where selected and -100 elsewhere; both results int64, shaped like the tokens.",
 )
 
 
@@ -114,12 +120,16 @@ def _check_invariants(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.
         i = (chosen & special).nonzero()[0].tolist()
         raise CheckFailed(f"{where}: a special token (cls, eos or pad) was selected at {i}",
                           expected=-100, got=labels[tuple(i)].item(),
-                          hint="Exclude positions holding alphabet.cls_idx, eos_idx or "
-                               "padding_idx before choosing.")
+                          hint="cls, eos and pad are not residues: they are never selected, so "
+                               "the model is never asked to predict them.",
+                          recipe="Exclude positions holding alphabet.cls_idx, eos_idx or "
+                                 "padding_idx before choosing.")
     if not torch.equal(labels[chosen], tokens[chosen]):
         raise CheckFailed(f"{where}: labels at selected positions must hold the original token",
                           expected="the original tokens", got="other values",
-                          hint="Take the labels from the tokens before you replace any.")
+                          hint="Labels are what the model must predict: the original token at "
+                               "every selected position.",
+                          recipe="Take the labels from the tokens before you replace any.")
     bad = labels[~chosen]
     if (bad != -100).any():
         raise CheckFailed(f"{where}: labels must be -100 where nothing was selected",
@@ -136,8 +146,10 @@ def _check_invariants(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.
         raise CheckFailed(f"{where}: a selected position became {alphabet.get_tok(tok)!r} "
                           f"(index {tok}), which is neither <mask> nor a canonical amino acid",
                           expected="<mask> or one of ACDEFGHIKLMNPQRSTVWY", got=alphabet.get_tok(tok),
-                          hint="Draw the random replacement from the 20 canonical amino acids "
-                               "(their indices in the alphabet), not from the whole vocabulary.")
+                          hint="A random replacement is a plausible residue: one of the 20 "
+                               "canonical amino acids, never a special or rare token.",
+                          recipe="Draw the random replacement from the 20 canonical amino acids "
+                                 "(their indices in the alphabet), not from the whole vocabulary.")
 
 
 def _compare_invariants(got: Any, tokens: torch.Tensor) -> None:
@@ -166,8 +178,10 @@ def _compare_frequencies(got: Any, expected: dict[str, Any]) -> None:
         if not _within(k, n, p):
             raise CheckFailed(f"{key}: {k} of {n} eligible positions selected ({k / n:.4f})",
                               expected=f"{p} within binomial bounds", got=round(k / n, 4),
-                              hint="Compare one uniform draw per position with mask_prob (the "
-                                   "argument, not a constant).")
+                              hint="Each eligible position is selected with probability "
+                                   "mask_prob, the argument passed in.",
+                              recipe="Compare one uniform draw per position with mask_prob (the "
+                                     "argument, not a constant).")
         masked = int((inputs[chosen] == alphabet.mask_idx).sum())
         same = int((inputs[chosen] == tokens[chosen]).sum())
         replaced = k - masked - same
@@ -177,8 +191,10 @@ def _compare_frequencies(got: Any, expected: dict[str, Any]) -> None:
             if not _within(count, k, q):
                 raise CheckFailed(f"{key}: {count / k:.4f} of the selected positions {what}",
                                   expected=q, got=round(count / k, 4),
-                                  hint="Split the selected positions 80/10/10 with a second "
-                                       "uniform draw: < 0.8 mask, 0.8-0.9 random, else keep.")
+                                  hint="Of the selected positions, 80% become <mask>, 10% a "
+                                       "random amino acid and 10% stay unchanged.",
+                                  recipe="Split the selected positions 80/10/10 with a second "
+                                         "uniform draw: < 0.8 mask, 0.8-0.9 random, else keep.")
         draws = inputs[chosen & (inputs != tokens) & (inputs != alphabet.mask_idx)]
         counts = torch.bincount(draws, minlength=len(alphabet.all_toks))[_canonical(alphabet)]
         for aa, c in zip(_canonical(alphabet), counts.tolist()):
@@ -209,8 +225,11 @@ def _compare_independent(got: Any, tokens: torch.Tensor) -> None:
         raise CheckFailed("the number of selected positions per sequence varies "
                           f"{'too little' if var < expected_var else 'too much'} for independent "
                           "draws", expected=f"variance about {expected_var:.1f}", got=round(var, 2),
-                          hint="Select each position on its own (a uniform draw < mask_prob); do "
-                               "not pick a fixed 15% of every sequence.")
+                          hint="Positions are selected independently, so the count per "
+                               "sequence varies like a binomial; a fixed share of every "
+                               "sequence does not.",
+                          recipe="Select each position on its own (a uniform draw < mask_prob); do "
+                                 "not pick a fixed 15% of every sequence.")
 
 
 @MASK.case("each position independently (per-sequence counts vary as binomials do)",
@@ -221,8 +240,9 @@ def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
 
 @MASK.case("the same generator state gives the same output; another seed another one",
            expect=lambda seed: {"same seed, same output": True, "another seed, another output": True},
-           hint="Pass generator=generator to every torch.rand / torch.randint call: the global "
-                "random state must not matter.")
+           hint="Reproducible masking: the output depends only on the generator given, not on "
+                "torch's global random state.",
+           recipe="Pass generator=generator to every torch.rand / torch.randint call.")
 def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
     tokens = _peptide_tokens(seed, 64)
     torch.manual_seed(seed + 11)
@@ -244,10 +264,18 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 BUDGET = task(
     "9.2", "token_budget_batches", points=3,
-    hint="First build every batch from all the lengths (sort by length, fill a batch while "
-         "longest * count fits max_tokens), then shuffle the list of batches with a generator "
-         "seeded from seed + epoch, pad the list by repeating its start until it divides by "
-         "world_size, and give rank r every world_size-th batch from position r.",
+    hint="Token-budget batching groups sequences of similar length so that each batch holds at "
+         "most max_tokens tokens with little padding. The batches are built once, from all the "
+         "lengths, then dealt as DistributedSampler deals samples: every rank the same number, "
+         "in an order fixed by (seed, epoch).",
+    recipe="Sort the indices by (length, index). Walk them: if the current batch is not empty "
+           "and its longest length times its size, with this sequence added, would exceed "
+           "max_tokens, close it and start a new one; then add the sequence (so one longer than "
+           "max_tokens gets a batch of its own). Shuffle the list of batches with torch.randperm "
+           "and a torch.Generator seeded with seed + epoch. Pad the shuffled list by repeating "
+           "it from its start until its length is a multiple of world_size (cycling more than "
+           "once if there are fewer batches than ranks). Rank r takes the batches at positions "
+           "r, r + world_size, r + 2 * world_size, and so on.",
 )
 
 
@@ -305,8 +333,10 @@ def _check_deal(where: str, got: Any, fair: list[list[int]], world_size: int) ->
         raise CheckFailed(f"{where}: ranks get different numbers of batches {counts}: the rank "
                           "with fewer steps leaves the others waiting forever in a collective",
                           expected=[per_rank] * world_size, got=counts,
-                          hint="Build all batches first, then deal them: pad the shuffled list by "
-                               "repeating its start until it divides by world_size.")
+                          hint="Every rank must get the same number of batches: a rank with "
+                               "fewer steps leaves the others waiting in a collective.",
+                          recipe="Build all batches first, then deal them: pad the shuffled list by "
+                                 "repeating its start until it divides by world_size.")
     want = {tuple(sorted(b)) for b in fair}
     have = [tuple(sorted(b)) for batches in got for b in batches]
     missing, extra = want - set(have), set(have) - want
@@ -316,8 +346,10 @@ def _check_deal(where: str, got: Any, fair: list[list[int]], world_size: int) ->
                           f"({len(missing)} of its {len(want)} batches missing, {len(extra)} "
                           "others)", expected=f"{len(want)} batches, e.g. {sorted(want)[0]}",
                           got=f"e.g. {'extra' if extra else 'missing'} batch {sample}",
-                          hint="Sort the indices by (length, index) and start a new batch when "
-                               "the longest length times the batch size would exceed max_tokens.")
+                          hint="Over all ranks the batches must be exactly fair-esm's: a greedy "
+                               "fill of the indices in length order under the token budget.",
+                          recipe="Sort the indices by (length, index) and start a new batch when "
+                                 "the longest length times the batch size would exceed max_tokens.")
     if counts[0] != per_rank:
         raise CheckFailed(f"{where}: {counts[0]} batches per rank for {len(fair)} batches on "
                           f"{world_size} ranks", expected=per_rank, got=counts[0])
@@ -329,8 +361,10 @@ def _check_deal(where: str, got: Any, fair: list[list[int]], world_size: int) ->
     if any(not lo <= c <= hi for c in copies.values()):
         raise CheckFailed(f"{where}: some batches are repeated more than others need",
                           expected=f"each batch {lo} or {hi} times", got=sorted(set(copies.values())),
-                          hint="Pad as DistributedSampler does: repeat the start of the shuffled "
-                               "order, as often as needed, to reach a multiple of world_size.")
+                          hint="Padding to a multiple of world_size repeats batches evenly, as "
+                               "DistributedSampler does: no batch appears twice more than another.",
+                          recipe="Pad as DistributedSampler does: repeat the start of the shuffled "
+                                 "order, as often as needed, to reach a multiple of world_size.")
 
 
 def _compare_layouts(got: Any, expected: dict[str, Any]) -> None:
@@ -338,7 +372,7 @@ def _compare_layouts(got: Any, expected: dict[str, Any]) -> None:
         _check_deal(key, got.get(key) if isinstance(got, dict) else None, fair, world_size)
 
 
-def _budget_case(name: str, keys: list[str], hint: str = "") -> None:
+def _budget_case(name: str, keys: list[str], hint: str = "", recipe: str = "") -> None:
     def run(token_budget_batches: Any, seed: int) -> dict[str, Any]:
         layouts = _layouts(seed)
         return {k: _deal(token_budget_batches, *layouts[k], seed, 0) for k in keys}
@@ -347,7 +381,7 @@ def _budget_case(name: str, keys: list[str], hint: str = "") -> None:
         layouts = _layouts(seed)
         return {k: (_fair_esm_batches(layouts[k][0], layouts[k][1]), layouts[k][2]) for k in keys}
 
-    BUDGET.case(name, compare=_compare_layouts, hint=hint, expect=expect)(run)
+    BUDGET.case(name, compare=_compare_layouts, hint=hint, recipe=recipe, expect=expect)(run)
 
 
 _KEYS = list(_layouts(0))
@@ -355,7 +389,10 @@ _budget_case("fair-esm's batches on the real peptide sets, the same count on eve
 _budget_case("adversarial lengths: one over-long sequence, all equal, fewer batches than ranks",
              _KEYS[2:],
              hint="A sequence longer than max_tokens still gets a batch of its own; with fewer "
-                  "batches than ranks, repeat the batches until every rank has one.")
+                  "batches than ranks, repeat the batches until every rank has one.",
+             recipe="Close a batch only when it holds something, so an over-long sequence opens "
+                    "and fills a batch alone; when padding, cycle through the shuffled batches "
+                    "as many times as needed to reach a multiple of world_size.")
 
 
 _DETERMINISM = ("the same (seed, epoch) gives the same batches", "another epoch deals another order",
@@ -364,8 +401,10 @@ _DETERMINISM = ("the same (seed, epoch) gives the same batches", "another epoch 
 
 @BUDGET.case("the deal is shuffled by (seed, epoch) and deterministic",
              expect=lambda seed: dict.fromkeys(_DETERMINISM, True),
-             hint="Seed a torch.Generator with seed + epoch and use torch.randperm on the list "
-                  "of batches; nothing else may be random.")
+             hint="The deal is a shuffle fixed by (seed, epoch): the same pair gives the same "
+                  "batches, another pair another order, whatever the global random state.",
+             recipe="Seed a torch.Generator with seed + epoch and use torch.randperm on the list "
+                    "of batches; nothing else may be random.")
 def _(token_budget_batches: Any, seed: int) -> dict[str, bool]:
     lengths, max_tokens, world_size = _layouts(seed)["37 random lengths, 64 tokens, 3 ranks"]
     deal = functools.partial(_deal, token_budget_batches, lengths, max_tokens, world_size)
@@ -421,11 +460,19 @@ RING = task(
                "torch.distributed._functional_collectives.all_gather_tensor",
                "torch.distributed._functional_collectives.all_gather_tensor_autograd",
                "torch.nn.functional.scaled_dot_product_attention"),
-    hint="Keep a running row max m, a running sum l of exp(scores - m) and an unnormalised "
-         "output o. For each K/V block (your own first, then W-1 received from the left): "
-         "scores = q k^T / sqrt(d) with padded keys at -inf, new max m', rescale o and l by "
-         "exp(m - m'), add exp(scores - m') v and its row sums. Send the block you hold to the "
-         "right neighbour and receive the next from the left, mask included. Return o / l.",
+    hint="Ring attention: each rank keeps its queries while the blocks of keys and values "
+         "travel around the ring, and merges every block into an online softmax (running max, "
+         "running sum of exponentials, unnormalised output), so no rank ever holds all of K/V "
+         "or a full row of scores.",
+    recipe="Per query row start with a running max m of -inf, a running sum l of 0 and an "
+           "output o of zeros. Do W steps, computing with the block you hold (your own K, V and "
+           "mask first); in every step but the last, send that block (contiguous) to rank + 1 "
+           "and receive the next from rank - 1 with isend/irecv (or batch_isend_irecv), waiting "
+           "for them before the next step. For a block: scores = q k^T / sqrt(d), padded keys "
+           "at -inf; m' = max(m, the block's row max); rescale o and l by exp(m - m'), then add "
+           "exp(scores - m') times v to o and its row sums to l. Where m' is still -inf (every "
+           "key so far is padding), subtract 0 instead, so no nan appears. Return o / l. With a "
+           "group, turn the neighbours' group ranks into global ranks.",
 )
 
 BATCH, HEADS, CHUNK, DIM = 2, 2, 8, 8  # q, k, v on each rank: (BATCH, HEADS, CHUNK, DIM)

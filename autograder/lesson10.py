@@ -156,14 +156,20 @@ COLLATE_WATCH = {"torch_geometric/data/collate.py": ("collate",),
                  "torch_geometric/loader/dataloader.py": ("__call__", "collate_fn")}
 
 COLLATE_HINTS = {
-    "edge_index": "Add to each graph's edge_index the number of nodes of the graphs before it "
-                  "(data.__inc__('edge_index', ...) says so), then concatenate along dim -1.",
-    "triplet_index": "triplet_index holds atom indices, like edge_index: MolData.__inc__ must "
-                     "return the graph's number of nodes for it, __cat_dim__ must return -1, and "
-                     "collate must use both.",
+    "edge_index": "Edge indices are node numbers: in the batch, graph g's nodes come after all "
+                  "the nodes of the graphs before it, and edges are columns.",
+    "triplet_index": "triplet_index holds atom indices, like edge_index, as columns of a (3, T) "
+                     "tensor: it needs the same shift and the same concatenation dimension.",
     "batch": "batch[n] is the index of the graph that node n belongs to: graph g contributes "
              "num_nodes copies of g.",
     "ptr": "ptr has num_graphs + 1 entries: 0, then the running total of nodes.",
+}
+COLLATE_RECIPES = {
+    "edge_index": "Add to each graph's edge_index the number of nodes of the graphs before it "
+                  "(data.__inc__('edge_index', ...) says so), then concatenate along dim -1.",
+    "triplet_index": "MolData.__inc__ must return the graph's number of nodes for "
+                     "'triplet_index', __cat_dim__ must return -1 for it, and collate must use "
+                     "both.",
 }
 
 
@@ -173,9 +179,12 @@ def _compare_batch(got: Any, expected: dict[str, Any]) -> None:
     if got.get("called"):
         raise CheckFailed(f"collate called PyG's own collation ({', '.join(got['called'])}): "
                           "Task 10.1 re-implements it", expected="no call", got=got["called"],
-                          hint="Build the batch yourself: concatenate each attribute along "
-                               "data.__cat_dim__(key, value) after adding data.__inc__(key, value) "
-                               "times the graphs before it, then Batch(**attributes).")
+                          hint="Task 10.1 is PyG's collation itself: it must be built from the "
+                               "graphs' own declarations, not by calling PyG's.",
+                          recipe="Build the batch yourself: concatenate each attribute along "
+                                 "data.__cat_dim__(key, value) after adding the sum of "
+                                 "data.__inc__(key, value) over the graphs before it, then build "
+                                 "a Batch from the attributes.")
     if not got.get("is a Batch"):
         raise CheckFailed("collate must return a torch_geometric.data.Batch",
                           expected="Batch", got="something else",
@@ -185,7 +194,8 @@ def _compare_batch(got: Any, expected: dict[str, Any]) -> None:
             assert_same(got.get(key), expected[key], path=key)
         except CheckFailed as e:
             raise CheckFailed(f"batch.{e.message}", expected=e.expected, got=e.got,
-                              hint=COLLATE_HINTS.get(key, "")) from None
+                              hint=COLLATE_HINTS.get(key, ""),
+                              recipe=COLLATE_RECIPES.get(key, "")) from None
 
 
 def _declarations(mol_data: Any, seed: int) -> list[dict[str, Any]]:
@@ -209,18 +219,30 @@ def _compare_declarations(got: Any, expected: list[dict[str, Any]]) -> None:
             if h_inc != inc:
                 raise CheckFailed(f"graph {g}: MolData.__inc__({key!r}) is {h_inc}, expected {inc}",
                                   expected=inc, got=h_inc, hint=COLLATE_HINTS["triplet_index"]
-                                  if key == "triplet_index" else "Leave other keys to super().")
+                                  if key == "triplet_index" else "Leave other keys to super().",
+                                  recipe=COLLATE_RECIPES["triplet_index"]
+                                  if key == "triplet_index" else "")
             if h_dim != dim and not (dim == -1 and h_dim == 1) and not (dim == 1 and h_dim == -1):
                 raise CheckFailed(f"graph {g}: MolData.__cat_dim__({key!r}) is {h_dim}, expected "
                                   f"{dim}", expected=dim, got=h_dim,
-                                  hint=COLLATE_HINTS["triplet_index"])
+                                  hint=COLLATE_HINTS["triplet_index"],
+                                  recipe=COLLATE_RECIPES["triplet_index"])
 
 
 COLLATE = task(
     "10.1", "collate", points=3,
-    hint="Node-indexed attributes (edge_index, triplet_index) are shifted by the number of nodes "
-         "of the graphs before them and concatenated along their last dimension; everything else "
-         "is concatenated along dim 0; batch and ptr record which graph each node came from.",
+    hint="A batch of graphs is one disconnected graph: attributes that hold node indices "
+         "(edge_index, triplet_index) are shifted past the nodes of the graphs before them, and "
+         "batch and ptr record which graph each node came from. Each graph's __inc__ and "
+         "__cat_dim__ declare how its attributes combine.",
+    recipe="In MolData, for the key 'triplet_index' return the graph's number of nodes from "
+           "__inc__ and -1 from __cat_dim__; leave every other key to super(). In collate, for "
+           "each key of the first graph, go over the graphs with a running offset: add the "
+           "offset to the graph's value, then grow the offset by that graph's __inc__ for the "
+           "key; concatenate the shifted values along __cat_dim__. Add batch (each graph's "
+           "index repeated once per node) and ptr (0, then the running total of nodes: "
+           "num_graphs + 1 entries), and return a Batch built from these attributes, without "
+           "calling PyG's own collation.",
     forbidden=("torch_geometric.data.Batch.from_data_list", "torch_geometric.data.collate.collate",
                "torch_geometric.loader.dataloader.Collater"),
 )
@@ -439,14 +461,24 @@ def _compare_separate(got: Any, expected: Any) -> None:
     if not torch.allclose(isolated, got["isolated input"], rtol=0, atol=1e-12):
         raise CheckFailed("an atom without neighbours moved (or became nan)",
                           expected=got["isolated input"].tolist(), got=isolated.tolist(),
-                          hint="An isolated atom has no neighbours: its mean is over zero terms; "
-                               "clamp the neighbour count to at least 1.")
+                          hint="An isolated atom has no neighbours: its mean is over zero terms, "
+                               "and it must stay where it is.",
+                          recipe="Clamp each atom's neighbour count to at least 1 before "
+                                 "dividing the summed shifts by it.")
 
 
 EGNN = task(
     "10.2", "EGNNLayer", points=3, forbidden=("autograder.lesson10.ReferenceEGNNLayer",),
-    hint="Per edge j -> i: m = phi_e(cat[h_i, h_j, |x_i - x_j|^2, a_ij]); x_i moves by the mean "
-         "over its neighbours of (x_i - x_j) * phi_x(m); h_i' = phi_h(cat[h_i, sum of m into i]).",
+    hint="EGNN: messages see only invariant quantities (features and squared distances), "
+         "coordinates move along the differences x_i - x_j, and every sum or mean is taken per "
+         "target atom, so the layer is E(3)- and permutation-equivariant by construction.",
+    recipe="Column (j, i) of edge_index is the edge j -> i: sources in row 0, targets in row 1. "
+           "For every edge take the difference x_i - x_j and its squared length, and compute "
+           "the message m_ij = phi_e of [h_i, h_j, squared distance, a_ij if given], "
+           "concatenated in that order. Move x_i by the mean over its incoming edges of "
+           "(x_i - x_j) times phi_x(m_ij): sum into the targets with index_add_ and divide by "
+           "each atom's number of incoming edges, at least 1. Sum the messages into their "
+           "targets to get m_i, and return phi_h of [h_i, m_i] with the new coordinates.",
 )
 
 EGNN.case("equals the reference layer on loaded weights (2 ligands and an ion, no edge features)",
@@ -718,16 +750,26 @@ def _compare_metrics(got: Any, expected: Any) -> None:
             if not isinstance(h, (int, float)) or not math.isclose(h, value, rel_tol=1e-9, abs_tol=1e-12):
                 raise CheckFailed(f"{name}: {key} differs from RDKit's "
                                   f"{'CalcEnrichment' if key == 'enrichment_factor' else 'CalcBEDROC'}",
-                                  expected=value, got=h, hint=METRIC_HINTS[key])
+                                  expected=value, got=h, hint=METRIC_HINTS[key],
+                                  recipe=METRIC_RECIPES[key])
 
 
 METRIC_HINTS = {
+    "enrichment_factor": "EF@x: how much richer in actives the top x of the ranked list is than "
+                         "the whole list; ties are ranked by position.",
+    "bedroc": "BEDROC: each active counts exp(-alpha * rank / N), normalised between the worst "
+              "and the best possible placement of the actives, so it lies in [0, 1].",
+}
+METRIC_RECIPES = {
     "enrichment_factor": "Rank by score, descending, ties by ascending position (a stable sort); "
-                         "n = ceil(N * fraction) molecules; EF = (actives in the top n / n) / "
-                         "(actives / N).",
+                         "n = ceil(N * fraction) molecules (at least 1); EF = (actives in the top "
+                         "n / n) / (actives / N), and 0.0 when there are no actives.",
     "bedroc": "Rank as for EF; RIE = sum over actives of exp(-alpha * r / N) (r from 1) divided by "
-              "its random expectation n/N * (1 - e^-alpha) / (e^(alpha/N) - 1); scale between RIE's "
-              "minimum and maximum for n actives (Truchon & Bayly 2007, eq. 36).",
+              "its random expectation A/N * (1 - e^-alpha) / (e^(alpha/N) - 1), A the number of "
+              "actives; with ra = A/N, RIEmax = (1 - e^(-alpha ra)) / (ra (1 - e^-alpha)) and "
+              "RIEmin = (1 - e^(alpha ra)) / (ra (1 - e^alpha)); BEDROC = (RIE - RIEmin) / "
+              "(RIEmax - RIEmin), 1.0 if the two are equal, 0.0 without actives (Truchon & "
+              "Bayly 2007, eq. 36).",
 }
 
 
@@ -791,8 +833,9 @@ def _compare_screen(got: Any, expected: dict[str, Any]) -> None:
                               "Task 10.4 re-implements it", expected="no call", got=run["called"])
         if run["collectives"] == 0:
             raise CheckFailed(f"rank {rank}: no collective was traced; the global metrics need "
-                              "every rank's scores", hint="all_gather the shard sizes, then the "
-                              "padded scores, labels and ids (or all_gather_object).")
+                              "every rank's scores", hint="The metrics are of the whole screen: "
+                              "every rank needs every shard.", recipe="all_gather the shard sizes, "
+                              "then the padded scores, labels and ids (or all_gather_object).")
         result = run["result"]
         if not isinstance(result, dict):
             raise CheckFailed(f"rank {rank}: screen_metrics must return a dict with keys ef1, "
@@ -803,9 +846,10 @@ def _compare_screen(got: Any, expected: dict[str, Any]) -> None:
                                                                         rel_tol=1e-9):
                 raise CheckFailed(f"rank {rank}: {key} of the whole screen differs from one process "
                                   "on the whole list", expected=expected[key], got=value,
-                                  hint="Gather every rank's scores, labels and ids first, then "
-                                       "rank the whole list once: a top fraction of each shard "
-                                       "is not the top fraction of the screen.")
+                                  hint="A top fraction of each shard is not the top fraction "
+                                       "of the screen: the metrics rank the whole list.",
+                                  recipe="Gather every rank's scores, labels and ids first, then "
+                                         "rank the whole list once and compute the metrics on it.")
         top = result["top100"]
         top = top.tolist() if isinstance(top, torch.Tensor) else [int(v) if isinstance(v, int)
                                                                   else plain(v) for v in top]
@@ -815,15 +859,30 @@ def _compare_screen(got: Any, expected: dict[str, Any]) -> None:
                          min(len(top), 100))
             raise CheckFailed(f"rank {rank}: top100 differs from one process at position {first}",
                               expected=expected["top100"][first:first + 5], got=top[first:first + 5],
-                              hint="Sort by score descending and break ties by ascending id, "
-                                   "not by the order the shards arrived in.")
+                              hint="Ties are broken by ascending global id, so the ranking "
+                                   "does not depend on which rank held which molecule.",
+                              recipe="Sort by score descending and break ties by ascending id, "
+                                     "not by the order the shards arrived in: sort by id first, "
+                                     "then stably by score.")
 
 
 SCREEN = task(
     "10.4", "screen_metrics", points=4,
-    hint="Rank by score descending with ties broken by ascending id; EF@x and BEDROC then follow "
-         "RDKit's Scoring module. On ranks, gather every shard (sizes differ: gather the sizes "
-         "first, pad, gather, strip) and compute the metrics once on the whole list.",
+    hint="Early-recognition metrics depend only on where the actives land in the ranked list: "
+         "EF@x compares their share of the top x with their share overall, BEDROC weights each "
+         "one by an exponential of its rank. For a sharded screen the ranking is of the whole "
+         "screen, so every rank needs every shard.",
+    recipe="Rank by score descending, ties by ascending id (a stable sort; for a plain list the "
+           "id is the position). enrichment_factor: N molecules, A actives (0.0 if none); take "
+           "the top n = ceil(N * fraction), at least 1; EF = (actives in the top n / n) / "
+           "(A / N). bedroc: r the 1-based ranks of the actives; RIE = sum of exp(-alpha r / N) "
+           "divided by A/N * (1 - e^-alpha) / (e^(alpha/N) - 1); with ra = A/N, RIEmax = "
+           "(1 - e^(-alpha ra)) / (ra (1 - e^-alpha)) and RIEmin = (1 - e^(alpha ra)) / "
+           "(ra (1 - e^alpha)); BEDROC = (RIE - RIEmin) / (RIEmax - RIEmin), 1.0 if they are "
+           "equal, 0.0 without actives. screen_metrics: all-gather the shard sizes; pad each "
+           "shard's scores, labels and ids to the largest size and all-gather them; drop the "
+           "padding; rank the whole list as above and return EF@1%, BEDROC(20) and the first "
+           "100 ids.",
     forbidden=("rdkit.ML.Scoring.Scoring.CalcEnrichment", "rdkit.ML.Scoring.Scoring.CalcBEDROC",
                "rdkit.ML.Scoring.Scoring.CalcRIE", "rdkit.ML.Scoring.Scoring.CalcAUC",
                "autograder.lesson10.reference_enrichment_factor", "autograder.lesson10.reference_bedroc",
