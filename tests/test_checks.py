@@ -271,10 +271,12 @@ def _solution_code(lesson: int) -> str:
     return " ".join(" ".join(line for line in lines if line and not line.startswith("#")).split())
 
 
-@pytest.mark.parametrize("lesson", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("lesson", sorted(SOURCES))
 def test_every_task_has_a_concept_hint_and_a_separate_recipe(lesson):
     for t in lesson_tasks(lesson):
         assert t.hint and t.recipe and t.hint != t.recipe, t.id
+        for c in t.cases:  # a case without its own falls back to the task's
+            assert c.hint and c.recipe and c.hint != c.recipe, (t.id, c.name)
 
 
 @pytest.mark.parametrize("lesson", sorted(SOURCES))
