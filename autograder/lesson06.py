@@ -623,6 +623,7 @@ class _GatedSave(Future):
 
     def __init__(self, inner: Any) -> None:
         super().__init__()
+        self.inner = inner
         self._waited = threading.Event()
 
         def settle() -> None:
@@ -667,6 +668,13 @@ class _Watch:
         def async_save(*args: Any, **kwargs: Any) -> Any:
             if self.pending is not None and not self.pending.done():
                 self.overlapping += 1
+                # Recorded; the real saves still run one at a time. Two in flight would issue
+                # collectives on one gloo group from two threads, which can interleave
+                # differently on each rank and hang the run instead of failing this case.
+                try:
+                    getattr(self.pending, "inner", self.pending).result()
+                except BaseException:  # noqa: BLE001 - the loop sees it through its own handle
+                    pass
             self.saves.append(_checkpoint_name(args, kwargs))
             response = original_async(*args, **kwargs)
             if isinstance(response, Future):
