@@ -398,6 +398,7 @@ def main():
     if info.rank == 0:
         torch.save(params, os.path.join(sys.argv[1], "final.pt"))
     if info.is_distributed:
+        dist.barrier()  # leave together: no rank tears its connections down while a peer still works
         dist.destroy_process_group()
 
 
