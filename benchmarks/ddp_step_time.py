@@ -147,6 +147,15 @@ def _time_ops(n_ops: int) -> dict:
     return out
 
 
+def _launch_as(mode: str, fn: Any, args: tuple, world_size: int, timeout: float) -> Any:
+    """``run_ranks`` with the recorder (``mode == "recorder"``) or with plain gloo."""
+    os.environ["KIT_RECORDER"] = "1" if mode == "recorder" else "0"
+    try:
+        return run_ranks(fn, args, {}, world_size=world_size, timeout=timeout, echo=False)
+    finally:
+        os.environ.pop("KIT_RECORDER", None)
+
+
 def _recorder_overhead(wrappers: dict, config: dict, args: Any) -> None:
     """Median step time with the recorder / with plain gloo, per wrapper, launches alternating.
 
@@ -154,30 +163,21 @@ def _recorder_overhead(wrappers: dict, config: dict, args: Any) -> None:
     """
     rounds = args.rounds
     print(f"{'ranks':>5} {'wrapper':>14}  recorder / plain gloo (median, quartile spread), "
-          f"{rounds} alternating launches of each")
+          f"launches alternating: {rounds} of each mode for the steps, {2 * rounds} for the "
+          f"per-call rows")
     for world_size in args.world_sizes:
         steps: dict[str, dict[str, list[float]]] = {"recorder": {n: [] for n in NAMES},
                                                     "plain gloo": {n: [] for n in NAMES}}
         for i in range(2 * rounds):
             mode = "recorder" if i % 2 == 0 else "plain gloo"
-            os.environ["KIT_RECORDER"] = "1" if mode == "recorder" else "0"
-            try:
-                result = run_ranks(_time_all, (wrappers, config, args.steps, args.batch,
-                                               args.bucket_mb), {}, world_size=world_size,
-                                   timeout=900, echo=False)
-            finally:
-                os.environ.pop("KIT_RECORDER", None)
+            result = _launch_as(mode, _time_all, (wrappers, config, args.steps, args.batch,
+                                                  args.bucket_mb), world_size, timeout=900)
             for n in NAMES:
                 steps[mode][n] += [max(r["times"][n][s] for r in result) for s in range(args.steps)]
         ops: dict[str, list[dict]] = {"recorder": [], "plain gloo": []}
         for i in range(4 * rounds):  # per call: a cost that step-time noise cannot hide
             mode = "recorder" if i % 2 == 0 else "plain gloo"
-            os.environ["KIT_RECORDER"] = "1" if mode == "recorder" else "0"
-            try:
-                ops[mode] += list(run_ranks(_time_ops, (100,), {}, world_size=world_size,
-                                            timeout=300, echo=False))
-            finally:
-                os.environ.pop("KIT_RECORDER", None)
+            ops[mode] += list(_launch_as(mode, _time_ops, (100,), world_size, timeout=300))
         for label in ("1 element", "1 MiB"):
             rec = statistics.median(r[label] for r in ops["recorder"])
             plain = statistics.median(r[label] for r in ops["plain gloo"])
