@@ -6,8 +6,8 @@ call no collective, and the broadcast must finish in ``ceil(log2 p)`` rounds, co
 messages the ranks really sent. Results are compared with torch's own ``dist.all_reduce`` on the
 same random inputs (1.2) or with the source rank's data (1.1). Task 1.3 ``store_barrier`` is a
 property check: with one rank arriving late in every round, no rank may leave before the last
-one arrived. Task 1.4 compares with a least-squares fit kept here (not in :mod:`kit.costmodel`,
-which the lesson's setup cell imports) and with :func:`kit.costmodel.ring_all_reduce_time`.
+one arrived. Task 1.4 compares with a least-squares fit kept here (not in :mod:`kit.lessons.costmodel`,
+which the lesson's setup cell imports) and with :func:`kit.lessons.costmodel.ring_all_reduce_time`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from autograder.registry import CheckFailed, assert_same, plain, task
-from kit import costmodel
+from kit.lessons import costmodel
 
 # Every collective, by each name a route reaches it under (the recorder's op names, and the
 # functional collectives): tasks 1.1 and 1.2 build theirs from point-to-point messages only.
@@ -546,9 +546,9 @@ def _reference_fit(nbytes: Any, seconds: Any) -> tuple[float, float]:
 
 MODEL = task(
     "1.4", "fit_alpha_beta", points=2, reference=_reference_fit,
-    # One-call answers; kit.costmodel.ring_all_reduce_time stays in kit for Lesson 08's planner.
+    # One-call answers; kit.lessons.costmodel.ring_all_reduce_time stays in kit for Lesson 08's planner.
     forbidden=("numpy.polyfit", "numpy.polynomial.polynomial.polyfit", "scipy.stats.linregress",
-               "kit.costmodel.ring_all_reduce_time"),
+               "kit.lessons.costmodel.ring_all_reduce_time"),
     hint="Fit the straight line t = alpha + beta * n through all the measurements by least "
          "squares (with an intercept); the ring's time adds up 2(p-1) messages of n / p bytes.",
     recipe="In float64: beta is the covariance of sizes and times divided by the variance of the "

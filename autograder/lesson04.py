@@ -1,6 +1,6 @@
 """Checks for Lesson 04, "Data parallelism from scratch": tasks 4.1-4.4.
 
-Every case trains :class:`kit.models.AwkwardNet` (a frozen layer, a never-used layer, a branch
+Every case trains :class:`kit.lessons.models.AwkwardNet` (a frozen layer, a never-used layer, a branch
 used on some steps only, tied embedding/output weights and a buffer) on real ranks: each rank
 starts from *different* weights and buffers, wraps the model in the student's class and takes
 SGD steps on its own slice of every global batch. The trusted side trains one model in one
@@ -19,7 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from autograder.registry import CheckFailed, task
-from kit.models import AwkwardNet, token_batch
+from kit.lessons.models import AwkwardNet, token_batch
 
 VOCAB, LENGTH, PER_RANK = 16, 5, 2  # token vocabulary, sequence length, sequences per rank
 LR = 0.5

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autograder.registry import CheckFailed, task
-from kit.models import TinyTransformer, token_batch
+from kit.lessons.models import TinyTransformer, token_batch
 
 # --------------------------------------------------------------------------- shared
 
@@ -1056,8 +1056,8 @@ def _compare_mixed(got: Any, expected: dict[str, Any]) -> None:
 
 FSDP2 = task(
     "5.4", "apply_fsdp2", points=3,
-    # Lesson 06's kit.resume.shard_model wraps a TinyTransformer the same way: not an answer here.
-    forbidden=("kit.resume.shard_model",),
+    # Lesson 06's kit.lessons.resume.shard_model wraps a TinyTransformer the same way: not an answer here.
+    forbidden=("kit.lessons.resume.shard_model",),
     hint="FSDP2 shards unit by unit: each block is its own unit of all-gather, the root takes "
          "the parameters no block holds, and mixed precision is a policy every unit is given.",
     recipe="Call fully_shard on every block of model.blocks with the mesh, then once on the "

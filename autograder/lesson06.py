@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import kit.resume  # noqa: F401 - imports DDP's, FSDP2's and DCP's modules once, before ranks fork
+import kit.lessons.resume  # noqa: F401 - imports DDP's, FSDP2's and DCP's modules once, before ranks fork
 from autograder.registry import CheckFailed, assert_same, pickle_for_worker, task
 
 # --------------------------------------------------------------------------- task 6.1
@@ -391,7 +391,7 @@ SAVE_AT_4 = 3  # FSDP2 on 4 ranks, then loaded on 2
 def _build(kind: str, state_cls: Any) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
-    from kit.resume import make_model, make_optimizer, make_sampler, shard_model
+    from kit.lessons.resume import make_model, make_optimizer, make_sampler, shard_model
 
     if kind == "ddp":
         model = DistributedDataParallel(make_model())
@@ -405,7 +405,7 @@ def _snapshot(state: Any) -> dict[str, Any]:
     """Everything a resume must restore, as plain data, taken right before the next step."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from kit.resume import full_parameters
+    from kit.lessons.resume import full_parameters
 
     optim = get_optimizer_state_dict(state.model, state.optimizer,
                                      options=StateDictOptions(full_state_dict=True))
@@ -428,7 +428,7 @@ def _snapshot(state: Any) -> dict[str, Any]:
 
 
 def _straight_on_rank(kind: str, seed: int, total: int, at: int) -> dict[str, Any]:
-    from kit.resume import full_parameters, seed_everything, train_step
+    from kit.lessons.resume import full_parameters, seed_everything, train_step
 
     seed_everything(seed)
     state = _build(kind, ReferenceTrainingState)
@@ -443,7 +443,7 @@ def _straight_on_rank(kind: str, seed: int, total: int, at: int) -> dict[str, An
 def _save_on_rank_62(impl: Any, kind: str, seed: int, steps: int, ckpt: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from kit.resume import seed_everything, train_step
+    from kit.lessons.resume import seed_everything, train_step
 
     seed_everything(seed)
     state = _build(kind, impl)
@@ -455,7 +455,7 @@ def _save_on_rank_62(impl: Any, kind: str, seed: int, steps: int, ckpt: str) -> 
 def _resume_on_rank(impl: Any, kind: str, seed: int, steps: int, ckpt: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from kit.resume import full_parameters, seed_everything, train_step
+    from kit.lessons.resume import full_parameters, seed_everything, train_step
 
     seed_everything(seed + 1000)  # a fresh process draws other numbers until the load
     state = _build(kind, impl)
@@ -720,8 +720,8 @@ def _checkpoint_name(args: tuple, kwargs: dict, full: bool = False) -> str:
 
 def _prepared(impl: Any, watch: _Watch, before: Callable[[Any], None] = lambda s: None) -> Any:
     """Inside a rank: the trusted TrainingState and a watched train_step in place of the
-    lesson's, in the namespace of ``impl`` (so its helpers see them too) and in kit.resume."""
-    from kit import resume
+    lesson's, in the namespace of ``impl`` (so its helpers see them too) and in kit.lessons.resume."""
+    from kit.lessons import resume
 
     step = watch.train_step(resume.train_step, before)
     impl.__globals__.update(TrainingState=ReferenceTrainingState, train_step=step)
@@ -798,7 +798,7 @@ def _quick_run(impl: Any, seed: int) -> list[dict[str, Any]]:
 
 
 def _reference_run_on_rank(totals: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
-    from kit.resume import (
+    from kit.lessons.resume import (
         full_parameters,
         make_model,
         make_optimizer,

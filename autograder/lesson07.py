@@ -9,7 +9,7 @@ block. Task 7.3 ``apply_checkpointing`` (with the student's ``checkpoint``) must
 gradients of the plain model bit for bit with dropout on, save the bytes a trusted
 checkpointing saves and run each checkpointed block twice. Task 7.4 ``compile_ready`` must
 compile with ``fullgraph=True`` (``backend="eager"``: Dynamo's capture without Inductor's
-code generation) in one graph across lengths, and match :class:`kit.precision.GraphBreakNet`.
+code generation) in one graph across lengths, and match :class:`kit.lessons.precision.GraphBreakNet`.
 
 The untrusted ``run`` halves also notice when torch's own scaler or checkpoint is called
 (the registry's ``forbidden`` gate names them for the batch grader).
@@ -27,8 +27,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from autograder.registry import CheckFailed, assert_same, task
-from kit.models import TinyTransformer, token_batch
-from kit.precision import GraphBreakNet, padded_batch
+from kit.lessons.models import TinyTransformer, token_batch
+from kit.lessons.precision import GraphBreakNet, padded_batch
 
 # --------------------------------------------------------------------------- watching torch's own
 

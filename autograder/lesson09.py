@@ -7,7 +7,7 @@
   ``DistributedSampler``'s padding rule (every rank the same count, repeats spread evenly).
 * 9.3 ``ring_attention``: on real ranks against ``F.scaled_dot_product_attention`` on the whole
   sequence in one process; the recorder (:mod:`kit.trace`) must see only point-to-point
-  traffic to the right neighbour, W-1 chunks of K and V; :class:`kit.proteins.LiveBytes`
+  traffic to the right neighbour, W-1 chunks of K and V; :class:`kit.lessons.proteins.LiveBytes`
   must never see a tensor as large as the gathered K/V or a full row of logits.
 * 9.4 ``chunked``: against the unchunked triangle-attention module, with the rows and logits
   each call saw recorded by the module and by a hook of the check's own.
@@ -29,7 +29,7 @@ SIGMAS = 6.0  # binomial bounds: a correct implementation fails about once in 5e
 
 @functools.cache
 def _alphabet() -> Any:
-    from kit.proteins import alphabet
+    from kit.lessons.proteins import alphabet
 
     return alphabet()
 
@@ -39,7 +39,7 @@ def _specials(alphabet: Any) -> list[int]:
 
 
 def _canonical(alphabet: Any) -> list[int]:
-    from kit.proteins import CANONICAL
+    from kit.lessons.proteins import CANONICAL
 
     return [alphabet.get_idx(a) for a in CANONICAL]
 
@@ -69,7 +69,7 @@ MASK = task(
 @functools.lru_cache(maxsize=8)
 def _peptide_tokens(seed: int, n: int = 256) -> torch.Tensor:
     """``(n, L)`` real peptides from modlamp, tokenised with <cls>, <eos> and <pad>."""
-    from kit.proteins import load_peptides, tokenize
+    from kit.lessons.proteins import load_peptides, tokenize
 
     sequences, _, _ = load_peptides("AMPvsUniProt")
     pick = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(seed))[:n]
@@ -288,7 +288,7 @@ def _fair_esm_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def _peptide_lengths(name: str) -> list[int]:
-    from kit.proteins import load_peptides
+    from kit.lessons.proteins import load_peptides
 
     return [len(s) + 2 for s in load_peptides(name)[0]]  # + <cls> and <eos>
 
@@ -420,14 +420,14 @@ def _(token_budget_batches: Any, seed: int) -> dict[str, bool]:
 
 
 def _random_fixed_padding(lengths: list[int], batch_size: int, seed: int) -> int:
-    from kit.proteins import padded_tokens
+    from kit.lessons.proteins import padded_tokens
 
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
     return padded_tokens(lengths, [order[i:i + batch_size] for i in range(0, len(order), batch_size)])
 
 
 def _compare_padding(got: Any, expected: dict[str, Any]) -> None:
-    from kit.proteins import padded_tokens
+    from kit.lessons.proteins import padded_tokens
 
     lengths = expected["lengths"]
     _check_deal("AMPvsUniProt", got, expected["fair"], 4)
@@ -514,7 +514,7 @@ RING_RUNS = {  # name -> (dtype, padded, tolerance)
 def _ring_on_rank(ring_attention: Any, seed: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from kit.proteins import LiveBytes
+    from kit.lessons.proteins import LiveBytes
     from kit.trace import trace
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -660,7 +660,7 @@ C_Z, HEADS_TRI, C_TRI = 16, 4, 8
 
 
 def _triangle(seed: int, dtype: torch.dtype) -> Any:
-    from kit.proteins import TriangleAttentionStartingNode
+    from kit.lessons.proteins import TriangleAttentionStartingNode
 
     return TriangleAttentionStartingNode(C_Z, C_TRI, HEADS_TRI, seed=seed, dtype=dtype)
 

@@ -6,7 +6,7 @@ et al. (2021) whose weights the student's layer loads (10.2); DeepChem's ``Scaff
 (``deepchem/splits/splitters.py``: ``_generate_scaffold``, ``generate_scaffolds``, ``split``)
 re-stated line for line, since DeepChem is not installed (10.3); RDKit's
 ``rdkit.ML.Scoring.Scoring.CalcEnrichment`` and ``CalcBEDROC`` (10.4). Real molecules come from
-the wheels (:mod:`kit.molecules`). Tasks 10.1 and 10.4 define several names in one cell; the
+the wheels (:mod:`kit.lessons.molecules`). Tasks 10.1 and 10.4 define several names in one cell; the
 checks find the companions (``MolData``; ``enrichment_factor``, ``bedroc``) next to the graded
 function, in the module that defines it.
 """
@@ -65,7 +65,7 @@ def _calls_into(watched: dict[str, tuple[str, ...]]) -> Iterator[list[str]]:
 
 def _real_molecules() -> list[Any]:
     """A few EGFR ligands (3-D coordinates from the SDF) of different sizes."""
-    from kit.molecules import egfr_actives
+    from kit.lessons.molecules import egfr_actives
 
     actives = egfr_actives()
     return [actives[i] for i in (0, 17, 101, 250)]
@@ -103,7 +103,7 @@ FIELDS = ("x", "edge_index", "edge_attr", "pos", "y", "triplet_index")
 
 def _graph_fields(kind: str, seed: int) -> list[dict[str, torch.Tensor]]:
     """Fields of the graphs of a case: real ligands, graphs without edges, or one graph."""
-    from kit.molecules import mol_graph
+    from kit.lessons.molecules import mol_graph
 
     g = torch.Generator().manual_seed(seed)
     if kind == "real":
@@ -308,7 +308,7 @@ def _egnn_inputs(seed: int, edge_dim: int, dtype: torch.dtype = torch.float64) -
     """A batch of 3 molecules (2 EGFR ligands and an ion) with features and coordinates."""
     from torch_geometric.data import Batch, Data
 
-    from kit.molecules import mol_graph
+    from kit.lessons.molecules import mol_graph
 
     graphs = [mol_graph(m) for m in _real_molecules()[:2]]
     graphs.append({"x": torch.zeros(1, 9, dtype=torch.long),
@@ -539,7 +539,7 @@ def reference_scaffold_split(smiles: list[str], frac_train: float = 0.8, frac_va
 def _egfr_smiles() -> tuple[str, ...]:
     from rdkit import Chem
 
-    from kit.molecules import egfr_actives
+    from kit.lessons.molecules import egfr_actives
 
     return tuple(Chem.MolToSmiles(m) for m in egfr_actives())
 
@@ -646,7 +646,7 @@ SCAFFOLD.case("an invalid SMILES raises a ValueError naming its index", compare=
 
 
 def _freesolv_smiles() -> list[str]:
-    from kit.molecules import freesolv
+    from kit.lessons.molecules import freesolv
 
     return freesolv()[0]
 
@@ -711,7 +711,7 @@ def _real_screen() -> tuple[torch.Tensor, torch.Tensor]:
     score with 9 distinct values: ties galore, and a top 1% that mixes actives and decoys)."""
     from rdkit import Chem, RDLogger
 
-    from kit.molecules import decoy_pool, egfr_actives
+    from kit.lessons.molecules import decoy_pool, egfr_actives
 
     RDLogger.DisableLog("rdApp.*")
     pool = [Chem.MolFromSmiles(s) for s in decoy_pool()[:2000]]

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from kit.launcher import run_ranks
-from kit.resume import DropoutTransformer, make_optimizer, shard_model
+from kit.lessons.resume import DropoutTransformer, make_optimizer, shard_model
 
 
 def _rss_kib(field: str) -> int:

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from autograder.loading import load_tasks
 from kit.launcher import run_ranks
-from kit.models import TinyTransformer, token_batch
+from kit.lessons.models import TinyTransformer, token_batch
 from kit.trace import region, trace
 
 ROOT = Path(__file__).resolve().parents[1]

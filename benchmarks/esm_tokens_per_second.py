@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from autograder.loading import load_tasks
 from kit.launcher import run_ranks
-from kit.proteins import alphabet, load_peptides, small_esm2, tokenize
+from kit.lessons.proteins import alphabet, load_peptides, small_esm2, tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("DDP", "FSDP2")

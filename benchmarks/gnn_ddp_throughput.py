@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/gnn_ddp_throughput.py --world-sizes 1 2 --steps 40 --batch 64
 
 Every rank featurises FreeSolv (642 molecules, ETKDG conformers, once, before the launches),
-wraps ``kit.molecules.MessagePassingNet`` in torch DDP and trains on its
+wraps ``kit.lessons.molecules.MessagePassingNet`` in torch DDP and trains on its
 ``DistributedSampler`` shard with a fixed per-rank batch, batched by the lesson's ``collate``
 (the solution), one thread per rank. After warm-up steps, each step starts with a barrier and
 its time is the slowest rank's; reported are the median step time, molecules/s (global batch
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from autograder.loading import load_tasks
 from kit.launcher import run_ranks
-from kit.molecules import MessagePassingNet, conformer, freesolv, mol_graph
+from kit.lessons.molecules import MessagePassingNet, conformer, freesolv, mol_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -151,7 +151,7 @@ def lesson04(device: torch.device) -> str:
     from torch.nn import functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from kit.models import TinyTransformer, token_batch
+    from kit.lessons.models import TinyTransformer, token_batch
 
     m = _lesson(4)
     rank = dist.get_rank()

@@ -5,7 +5,7 @@
 
 Lesson 03 makes both points in a notebook; this script measures them side by side in one run
 and reports ratios, so that numbers from different machines compare. Samples come from
-``kit.data.SlowDataset``: each takes ``--delay-ms`` to load, either waiting (a sleep, like I/O)
+``kit.lessons.data.SlowDataset``: each takes ``--delay-ms`` to load, either waiting (a sleep, like I/O)
 or computing (spinning on the CPU, like a Python-heavy transform).
 
 1. Throughput (samples/s, worker start-up included) for each ``num_workers``, as a ratio to
@@ -27,7 +27,7 @@ import warnings
 
 from torch.utils.data import DataLoader
 
-from kit.data import SlowDataset, time_loader
+from kit.lessons.data import SlowDataset, time_loader
 
 
 def _sleep_init(seconds: float):

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autograder.lesson07 import _reference_saved_bytes
-from kit.models import TinyTransformer, token_batch
+from kit.lessons.models import TinyTransformer, token_batch
 
 try:
     from autograder.loading import load_tasks

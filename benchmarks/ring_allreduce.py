@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from autograder.loading import load_tasks
-from kit import costmodel
 from kit.launcher import run_ranks
+from kit.lessons import costmodel
 
 ROOT = Path(__file__).resolve().parents[1]
 

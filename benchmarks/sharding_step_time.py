@@ -17,7 +17,7 @@ all of them alike:
 A step ends when its slowest rank is done: a step's time is the max over ranks; reported is
 the median over steps and the ratio. After timing, rank 0's bytes of parameters, gradients
 and AdamW state under DDP, the ZeRO-1 solution and the FSDP solution are counted (with the
-Task 5.1 solution) and printed beside the ZeRO formulas (:mod:`kit.sharding`). Timing only:
+Task 5.1 solution) and printed beside the ZeRO formulas (:mod:`kit.lessons.sharding`). Timing only:
 correctness is tests/test_lesson05.py's job.
 """
 
@@ -37,8 +37,8 @@ from torch.nn import functional as F
 
 from autograder.loading import load_tasks
 from kit.launcher import run_ranks
-from kit.models import TinyTransformer, token_batch
-from kit.sharding import stage_bytes
+from kit.lessons.models import TinyTransformer, token_batch
+from kit.lessons.sharding import stage_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = [("FSDP (solution)", "fully_shard per layer"),

@@ -10,6 +10,7 @@ is changed, and no process outlives the call.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import selectors
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -58,7 +59,8 @@ class LaunchResult(list):
 
 
 def launch(fn: Callable[..., Any], *args: Any, world_size: int = 4, backend: str = "gloo",
-           timeout: float = 60.0, start_method: str | None = None, **kwargs: Any) -> LaunchResult:
+           timeout: float = 60.0, start_method: str | None = None,
+           preload: Sequence[str] = (), **kwargs: Any) -> LaunchResult:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return every rank's return value.
 
     Each rank sees ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
@@ -71,13 +73,27 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 4, backend: str
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (one GPU per rank).
         timeout: seconds before the launch is declared hung; each rank's stack is then shown.
         start_method: ``"fork"`` (default where safe: fast) or ``"spawn"``.
+        preload: modules to import before the ranks start (``"torch.distributed.fsdp"``): forked
+            ranks inherit them instead of each paying the import (see :func:`preload_modules`).
 
     Raises:
         LaunchError: a rank raised, exited or was killed; every failed rank is named.
         LaunchTimeout: the ranks did not finish within ``timeout`` seconds.
     """
     return run_ranks(fn, args, kwargs, world_size=world_size, backend=backend, timeout=timeout,
-                     start_method=start_method)
+                     start_method=start_method, preload=preload)
+
+
+def preload_modules(modules: Iterable[str]) -> None:
+    """Import ``modules`` in this process, once, so that ranks forked later inherit them.
+
+    The one place the course warms forked ranks: FSDP2, DTensor, DCP and Dynamo take seconds to
+    import, and every rank of every launch would pay it again. A name that does not import
+    raises, so a typo cannot silently turn the warm-up off.
+    """
+    for name in modules:
+        if name not in sys.modules:
+            importlib.import_module(name)
 
 
 # --------------------------------------------------------------------------- validation
@@ -245,10 +261,13 @@ def _describe_exit(r: _Rank) -> RankFailure | None:
 
 def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
               world_size: int = 4, backend: str = "gloo", timeout: float = 60.0,
-              start_method: str | None = None, echo: bool = True) -> LaunchResult:
+              start_method: str | None = None, echo: bool = True,
+              preload: Sequence[str] = ()) -> LaunchResult:
     """:func:`launch` with its options explicit; ``echo=False`` keeps rank output off the cell."""
     kwargs = dict(kwargs or {})
     method = _validate(fn, args, kwargs, world_size, backend, timeout, start_method)
+    if method == "fork":
+        preload_modules(preload)  # spawned ranks import what they unpickle anyway
     ctx = _mp().get_context(method)
     payload = (fn, args, kwargs) if method == "fork" else cloudpickle.dumps((fn, args, kwargs))
     tmp = tempfile.mkdtemp(prefix="kit-launch-")

@@ -51,7 +51,7 @@ _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
 _FUNCTIONAL_FILES = ("_functional_collectives.py", "_ops.py", "_functional_collectives_impl.py")
 # The one list of torch.distributed's operations, by the names of their public functions;
-# kit.trace, kit.hang and kit.debugging use it. The outermost one in a chain of c10d frames
+# kit.trace, kit.hang and kit.lessons.debugging use it. The outermost one in a chain of c10d frames
 # names the operation the user called.
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
 COLLECTIVE_OPS = frozenset({

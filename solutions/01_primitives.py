@@ -48,9 +48,10 @@ import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 
-from kit import LaunchTimeout, check, costmodel, launch
+from kit import LaunchTimeout, check, launch
+from kit.lessons import costmodel
+from kit.lessons.widgets import ring_stepper
 from kit.trace import launch_traced, plot_timeline, summarize
-from kit.widgets import ring_stepper
 
 # %%
 # %load_ext kit

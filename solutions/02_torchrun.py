@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kit import LaunchError, LaunchTimeout, check, launch
-from kit.debugging import record_collectives
+from kit.lessons.debugging import record_collectives
 from kit.torchrun import (
     TorchrunError,
     init_process_group_per_attempt,

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from kit import check, launch
-from kit.data import SlowDataset, plot_index_streams, sampler_streams, time_loader
+from kit.lessons.data import SlowDataset, plot_index_streams, sampler_streams, time_loader
 
 # %% [markdown]
 # ## 1. `Dataset` and `DataLoader` in one page
@@ -66,7 +66,7 @@ from kit.data import SlowDataset, plot_index_streams, sampler_streams, time_load
 # 4. with `num_workers > 0`, steps 2-3 run in that many **worker processes**, each started
 #    when you call `iter(loader)` (every epoch), each with a copy of the dataset.
 #
-# `SlowDataset(n, delay_s)` from `kit.data` is a synthetic dataset whose every sample takes
+# `SlowDataset(n, delay_s)` from `kit.lessons.data` is a synthetic dataset whose every sample takes
 # `delay_s` seconds to "load", standing in for reading and decoding a file:
 
 # %%

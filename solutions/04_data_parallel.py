@@ -48,7 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kit import LaunchError, check, launch
-from kit.models import AwkwardNet, TinyTransformer, token_batch
+from kit.lessons.models import AwkwardNet, TinyTransformer, token_batch
 from kit.trace import launch_traced, plot_timeline, region, trace
 
 # %% [markdown]
@@ -114,7 +114,7 @@ print("batch norm, 1 process vs 4 slices: max difference",
 # 3. after backward, `dist.all_reduce` every gradient and divide by `world_size`.
 #
 # Three kinds of parameter need care, and the checks include all of them
-# ([`kit.models.AwkwardNet`](../kit/models.py)):
+# ([`kit.lessons.models.AwkwardNet`](../kit/lessons/models.py)):
 #
 # - **frozen** parameters (`requires_grad=False`) never get a gradient: skip them when
 #   reducing (but broadcast them with the rest: they shape the forward pass too);

@@ -52,8 +52,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from kit import LaunchError, check, launch
-from kit.models import TinyTransformer, token_batch
-from kit.sharding import memory_calculator, plot_stage_bars, stage_bytes, stage_traffic
+from kit.lessons.models import TinyTransformer, token_batch
+from kit.lessons.sharding import memory_calculator, plot_stage_bars, stage_bytes, stage_traffic
 from kit.trace import launch_traced, plot_timeline, region, trace
 
 # %% [markdown]
@@ -307,7 +307,7 @@ check("5.2", ShardedOptimizer)
 # 1.5 times DDP. Lesson 01's cost model turns bytes into time:
 
 # %%
-from kit.costmodel import ring_all_reduce_time  # noqa: E402
+from kit.lessons.costmodel import ring_all_reduce_time  # noqa: E402
 
 alpha, beta = 20e-6, 1 / 25e9  # a 25 GB/s link with 20 us latency per message
 billions = 7e9

@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kit import LaunchError, check, launch
-from kit.resume import (
+from kit.lessons.resume import (
     DropoutTransformer,
     full_parameters,
     make_model,
@@ -76,7 +76,7 @@ from kit.resume import (
 from kit.torchrun import TorchrunError, init_process_group_per_attempt, torchrun, write_script
 
 # %% [markdown]
-# The setup cell's helpers come from [`kit/resume.py`](../kit/resume.py): `make_model()` (a
+# The setup cell's helpers come from [`kit/lessons/resume.py`](../kit/lessons/resume.py): `make_model()` (a
 # small transformer with dropout, the same initial weights in every process), `shard_model`
 # (FSDP2's `fully_shard` on each block, then the root), `make_optimizer` (AdamW),
 # `make_sampler()` (a shuffling `DistributedSampler` that also remembers its `position` in the
@@ -399,7 +399,7 @@ with tempfile.TemporaryDirectory() as folder:
 class TrainingState(Stateful):
     """Everything an exact resume needs, as one Stateful for dcp.save / dcp.load.
 
-    Holds model (DDP or FSDP2), optimizer, sampler (a kit.resume.ResumableSampler: epoch and
+    Holds model (DDP or FSDP2), optimizer, sampler (a kit.lessons.resume.ResumableSampler: epoch and
     position), an optional GradScaler, and step (0 at construction; train_step adds 1).
     state_dict() returns model and optimizer state through get_state_dict, the step, this rank's
     torch, Python and NumPy RNG states and the sampler's epoch and position (and the scaler's
@@ -634,8 +634,8 @@ script = write_script(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.stateful import Stateful
-    import kit.resume
-    from kit.resume import full_parameters, make_model, make_optimizer, make_sampler, seed_everything, shard_model
+    import kit.lessons.resume
+    from kit.lessons.resume import full_parameters, make_model, make_optimizer, make_sampler, seed_everything, shard_model
     from kit.torchrun import init_process_group_per_attempt
     """,
     TrainingState,
@@ -649,7 +649,7 @@ script = write_script(
         def train_step(state):  # rank 1 dies at step 5 of the first attempt
             if attempt == 0 and rank == 1 and state.step == 5:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return kit.resume.train_step(state)
+            return kit.lessons.resume.train_step(state)
 
         if rank == 0:
             done = sorted(p.name for p in root.glob("step-*") if (p / ".metadata").exists())

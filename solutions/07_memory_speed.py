@@ -49,8 +49,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from kit import check, launch
-from kit.models import TinyTransformer, token_batch
-from kit.precision import GraphBreakNet, format_table, padded_batch
+from kit.lessons.models import TinyTransformer, token_batch
+from kit.lessons.precision import GraphBreakNet, format_table, padded_batch
 
 # %% [markdown]
 # ## 1. Floating-point formats
@@ -671,7 +671,7 @@ torch._dynamo.reset()
 # %% [markdown]
 # ### Task 7.4: `compile_ready`
 #
-# `kit.precision.GraphBreakNet` pools padded sequences with three graph breaks in its
+# `kit.lessons.precision.GraphBreakNet` pools padded sequences with three graph breaks in its
 # `forward`: a `print`, a loop up to `int(lengths.max())` and an `if` on `.item()`. Write
 # `compile_ready(model)`, returning a module that computes the same thing with the model's own
 # parameters and no graph break (`CompileReady` is a start). The checks compile it with

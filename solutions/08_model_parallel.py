@@ -56,8 +56,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from kit import LaunchTimeout, check, costmodel, launch
-from kit.parallelism import (
+from kit import LaunchTimeout, check, launch
+from kit.lessons import costmodel
+from kit.lessons.parallelism import (
     Model,
     layout_table,
     layout_widget,
@@ -1058,7 +1059,7 @@ for name in ("ScheduleGPipe", "Schedule1F1B"):
 # | tensor ($t$) | weights ÷ $t$, activations ÷ $t$ (with sequence parallelism) | 4 all-reduces of the activation per layer and micro-batch, inside the node |
 # | pipeline ($p$) | weights ÷ $p$; stage 0 holds $p$ micro-batches of activations (1F1B) | one activation and one gradient per micro-batch, to a neighbour; a bubble of $\frac{p-1}{m+p-1}$ |
 #
-# `kit.parallelism.layout_table` puts numbers on it for a GPT-style model (12 $h^2$ parameters
+# `kit.lessons.parallelism.layout_table` puts numbers on it for a GPT-style model (12 $h^2$ parameters
 # per layer; 16 bytes per parameter for bf16 weights and gradients and fp32 Adam states;
 # Korthikanti's activation formula with sequence parallelism) and prices the communication with
 # Lesson 01's model, with NVLink inside a node of 8 GPUs and a 25 GB/s link between nodes. Here,

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from kit import LaunchError, check, launch
-from kit.proteins import (
+from kit.lessons.proteins import (
     CANONICAL,
     ESM2_FAMILY,
     LiveBytes,
@@ -86,7 +86,7 @@ print(tokenize(["GLWSKIK", "ACD"], esm_alphabet))
 # peptides (AMPs) from the APD3 database and 2,600 random UniProt sequences of 10 to 50
 # residues, labelled 1 and 0. We pretrain on the sequences alone and keep the labels for a
 # probe at the end. Full-size training data (UniRef50, about 60 million sequences) loads with
-# `kit.proteins.read_fasta(path)` once you have downloaded it; the course never downloads.
+# `kit.lessons.proteins.read_fasta(path)` once you have downloaded it; the course never downloads.
 
 # %%
 sequences, labels, class_names = load_peptides("AMPvsUniProt")

@@ -59,7 +59,7 @@ from torch_geometric.typing import WITH_PYG_LIB, WITH_TORCH_SCATTER
 from torch_geometric.utils import from_smiles
 
 from kit import check, launch
-from kit.molecules import (
+from kit.lessons.molecules import (
     AtomBondEncoder,
     MessagePassingNet,
     conformer,
@@ -91,7 +91,7 @@ print("bonds of atom 3 (the ester oxygen):", aspirin.edge_index[:, aspirin.edge_
 
 # %% [markdown]
 # A 3-D model also needs coordinates. RDKit's ETKDG method generates a conformer from the
-# graph; the EGFR ligands come with coordinates already. `kit.molecules.mol_graph` collects
+# graph; the EGFR ligands come with coordinates already. `kit.lessons.molecules.mol_graph` collects
 # `x`, `edge_index`, `edge_attr`, the positions `pos` (N, 3) in ångström, and `triplet_index`
 # (3, T): every bond angle (i, j, k), the atoms that angle-aware models such as DimeNet use.
 
@@ -360,7 +360,7 @@ for name, (train, valid, test) in splits.items():
 # %% [markdown]
 # ## 4. DDP training of a message-passing network on FreeSolv
 #
-# [`kit.molecules.MessagePassingNet`](../kit/molecules.py) is a GINE-style network: each layer
+# [`kit.lessons.molecules.MessagePassingNet`](../kit/lessons/molecules.py) is a GINE-style network: each layer
 # sends a message `relu(h_j + e_ji)` along every bond, sums the messages arriving at each atom
 # with `index_add_`, and updates `h_i` with an MLP; a mean over each graph's atoms (again
 # `index_add_`, grouped by `batch`) gives one vector per molecule and a head predicts the free
@@ -604,7 +604,7 @@ print(f"EGNN, scaffold split: test RMSE {egnn['test_rmse']:.2f} kcal/mol "
 # from actives in size or charge make any method look good (just rank by molecular weight), so
 # DUD-E (Mysinger et al., 2012) picks decoys that **match** each active's molecular weight,
 # logP, H-bond donors and acceptors, rotatable bonds and net charge, yet are **topologically
-# dissimilar** to every active. `kit.molecules.property_matched_decoys` follows that recipe in
+# dissimilar** to every active. `kit.lessons.molecules.property_matched_decoys` follows that recipe in
 # a simple form, with RDKit's NCI and WEHI compound pools (15,000 molecules) in place of ZINC:
 # candidates with an ECFP4 Tanimoto similarity of 0.3 or more to any active are dropped (DUD-E
 # keeps the most dissimilar quarter instead), then each active takes the 10 unused candidates

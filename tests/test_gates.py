@@ -32,7 +32,7 @@ EXPLOITS = [
     ("1.2", "lesson01", "catches the gate's exception and tries another route"),
     ("1.2", "lesson01", "calls the grader's reference"),
     ("1.4", "lesson01", "calls the grader's least-squares reference"),
-    ("1.4", "lesson01", "predicts with kit.costmodel.ring_all_reduce_time"),
+    ("1.4", "lesson01", "predicts with kit.lessons.costmodel.ring_all_reduce_time"),
     ("3.1", "lesson03", "is torch's DistributedSampler (a subclass with no body)"),
     ("4.1", "lesson04", "wraps torch's DistributedDataParallel"),
     ("4.2", "lesson04", "wraps torch's DistributedDataParallel"),

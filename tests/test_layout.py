@@ -38,9 +38,10 @@ def _autograder_imports(path: Path) -> list[tuple[int, str | None]]:
 
 
 def test_kit_never_imports_autograder_outside_the_lazy_check_reexport():
-    offenders = [f"kit/{p.name}:{line} (in {func or 'module level'})"
-                 for p in sorted((ROOT / "kit").glob("*.py"))
-                 for line, func in _autograder_imports(p) if (p.name, func) not in ALLOWED]
+    offenders = [f"kit/{name}:{line} (in {func or 'module level'})"
+                 for p in sorted((ROOT / "kit").rglob("*.py"))
+                 if (name := p.relative_to(ROOT / "kit").as_posix())
+                 for line, func in _autograder_imports(p) if (name, func) not in ALLOWED]
     assert not offenders, ("kit must not import autograder (grading depends on kit, never the "
                            "reverse); move the code to autograder/: " + ", ".join(offenders))
 
@@ -87,3 +88,20 @@ def test_kit_course_rewrites_a_config_written_before_the_move_and_keeps_the_rest
     config = (course / "nbgrader_config.py").read_text()
     assert "from autograder.build import CODE_STUB, release_preprocessors" in config
     assert (course / "submitted" / "alice.txt").read_text() == "work"
+
+
+def test_a_lesson_helper_imported_by_its_old_name_is_the_same_module():
+    # notebooks released before the helpers moved into kit.lessons import kit.models etc.
+    import importlib
+
+    import kit.lessons.models
+
+    old = importlib.import_module("kit.models")
+    assert old is kit.lessons.models
+    assert old.__spec__.name == "kit.lessons.models"
+
+
+def test_the_engine_holds_no_lesson_helper():
+    helpers = {p.stem for p in (ROOT / "kit" / "lessons").glob("*.py")} - {"__init__"}
+    engine = {p.stem for p in (ROOT / "kit").glob("*.py")}
+    assert helpers and not helpers & engine, f"in both kit/ and kit/lessons/: {helpers & engine}"

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from autograder.lesson01 import _reference_fit, count_rounds
 from autograder.loading import load_tasks
 from autograder.registry import CheckFailed
-from kit import costmodel
 from kit.launcher import run_ranks
+from kit.lessons import costmodel
 from kit.trace import launch_traced
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from autograder import lesson02 as checks
 from autograder.loading import load_tasks
 from autograder.registry import CheckFailed, lesson_tasks
-from kit.debugging import RECORDED, _run_recorded, record_collectives
 from kit.launcher import run_ranks
+from kit.lessons.debugging import RECORDED, _run_recorded, record_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "02_torchrun.py"

@@ -2,7 +2,7 @@
 
 Also proves the lesson's claims independently of the checks: the solution's ShardSampler
 matches torch's DistributedSampler (hypothesis), gather_unpadded matches one process for every
-small (length, world size), and kit.data's timing and index streams measure what they say.
+small (length, world size), and kit.lessons.data's timing and index streams measure what they say.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 from autograder.registry import CheckFailed, get_task, lesson_tasks
-from kit.data import SlowDataset, plot_index_streams, sampler_streams, time_loader
 from kit.launcher import run_ranks
+from kit.lessons.data import SlowDataset, plot_index_streams, sampler_streams, time_loader
 
 LESSON = 3
 BUGS = seeded_bugs(LESSON)

@@ -23,7 +23,7 @@ from autograder.checking import NOT_IMPLEMENTED, run_checks
 from autograder.lesson04 import MIB, _bucket_plan
 from autograder.registry import get_task, lesson_tasks
 from kit.launcher import run_ranks
-from kit.models import AwkwardNet, TinyTransformer, token_batch
+from kit.lessons.models import AwkwardNet, TinyTransformer, token_batch
 
 LESSON = 4
 BUGS = seeded_bugs(LESSON)

@@ -5,7 +5,7 @@ The solutions train like torch's own sharded trainers: ``ShardedOptimizer`` like
 ``ZeroRedundancyOptimizer`` and ``FSDP`` like FSDP2's ``fully_shard`` on the same units, for
 several world sizes. The trusted expectations of the checks are themselves checked: Task
 5.4's one-process "data parallelism" gives torch DDP's losses, and Task 5.3's per-slice
-reference equals one process on the whole batch. The ZeRO formulas of :mod:`kit.sharding`
+reference equals one process on the whole batch. The ZeRO formulas of :mod:`kit.lessons.sharding`
 keep their properties, ownership stays balanced for any parameter sizes, and the lesson
 runs headless and shows what it claims.
 """
@@ -26,15 +26,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from autograder import lesson05
+from autograder.loading import load_tasks
 from autograder.registry import lesson_tasks
 from kit.launcher import run_ranks
-from kit.models import TinyTransformer, token_batch
-from kit.sharding import STAGES, stage_bytes, stage_traffic
-
-try:
-    from autograder.loading import load_tasks
-except ImportError:  # the loader's old home
-    from kit.notebook import load_tasks
+from kit.lessons.models import TinyTransformer, token_batch
+from kit.lessons.sharding import STAGES, stage_bytes, stage_traffic
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "05_sharding.py"
@@ -54,7 +50,7 @@ def test_lesson05_registers_tasks_5_1_to_5_4_with_points_and_gates():
         "5.3": ("FSDP", 6.0, ("torch.distributed.fsdp.fully_shard",
                               "torch.distributed.fsdp.FullyShardedDataParallel",
                               "torch.nn.parallel.DistributedDataParallel")),
-        "5.4": ("apply_fsdp2", 3.0, ("kit.resume.shard_model",)),
+        "5.4": ("apply_fsdp2", 3.0, ("kit.lessons.resume.shard_model",)),
     }
 
 

@@ -23,14 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autograder.lesson06 import RUN_TOTAL, _kill_plan
+from autograder.loading import load_tasks
 from autograder.registry import lesson_tasks
 from kit.launcher import run_ranks
-from kit.resume import ResumableSampler, make_model, make_optimizer, token_dataset
-
-try:
-    from autograder.loading import load_tasks
-except ImportError:  # before the grading modules moved to autograder/
-    from kit.notebook import load_tasks
+from kit.lessons.resume import ResumableSampler, make_model, make_optimizer, token_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "06_checkpointing.py"
@@ -157,7 +153,7 @@ def test_async_save_requires_a_group_with_a_cpu_backend_as_the_lesson_quotes():
            "'cpu:gloo,cuda:nccl'" in source
 
 
-# --------------------------------------------------------------------------- kit.resume and the kill plan
+# --------------------------------------------------------------------------- kit.lessons.resume and the kill plan
 
 
 @settings(max_examples=20, deadline=None)

@@ -30,14 +30,10 @@ from autograder.lesson07 import (
     _train_scaled,
     block_formula_bytes,
 )
+from autograder.loading import load_tasks
 from autograder.registry import lesson_tasks
-from kit.models import TinyTransformer, token_batch
-from kit.precision import GraphBreakNet, format_table, padded_batch
-
-try:
-    from autograder.loading import load_tasks
-except ImportError:  # before the move of the grading modules to autograder/
-    from kit.notebook import load_tasks
+from kit.lessons.models import TinyTransformer, token_batch
+from kit.lessons.precision import GraphBreakNet, format_table, padded_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "07_memory_speed.py"

@@ -7,7 +7,7 @@ The hand-built layers give what torch's own implementations give on the same wei
 ``SequenceParallelMLP`` what the ``SequenceParallel`` plan gives; ``gpipe`` the gradients of
 ``torch.distributed.pipelining``'s ``ScheduleGPipe``, and ``one_f_one_b`` the order in which
 ``Schedule1F1B`` really runs forwards and backwards. The schedule simulator and the layout
-arithmetic of :mod:`kit.parallelism` keep their formulas (bubble, peak activations,
+arithmetic of :mod:`kit.lessons.parallelism` keep their formulas (bubble, peak activations,
 Korthikanti's activation memory, bus bytes), and the lesson runs headless.
 """
 
@@ -26,15 +26,11 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
+from autograder.loading import load_tasks
 from autograder.registry import lesson_tasks
-from kit import costmodel
 from kit.launcher import run_ranks
-from kit.parallelism import Model, Network, layout_costs, layout_table, simulate_schedule
-
-try:
-    from autograder.loading import load_tasks
-except ImportError:  # the loader's old home
-    from kit.notebook import load_tasks
+from kit.lessons import costmodel
+from kit.lessons.parallelism import Model, Network, layout_costs, layout_table, simulate_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "08_model_parallel.py"
@@ -208,7 +204,7 @@ def test_one_f_one_b_is_the_order_torch_schedule_1f1b_runs(solution, p, m):
         assert solution.one_f_one_b(stage, p, m) == order
 
 
-# --------------------------------------------------------------------------- kit.parallelism
+# --------------------------------------------------------------------------- kit.lessons.parallelism
 
 
 def _gpipe_order(m):

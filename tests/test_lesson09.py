@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from autograder.loading import load_tasks
 from autograder.registry import lesson_tasks
 from kit.launcher import run_ranks
-from kit.proteins import (
+from kit.lessons.proteins import (
     ESM2_FAMILY,
     LiveBytes,
     TriangleAttentionStartingNode,
@@ -52,7 +52,7 @@ def test_lesson09_registers_tasks_9_1_to_9_4_with_their_points():
                      "9.3": ("ring_attention", 4.0), "9.4": ("chunked", 2.0)}
 
 
-# --------------------------------------------------------------------------- kit.proteins
+# --------------------------------------------------------------------------- kit.lessons.proteins
 
 
 def _algorithm_13(module: TriangleAttentionStartingNode, z: torch.Tensor) -> torch.Tensor:

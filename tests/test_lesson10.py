@@ -23,13 +23,9 @@ from autograder.lesson10 import (
     reference_scaffold_split,
     reference_screen,
 )
+from autograder.loading import load_tasks
 from autograder.registry import lesson_tasks
 from kit.launcher import run_ranks
-
-try:
-    from autograder.loading import load_tasks
-except ModuleNotFoundError:  # before the restructure
-    from kit.notebook import load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "10_molecules.py"
@@ -86,7 +82,7 @@ def test_collate_equals_pyg_batch_from_data_list_for_any_graphs(solution, shapes
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), reflect=st.booleans())
 def test_egnn_solution_is_e3_equivariant_for_any_orthogonal_matrix(solution, seed, reflect):
-    from kit.molecules import egfr_actives, mol_graph
+    from kit.lessons.molecules import egfr_actives, mol_graph
 
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -112,7 +108,7 @@ def test_egnn_solution_is_e3_equivariant_for_any_orthogonal_matrix(solution, see
 def test_scaffold_split_never_puts_one_scaffold_in_two_splits_and_respects_the_cutoffs(solution):
     from rdkit.Chem.Scaffolds import MurckoScaffold
 
-    from kit.molecules import freesolv
+    from kit.lessons.molecules import freesolv
 
     smiles = freesolv()[0]
     scaffold = [MurckoScaffold.MurckoScaffoldSmiles(smiles=s) for s in smiles]
@@ -182,7 +178,7 @@ def test_decoys_follow_the_dude_rules_on_a_slice():
     from rdkit import Chem, DataStructs
     from rdkit.Chem import rdFingerprintGenerator
 
-    from kit.molecules import decoy_pool, egfr_actives, properties, property_matched_decoys
+    from kit.lessons.molecules import decoy_pool, egfr_actives, properties, property_matched_decoys
 
     actives = list(egfr_actives()[:20])
     decoys = property_matched_decoys(actives, decoy_pool()[:3000], per_active=3)
@@ -197,7 +193,7 @@ def test_decoys_follow_the_dude_rules_on_a_slice():
 
 
 def test_data_files_ship_in_the_wheels():
-    from kit.molecules import decoy_pool, egfr_actives, freesolv
+    from kit.lessons.molecules import decoy_pool, egfr_actives, freesolv
 
     smiles, energies = freesolv()
     assert len(smiles) == len(energies) == 642

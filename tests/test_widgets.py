@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kit.launcher import run_ranks
-from kit.widgets import render_step, ring_all_reduce_steps, ring_stepper
+from kit.lessons.widgets import render_step, ring_all_reduce_steps, ring_stepper
 
 
 @st.composite

@@ -255,7 +255,7 @@ def _fit_by_the_grader(nbytes, seconds) -> tuple[float, float]:
 
 
 def _time_from_kit(nbytes, world_size, alpha, beta) -> float:
-    from kit import costmodel
+    from kit.lessons import costmodel
 
     return costmodel.ring_all_reduce_time(nbytes, world_size, alpha, beta)
 
@@ -298,6 +298,6 @@ BUGS = {
         ("sends the whole buffer in every step", _pair(_good_fit, _time_whole_buffer_per_step)),
         ("pays the latency once", _pair(_good_fit, _time_one_latency)),
         ("calls the grader's least-squares reference", _pair(_fit_by_the_grader, _good_time)),
-        ("predicts with kit.costmodel.ring_all_reduce_time", _pair(_good_fit, _time_from_kit)),
+        ("predicts with kit.lessons.costmodel.ring_all_reduce_time", _pair(_good_fit, _time_from_kit)),
     ],
 }

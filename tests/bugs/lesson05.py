@@ -477,7 +477,9 @@ def apply_fsdp2_flattens_the_mesh(model, mesh, param_dtype=None, reduce_dtype=No
 
 
 def apply_fsdp2_borrows_lesson06(model, mesh, param_dtype=None, reduce_dtype=None):
-    from kit.resume import shard_model  # Lesson 06's helper: the same wrapping, without the mesh
+    from kit.lessons.resume import (
+        shard_model,  # Lesson 06's helper: the same wrapping, without the mesh
+    )
 
     return shard_model(model)
 
@@ -512,6 +514,6 @@ BUGS = {
         ("ignores param_dtype and reduce_dtype", apply_fsdp2_ignores_dtypes),
         ("wraps the root only, not each block", apply_fsdp2_root_only),
         ("shards over the whole 2-D mesh", apply_fsdp2_flattens_the_mesh),
-        ("calls Lesson 06's kit.resume.shard_model", apply_fsdp2_borrows_lesson06),
+        ("calls Lesson 06's kit.lessons.resume.shard_model", apply_fsdp2_borrows_lesson06),
     ],
 }

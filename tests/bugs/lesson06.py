@@ -24,10 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-try:
-    from autograder.loading import load_tasks
-except ImportError:  # before the grading modules moved to autograder/
-    from kit.notebook import load_tasks
+from autograder.loading import load_tasks
 
 _lesson = load_tasks(Path(__file__).resolve().parents[2] / "solutions" / "06_checkpointing.py")
 save_shards = _lesson.save_shards  # the correct saver, for the loader bugs

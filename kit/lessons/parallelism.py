@@ -19,7 +19,7 @@ from typing import Any
 # its ranks fork, instead of each rank paying for it.
 import torch.fx.experimental.symbolic_shapes  # noqa: E402, F401
 
-from kit import costmodel
+from kit.lessons import costmodel
 
 __all__ = ["LayoutCost", "Model", "Network", "ScheduleRun", "layout_costs", "layout_table",
            "layout_widget", "plot_pipeline_run", "plot_schedule", "simulate_schedule"]

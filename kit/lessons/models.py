@@ -6,7 +6,7 @@ never gets a gradient, a branch used only on some steps, embedding weights tied 
 layer (one ``Parameter`` reached twice in ``forward``) and a buffer. :class:`TinyTransformer`
 is a GPT-style language model, big enough for a step-time benchmark and small enough for a
 laptop CPU. Lesson 09's AlphaFold module, :class:`TriangleAttentionStartingNode`, lives with
-the other protein helpers in :mod:`kit.proteins` and is reachable here too.
+the other protein helpers in :mod:`kit.lessons.proteins` and is reachable here too.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ __all__ = ["AwkwardNet", "TinyTransformer", "TriangleAttentionStartingNode", "to
 def __getattr__(name: str) -> object:
     # Lazy: the protein helpers are only imported by the lessons that use them.
     if name == "TriangleAttentionStartingNode":
-        from kit.proteins import TriangleAttentionStartingNode
+        from kit.lessons.proteins import TriangleAttentionStartingNode
 
         return TriangleAttentionStartingNode
-    raise AttributeError(f"module 'kit.models' has no attribute {name!r}")
+    raise AttributeError(f"module 'kit.lessons.models' has no attribute {name!r}")
 
 
 class AwkwardNet(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
-from kit.models import TinyTransformer
+from kit.lessons.models import TinyTransformer
 
 __all__ = ["DropoutTransformer", "ResumableSampler", "full_parameters", "make_model", "make_optimizer",
            "make_sampler", "seed_everything", "shard_model", "token_dataset", "train_step"]
@@ -34,7 +34,7 @@ BATCH = 4  # sequences per rank per step
 
 
 class DropoutTransformer(TinyTransformer):
-    """:class:`kit.models.TinyTransformer` with dropout after the embeddings and each block."""
+    """:class:`kit.lessons.models.TinyTransformer` with dropout after the embeddings and each block."""
 
     def __init__(self, *args: Any, dropout: float = 0.1, **kwargs: Any):
         super().__init__(*args, **kwargs)
