@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from autograder import gates
-from autograder.registry import Case, Task, get_task
+from autograder.registry import Case, Task, fresh_runs, get_task
 from autograder.results import (
     ERROR,
     FAILED,
@@ -72,6 +72,7 @@ def run_checks(task_id: str, impl: Any, *, seed: int = 0) -> TaskReport:
         KeyError: ``task_id`` is not a registered task.
     """
     task = get_task(task_id)
+    fresh_runs()  # a helper the implementation calls may have changed since the last check
     report = TaskReport(task.id, task.name)
     if impl is None or not callable(impl):
         message = (f"check({task_id!r}, ...) needs your {task.name} itself, got "

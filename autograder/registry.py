@@ -36,46 +36,32 @@ at once with ``check(..., hint="recipe")``); the batch grader's feedback shows b
 from __future__ import annotations
 
 import importlib
-import math
 import sys
-from collections.abc import Callable
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from autograder.compare import CheckFailed, assert_same, within_bound
+
 __all__ = [
+    "Bound",
     "Case",
     "CheckFailed",
+    "SharedRun",
     "Task",
     "TASKS",
     "assert_same",
+    "fresh_runs",
     "get_task",
     "lesson_tasks",
     "plain",
+    "shared",
     "task",
 ]
-
-
-class CheckFailed(AssertionError):
-    """A case found wrong data. Carries what a student needs to fix it."""
-
-    def __init__(self, message: str, *, expected: Any = None, got: Any = None, hint: str = "",
-                 recipe: str = ""):
-        super().__init__(message)
-        self.message = message
-        self.expected = expected
-        self.got = got
-        self.hint = hint  # the concept this failure breaks (shown first)
-        self.recipe = recipe  # how to fix it, in words (shown after repeated failures)
-
-
-def _describe(x: Any, limit: int = 200) -> str:
-    if isinstance(x, torch.Tensor):
-        body = repr(x.detach().cpu()) if x.numel() <= 16 else f"tensor of shape {tuple(x.shape)}"
-        return f"{body} (dtype={x.dtype})" if x.numel() <= 16 else f"{body}, dtype={x.dtype}"
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def plain(x: Any) -> Any:
@@ -88,58 +74,89 @@ def plain(x: Any) -> Any:
     return f"<a {type(x).__name__} object>"
 
 
-def assert_same(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-6, path: str = "") -> None:
-    """Default comparison: same structure, same types, tensors equal up to tolerance.
+class SharedRun:
+    """One run of an implementation that several cases judge.
 
-    Only plain data is accepted on either side (the batch grader guarantees it for ``got``),
-    so an object with a rigged ``__eq__`` never reaches this function.
+    ``fn(impl, seed)`` runs once per (implementation, seed): in this process, or with
+    ``world_size`` on that many ranks (``fn`` is then what each rank runs, and the run's value
+    is the list of the ranks' return values). The value *or the exception* is kept, so every
+    case reading a run that raised (a stub, a crash, a deadlock) reports the same failure
+    without running it again. The implementation itself is kept with its result, so its ``id``
+    cannot be reused by another object while the entry lives.
+
+    :func:`fresh_runs` forgets every run: ``run_checks`` calls it first, so a notebook that
+    redefines a helper the implementation calls is checked afresh.
     """
-    where = path or "result"
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            raise CheckFailed(f"{where}: expected a tensor, got {type(got).__name__}",
-                              expected=_describe(expected), got=_describe(got))
-        if got.shape != expected.shape:
-            raise CheckFailed(f"{where}: wrong shape {tuple(got.shape)}, expected {tuple(expected.shape)}",
-                              expected=tuple(expected.shape), got=tuple(got.shape))
-        if got.dtype != expected.dtype:
-            raise CheckFailed(f"{where}: wrong dtype {got.dtype}, expected {expected.dtype}",
-                              expected=expected.dtype, got=got.dtype)
-        if expected.is_floating_point() or expected.is_complex():
-            ok = torch.allclose(got, expected, rtol=rtol, atol=atol, equal_nan=True)
-        else:
-            ok = torch.equal(got, expected)
+
+    def __init__(self, fn: Callable[[Any, int], Any], *, world_size: int | None = None,
+                 timeout: float = 90.0, preload: Sequence[str] = (), keep: int = 4) -> None:
+        self.fn, self.world_size, self.timeout = fn, world_size, timeout
+        self.preload, self.keep = tuple(preload), keep
+        self.__name__ = getattr(fn, "__name__", "run")
+        self.__doc__ = fn.__doc__
+        self._runs: OrderedDict[tuple[int, int], tuple[Any, bool, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        _SHARED_RUNS.append(self)
+
+    def __call__(self, impl: Any, seed: int) -> Any:
+        key = (id(impl), seed)
+        with self._lock:
+            entry = self._runs.get(key)
+        if entry is None or entry[0] is not impl:
+            try:
+                entry = (impl, True, self._run(impl, seed))
+            except Exception as e:  # noqa: BLE001 - kept and re-raised for every case reading it
+                entry = (impl, False, e)
+            with self._lock:
+                self._runs[key] = entry
+                while len(self._runs) > self.keep:
+                    self._runs.popitem(last=False)
+        _, ok, value = entry
         if not ok:
-            diff = (got.double() - expected.double()).abs()
-            raise CheckFailed(f"{where}: values differ (max abs difference {diff.max().item():.3g})",
-                              expected=_describe(expected), got=_describe(got))
-        return
-    if isinstance(expected, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
-        if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol) and not (
-            math.isnan(got) and math.isnan(expected)
-        ):
-            raise CheckFailed(f"{where}: expected {expected!r}, got {got!r}", expected=expected, got=got)
-        return
-    if type(got) is not type(expected):
-        raise CheckFailed(f"{where}: expected a {type(expected).__name__}, got {type(got).__name__}",
-                          expected=_describe(expected), got=_describe(got))
-    if isinstance(expected, (list, tuple)):
-        if len(got) != len(expected):
-            raise CheckFailed(f"{where}: expected {len(expected)} items, got {len(got)}",
-                              expected=_describe(expected), got=_describe(got))
-        for i, (g, e) in enumerate(zip(got, expected)):
-            assert_same(g, e, rtol=rtol, atol=atol, path=f"{where}[{i}]")
-        return
-    if isinstance(expected, dict):
-        if set(got) != set(expected):
-            raise CheckFailed(f"{where}: expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}",
-                              expected=sorted(map(str, expected)), got=sorted(map(str, got)))
-        for k in expected:
-            assert_same(got[k], expected[k], rtol=rtol, atol=atol, path=f"{where}[{k!r}]")
-        return
-    if got != expected:
-        raise CheckFailed(f"{where}: expected {_describe(expected)}, got {_describe(got)}",
-                          expected=_describe(expected), got=_describe(got))
+            raise value
+        return value
+
+    def _run(self, impl: Any, seed: int) -> Any:
+        if self.world_size is None:
+            return self.fn(impl, seed)
+        from kit.launcher import default_start_method, run_ranks
+
+        # spawned ranks re-import torch and the lesson: give them the time that takes
+        timeout = self.timeout * (1 if default_start_method("gloo") == "fork" else 4)
+        return list(run_ranks(self.fn, (impl, seed), world_size=self.world_size, timeout=timeout,
+                              echo=False, preload=self.preload))
+
+    def forget(self) -> None:
+        with self._lock:
+            self._runs.clear()
+
+
+_SHARED_RUNS: list[SharedRun] = []
+
+
+def shared(fn: Callable[[Any, int], Any] | None = None, *, world_size: int | None = None,
+           timeout: float = 90.0, preload: Sequence[str] = ()) -> Any:
+    """Decorator: ``fn(impl, seed)`` as a :class:`SharedRun` that cases call instead of running
+    the implementation themselves (``@shared`` or ``@shared(world_size=3, preload=(...))``)."""
+    if fn is not None:
+        return SharedRun(fn, world_size=world_size, timeout=timeout, preload=preload)
+    return lambda f: SharedRun(f, world_size=world_size, timeout=timeout, preload=preload)
+
+
+def fresh_runs() -> None:
+    """Forget every shared run (the trusted expectations, which never change, are kept)."""
+    for run in _SHARED_RUNS:
+        run.forget()
+
+
+@dataclass
+class Bound:
+    """A resource a task's technique bounds, stated as a formula (see :meth:`Task.bound`)."""
+
+    what: str  # "optimizer state per rank"
+    formula: str  # "total / W + the largest parameter"
+    lost: str  # what exceeding it means: "every rank keeps optimizer state for every parameter"
+    unit: str = "bytes"
 
 
 @dataclass
@@ -154,7 +171,8 @@ class Case:
     needs: str | None = None  # e.g. "cuda": the batch grader marks the case "blocked" without it
     # Trusted ``expect(seed) -> data`` computing the expected data directly (e.g. the mean of the
     # concatenation in one process) instead of running ``reference`` through ``run``.
-    expect: Callable[[int], Any] | None = None
+    # A name (a str) stands for that function in autograder.references.lessonNN (trusted only).
+    expect: Callable[[int], Any] | str | None = None
     recipe: str = ""  # the steps, in words, shown after repeated failures or on request
 
 
@@ -172,10 +190,63 @@ class Task:
     # "torch.nn.parallel.DistributedDataParallel"): code of the task that uses one scores 0.
     forbidden: tuple[str, ...] = ()
     recipe: str = ""  # the recipe, for cases that give none of their own
+    # Other names the task's code defines and its checks use (6.1's ``load_shards`` beside
+    # ``save_shards``): the loader keeps them, and a case reaches them with :meth:`companion`.
+    companions: tuple[str, ...] = ()
+    # Modules the task's launches need, imported once before ranks fork (kit.launch's preload).
+    preload: tuple[str, ...] = ()
+    bounds: list[Bound] = field(default_factory=list)  # the resources its technique bounds
+    _expected: dict[tuple[Any, ...], tuple[bool, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def lesson(self) -> int:
         return int(self.id.split(".")[0])
+
+    def shared(self, fn: Callable[[Any, int], Any] | None = None, *, world_size: int | None = None,
+               timeout: float = 90.0) -> Any:
+        """:func:`shared` with this task's ``preload``: a run several of its cases judge."""
+        if fn is not None:
+            return SharedRun(fn, world_size=world_size, timeout=timeout, preload=self.preload)
+        return lambda f: SharedRun(f, world_size=world_size, timeout=timeout, preload=self.preload)
+
+    def companion(self, impl: Any, name: str) -> Any:
+        """The task's companion ``name`` defined beside ``impl`` (its module's global), or None."""
+        if name not in self.companions:
+            raise KeyError(f"task {self.id} declares no companion {name!r} (companions=...)")
+        for owner in (impl, getattr(impl, "__init__", None)):
+            namespace = getattr(owner, "__globals__", None)
+            if isinstance(namespace, dict) and name in namespace:
+                return namespace[name]
+        module = sys.modules.get(getattr(impl, "__module__", "") or "")
+        return getattr(module, name, None)
+
+    def bound(self, what: str, *, formula: str, lost: str, unit: str = "bytes", weight: float = 1.0,
+              hint: str = "", recipe: str = "", expect: Callable[[int], Any] | None = None):
+        """Decorator registering a case that holds a resource to the bound the technique promises.
+
+        The case's ``run(impl, seed)`` returns ``{"measured": [one number per rank], ...}`` (from
+        :mod:`kit.meter` or the recorder, never from the implementation's attributes);
+        ``expect(seed)`` (trusted) returns ``{"bound": number}``, or the bound is the reference's
+        own ``measured`` maximum when ``expect`` is None. The case fails when any rank's number
+        exceeds it, naming ``what``, the ratio, ``formula`` and what was ``lost``.
+        """
+        spec = Bound(what, formula, lost, unit)
+        self.bounds.append(spec)
+
+        def compare(got: Any, expected: Any) -> None:
+            if not isinstance(got, dict) or "measured" not in got:
+                raise CheckFailed(f"{what}: the run returned no measurement",
+                                  got=repr(got)[:200], hint=hint or self.hint,
+                                  recipe=recipe or self.recipe)
+            if isinstance(expected, dict) and "bound" in expected:
+                limit = expected["bound"]
+            else:
+                limit = max(expected["measured"])
+            within_bound(got["measured"], limit, what=what, formula=formula, lost=lost, unit=unit,
+                         hint=hint or self.hint, recipe=recipe or self.recipe)
+
+        return self.case(f"{what} is within {formula}", compare=compare, weight=weight, hint=hint,
+                         expect=expect, recipe=recipe)
 
     def case(self, name: str, *, compare: Callable[[Any, Any], None] = assert_same,
              weight: float = 1.0, hint: str = "", needs: str | None = None,
@@ -196,12 +267,48 @@ class Task:
 
     def expected(self, case: Case, seed: int) -> Any:
         """The trusted data ``case`` must produce: ``case.expect(seed)``, else ``run`` on the
-        reference, else ``None`` (a property check)."""
-        if case.expect is not None:
-            return case.expect(seed)
-        if self.reference is not None:
-            return case.run(self.reference, seed)
-        return None
+        reference, else ``None`` (a property check).
+
+        Computed once per (case, seed) in this process, and kept: trusted code is seeded, so
+        its answer never changes (an expectation that raised raises the same again)."""
+        key = (case.name, seed, id(case.expect), id(self.reference))
+        if key not in self._expected:
+            try:
+                if case.expect is not None:
+                    value = self.trusted(case.expect)(seed)
+                elif self.reference is not None:
+                    value = case.run(self.trusted(self.reference), seed)
+                else:
+                    value = None
+                self._expected[key] = (True, value)
+            except Exception as e:  # noqa: BLE001 - re-raised for every case asking
+                self._expected[key] = (False, e)
+        ok, value = self._expected[key]
+        if not ok:
+            raise value
+        return value
+
+    def trusted(self, what: Any) -> Any:
+        """``what`` itself, or, for a name, that name in ``autograder.references.lessonNN``.
+
+        References and trusted ``expect`` code live in ``autograder/references/``, which only
+        the trusted side imports: the batch grader's sandboxed worker does not see that folder,
+        so a submission can neither call, subclass nor copy them there.
+        """
+        if not isinstance(what, str):
+            return what
+        name = f"autograder.references.lesson{self.lesson:02d}"
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            raise AttributeError(f"task {self.id} names {what!r} in {name}, which does not exist "
+                                 "here (the batch worker never sees autograder/references/)") from None
+        try:
+            return getattr(module, what)
+        except AttributeError:
+            raise AttributeError(f"task {self.id}: {module.__name__} has no {what!r}") from None
 
     def case_points(self, case: Case) -> float:
         total = sum(c.weight for c in self.cases)
@@ -212,17 +319,20 @@ TASKS: dict[str, Task] = {}
 
 
 def task(id: str, name: str, *, points: float, reference: Any = None, hint: str = "",
-         forbidden: tuple[str, ...] = (), recipe: str = "") -> Task:
+         forbidden: tuple[str, ...] = (), recipe: str = "", companions: tuple[str, ...] = (),
+         preload: tuple[str, ...] = ()) -> Task:
     """Register a task. ``id`` is ``"L.N"``; ``name`` is the student's function/class name;
     ``forbidden`` names what the task re-implements (its use scores the task 0); ``hint`` is
-    the concept shown on a first failure, ``recipe`` the steps shown after repeated failures."""
+    the concept shown on a first failure, ``recipe`` the steps shown after repeated failures;
+    ``companions`` are the other names its code defines (``load_shards`` beside
+    ``save_shards``); ``preload`` the modules its launches import before ranks fork."""
     lesson, _, number = id.partition(".")
     if not (lesson.isdigit() and number.isdigit()):
         raise ValueError(f"task id must look like '4.2', got {id!r}")
     if id in TASKS:
         raise ValueError(f"task {id} is registered twice")
     TASKS[id] = Task(id, name, float(points), reference, hint, forbidden=tuple(forbidden),
-                     recipe=recipe)
+                     recipe=recipe, companions=tuple(companions), preload=tuple(preload))
     return TASKS[id]
 
 

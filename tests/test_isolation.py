@@ -355,6 +355,61 @@ def test_paths_to_hide_inside_the_project_are_empty_in_the_sandbox(tmp_path):
         hidden.rmdir()
 
 
+REACHES_REFERENCES = """
+import importlib, os, pkgutil, sys
+import autograder
+refs = os.path.join(os.path.dirname(autograder.__file__), "references")
+print("listing", sorted(os.listdir(refs)))
+names = [m.name for m in pkgutil.iter_modules([refs])]
+print("modules", names)
+for lesson in range(20):
+    try:
+        importlib.import_module(f"autograder.references.lesson{lesson:02d}")
+        print("IMPORTED", lesson)
+    except ImportError:
+        pass
+from autograder.registry import lesson_tasks
+tasks = [t for lesson in range(20) for t in lesson_tasks(lesson)]
+print("tasks", len(tasks))
+for t in tasks:  # every lesson's checks load in the worker without a reference
+    for c in t.cases:
+        for what in (t.reference, c.expect):
+            if isinstance(what, str):
+                try:
+                    t.trusted(what)
+                    print("REACHED", t.id, what)
+                except (ImportError, AttributeError):
+                    pass
+print("loaded", sorted(m for m in sys.modules if m.startswith("autograder.references.")))
+"""
+
+
+@pytest.mark.slow
+def test_a_submissions_worker_cannot_import_any_reference(tmp_path):
+    # The batch worker runs only each case's untrusted half; the grader's answers
+    # (autograder/references/) are covered in its namespace: not called, subclassed or copied.
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        pytest.skip("needs root")
+    _need_namespaces()
+    references = ROOT / "autograder" / "references"
+    assert sorted(p.name for p in references.glob("lesson*.py")), "no references to hide"
+    done = _sandboxed(tmp_path / "work", REACHES_REFERENCES)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "listing []" in done.stdout and "modules []" in done.stdout, done.stdout
+    assert "IMPORTED" not in done.stdout and "REACHED" not in done.stdout, done.stdout
+    assert "loaded []" in done.stdout, done.stdout
+    tasks = int(done.stdout.split("tasks ", 1)[1].split()[0])
+    assert tasks >= 40, done.stdout  # the checks themselves loaded: only the answers are missing
+    # and outside the sandbox the same names resolve (the test would pass vacuously otherwise)
+    from autograder.registry import lesson_tasks
+
+    named = [(t, w) for lesson in range(20) for t in lesson_tasks(lesson)
+             for c in t.cases for w in (t.reference, c.expect) if isinstance(w, str)]
+    assert named, "no task names a reference in autograder/references/"
+    for t, what in named:
+        assert callable(t.trusted(what)), (t.id, what)
+
+
 # --------------------------------------------------------------------------- without namespaces
 
 

@@ -275,7 +275,9 @@ def _namespaced(workdir: Path, uid: int, argv: list[str], hide: Any, nsswitch_fd
         cmd += ["--ro-bind", "/sys", "/sys"]
     if os.path.exists("/etc/nsswitch.conf"):
         cmd += ["--perms", "0644", "--ro-bind-data", str(nsswitch_fd), "/etc/nsswitch.conf"]
-    for path in hide:
+    # The grader's answers (autograder/references/) are for the trusted parent only: the worker
+    # runs each case's untrusted half, which never needs them, and cannot reach them at all.
+    for path in (*hide, REFERENCES):
         real = os.path.realpath(path)
         if _inside(real, trees) and os.path.exists(real):
             cmd += ["--tmpfs", real] if os.path.isdir(real) else ["--ro-bind", "/dev/null", real]
@@ -287,6 +289,7 @@ def _namespaced(workdir: Path, uid: int, argv: list[str], hide: Any, nsswitch_fd
     return cmd
 
 
+REFERENCES = Path(__file__).resolve().parents[1] / "references"  # autograder/references/
 _SERIAL = itertools.count()
 # Join each cgroup given ($1 of them), then become the rest of the command line.
 _JOIN = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" 2>/dev/null; shift; n=$((n - 1)); done; exec "$@"'
@@ -587,6 +590,15 @@ def _exhausted(e: BaseException) -> bool:
         or "Cannot allocate memory" in text or "Resource temporarily unavailable" in text
 
 
+class _NoReferences:
+    """A finder that refuses ``autograder.references`` (the grader's answers) in the worker."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname == "autograder.references" or fullname.startswith("autograder.references."):
+            raise ModuleNotFoundError(f"{fullname} is not available to a submission", name=fullname)
+        return None
+
+
 def _worker(job_path: str) -> int:
     os.dup2(1, 2)  # one stream: the parent caps its size
     job = json.loads(Path(job_path).read_text())
@@ -594,6 +606,10 @@ def _worker(job_path: str) -> int:
     control = os.fdopen(int(os.environ.pop(CONTROL_FD_ENV)), "w", buffering=1)
     out = Path(job_path).parent / "results"
     out.mkdir(exist_ok=True)
+
+    # With namespaces, autograder/references/ is an empty folder here. Without them (a grader
+    # without bubblewrap: kit doctor says so), at least no import of it succeeds in this process.
+    sys.meta_path.insert(0, _NoReferences())
 
     import torch
 
