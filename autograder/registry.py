@@ -149,6 +149,24 @@ def fresh_runs() -> None:
         run.forget()
 
 
+class _Picked:
+    """A case's run that reads part of a shared run: ``run(impl, seed)``, then ``pick``."""
+
+    def __init__(self, run: SharedRun, pick: str | Callable[[Any], Any] | None) -> None:
+        self.run, self.pick = run, pick
+        self.__name__ = f"{run.__name__}[{pick!r}]" if isinstance(pick, str) else run.__name__
+
+    def __call__(self, impl: Any, seed: int) -> Any:
+        data = self.run(impl, seed)
+        if self.pick is None:
+            return data
+        if callable(self.pick):
+            return self.pick(data)
+        if isinstance(data, list):  # one result per rank: the key of each
+            return [d.get(self.pick) if isinstance(d, dict) else d for d in data]
+        return data.get(self.pick) if isinstance(data, dict) else data
+
+
 @dataclass
 class Bound:
     """A resource a task's technique bounds, stated as a formula (see :meth:`Task.bound`)."""
@@ -221,7 +239,8 @@ class Task:
         return getattr(module, name, None)
 
     def bound(self, what: str, *, formula: str, lost: str, unit: str = "bytes", weight: float = 1.0,
-              hint: str = "", recipe: str = "", expect: Callable[[int], Any] | None = None):
+              hint: str = "", recipe: str = "", expect: Callable[[int], Any] | str | None = None,
+              uses: SharedRun | None = None, pick: str | Callable[[Any], Any] | None = None):
         """Decorator registering a case that holds a resource to the bound the technique promises.
 
         The case's ``run(impl, seed)`` returns ``{"measured": [one number per rank], ...}`` (from
@@ -246,14 +265,17 @@ class Task:
                          hint=hint or self.hint, recipe=recipe or self.recipe)
 
         return self.case(f"{what} is within {formula}", compare=compare, weight=weight, hint=hint,
-                         expect=expect, recipe=recipe)
+                         expect=expect, recipe=recipe, uses=uses, pick=pick)
 
     def case(self, name: str, *, compare: Callable[[Any, Any], None] = assert_same,
              weight: float = 1.0, hint: str = "", needs: str | None = None,
-             expect: Callable[[int], Any] | None = None, recipe: str = ""):
+             expect: Callable[[int], Any] | str | None = None, recipe: str = "",
+             uses: SharedRun | None = None, pick: str | Callable[[Any], Any] | None = None):
         """Decorator registering ``run(impl, seed) -> data`` as a case of this task.
 
-        ``hint`` (the concept) and ``recipe`` (the steps) default to the task's.
+        ``hint`` (the concept) and ``recipe`` (the steps) default to the task's. A case that
+        judges a shared run needs no body: ``T.case("name", uses=run, pick="losses")`` registers
+        ``run(impl, seed)`` (its ``pick`` key, or ``pick(data)``) and returns None.
         """
 
         def register(run: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
@@ -263,7 +285,12 @@ class Task:
                                    recipe or self.recipe))
             return run
 
-        return register
+        if uses is None:
+            if pick is not None:
+                raise TypeError(f"task {self.id}, case {name!r}: pick= needs uses=")
+            return register
+        register(_Picked(uses, pick))
+        return None
 
     def expected(self, case: Case, seed: int) -> Any:
         """The trusted data ``case`` must produce: ``case.expect(seed)``, else ``run`` on the

@@ -179,3 +179,16 @@ def test_the_registry_still_exports_what_lessons_import():
 
     assert Again is CheckFailed and callable(assert_same)
     assert isinstance(registry.get_task("0.1"), Task)
+
+
+def test_a_case_can_judge_part_of_a_shared_run_without_a_body(scratch_task):
+    run, calls = _counting(result=[{"loss": 1.0, "steps": 3}, {"loss": 1.0, "steps": 3}])
+    t = scratch_task(reference=None)
+    shared = t.shared(run)
+    assert t.case("losses", uses=shared, pick="loss", expect=lambda seed: [1.0, 1.0]) is None
+    t.case("steps", uses=shared, pick=lambda d: [r["steps"] for r in d], expect=lambda seed: [3, 3])
+    report = run_checks(t.id, _identity)
+    assert report.score == 3, report.to_text()
+    assert len(calls) == 1
+    with pytest.raises(TypeError, match="pick= needs uses="):
+        t.case("orphan", pick="loss")

@@ -1,0 +1,85 @@
+"""What a lesson's checks cost: rank launches and wall time of ``run_checks`` on its solutions.
+
+Runs every task of the chosen lessons on the solutions, in this process, as ``check()`` does
+in a notebook (the trusted expectations included, computed on first use), and counts the
+launches of ranks (``kit.launch``/``run_ranks``) and of ``torchrun`` processes. Shared runs
+should make launches per task close to the number of distinct runs a task needs.
+
+    .venv/bin/python benchmarks/check_cost.py               # every lesson
+    .venv/bin/python benchmarks/check_cost.py 5 6 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("lessons", nargs="*", type=int)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    import kit.launcher
+    from autograder.checking import run_checks
+    from autograder.loading import load_tasks
+    from autograder.registry import lesson_tasks
+
+    counts = {"launches": 0, "torchrun": 0}
+    validate = kit.launcher._validate
+
+    def counted_validate(*a, **k):
+        counts["launches"] += 1
+        return validate(*a, **k)
+
+    popen = subprocess.Popen.__init__
+
+    def counted_popen(self, cmd, *a, **k):
+        text = " ".join(map(str, cmd)) if isinstance(cmd, (list, tuple)) else str(cmd)
+        if "torch.distributed.run" in text or "torchrun" in text:
+            counts["torchrun"] += 1
+        return popen(self, cmd, *a, **k)
+
+    kit.launcher._validate = counted_validate
+    subprocess.Popen.__init__ = counted_popen
+    sources = {int(p.name[:2]): p for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}
+    rows = []
+    for lesson in args.lessons or sorted(sources):
+        module = load_tasks(sources[lesson])
+        for task in lesson_tasks(lesson):
+            before = dict(counts)
+            start = time.perf_counter()
+            report = run_checks(task.id, getattr(module, task.name))
+            seconds = time.perf_counter() - start
+            row = {"task": task.id, "cases": len(task.cases), "seconds": round(seconds, 2),
+                   "launches": counts["launches"] - before["launches"],
+                   "torchrun": counts["torchrun"] - before["torchrun"],
+                   "score": f"{report.score:g}/{report.max_score:g}"}
+            rows.append(row)
+            print(f"{row['task']:>5}  {row['cases']:>3} cases  {row['seconds']:>6.2f} s  "
+                  f"{row['launches']:>3} launches  {row['torchrun']:>2} torchrun  {row['score']}",
+                  flush=True)
+    by_lesson: dict[int, dict[str, float]] = {}
+    for row in rows:
+        agg = by_lesson.setdefault(int(row["task"].split(".")[0]),
+                                   {"seconds": 0.0, "launches": 0, "torchrun": 0, "cases": 0})
+        for key in agg:
+            agg[key] += row[key]
+    print("\nlesson  cases  seconds  launches  torchrun")
+    for lesson, agg in sorted(by_lesson.items()):
+        print(f"{lesson:>6}  {agg['cases']:>5}  {agg['seconds']:>7.1f}  {agg['launches']:>8}  "
+              f"{agg['torchrun']:>8}")
+    if args.json:
+        args.json.write_text(json.dumps({"tasks": rows, "lessons": by_lesson}, indent=1))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
