@@ -1,0 +1,134 @@
+"""Each fact is stated once: the registry says a task's name and points, everything else agrees.
+
+A lesson's intro ("**Task 4.2**, 3 points"), the README's lesson table and the registration
+tests of ``tests/test_lessonNN.py`` repeat what ``autograder/lessonNN.py`` registers; these
+tests hold every copy against the registry, so a changed point value fails here until every
+place says the same. CONTRIBUTING's example task is run as written and must pass the project's
+own hint/recipe rule. A failure names the file and the fact that disagrees.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from autograder import registry
+from autograder.registry import lesson_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {int(p.name[:2]): p for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}
+
+
+def _intro(path: Path) -> str:
+    """The lesson's opening markdown (up to its first code cell), comment marks removed."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines()[1:]:
+        if line.startswith("# %%") and "[markdown]" not in line and lines:
+            break
+        lines.append(line[2:] if line.startswith("# ") else line.lstrip("#"))
+    return " ".join(" ".join(lines).split())
+
+
+@pytest.mark.parametrize("lesson", sorted(SOURCES))
+def test_the_lesson_intro_states_every_task_with_the_registrys_points(lesson):
+    intro = _intro(SOURCES[lesson])
+    stated = {tid: float(p) for tid, p in re.findall(r"\*\*Task (\d+\.\d+)\*\*,\s*(\d+(?:\.\d+)?) points?", intro)}
+    registered = {t.id: t.points for t in lesson_tasks(lesson)}
+    assert stated == registered, (f"{SOURCES[lesson].name}'s intro says {stated}, "
+                                  f"autograder/lesson{lesson:02d}.py registers {registered}")
+
+
+def _readme_rows() -> dict[int, str]:
+    rows = {}
+    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
+        m = re.match(r"\|\s*(\d\d)\s*\|.*\|(.*)\|\s*$", line)
+        if m:
+            rows[int(m.group(1))] = m.group(2)
+    return rows
+
+
+@pytest.mark.parametrize("lesson", sorted(SOURCES))
+def test_the_readme_table_names_every_task_of_the_lesson(lesson):
+    rows = _readme_rows()
+    assert lesson in rows, f"README's lesson table has no row for lesson {lesson:02d}"
+    named = set(re.findall(r"`([\w.]+)`", rows[lesson]))
+    tasks = lesson_tasks(lesson)
+    known = {t.name for t in tasks} | {c for t in tasks for c in t.companions}
+    missing = {t.name for t in tasks} - {n.split(".")[0] for n in named}
+    unknown = {n for n in named if n.split(".")[0] not in known}
+    assert not missing and not unknown, (
+        f"README row {lesson:02d}: missing tasks {sorted(missing)}, names that are neither a task "
+        f"nor a declared companion (task(..., companions=...)) {sorted(unknown)}")
+
+
+def _registration_literals(path: Path) -> list[tuple[int, str, tuple]]:
+    """(line, task id, (name, points, ...)) of every dict literal mapping "L.N" to a tuple."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if (isinstance(key, ast.Constant) and isinstance(key.value, str)
+                        and re.fullmatch(r"\d+\.\d+", key.value) and isinstance(value, ast.Tuple)):
+                    try:
+                        found.append((key.lineno, key.value, ast.literal_eval(value)))
+                    except ValueError:
+                        continue
+    return found
+
+
+TEST_FILES = sorted((ROOT / "tests").glob("test_lesson[0-9][0-9].py"))
+
+
+@pytest.mark.parametrize("path", TEST_FILES, ids=[p.name for p in TEST_FILES])
+def test_registration_tests_agree_with_the_registry(path):
+    wrong = []
+    for line, task_id, value in _registration_literals(path):
+        t = registry.get_task(task_id)
+        name = value[0] if value and isinstance(value[0], str) else None
+        points = value[1] if len(value) > 1 and isinstance(value[1], (int, float)) else None
+        if name is not None and name != t.name or points is not None and float(points) != t.points:
+            wrong.append(f"{path.name}:{line}: {task_id} says {value[:2]}, the registry ({t.name!r}, {t.points:g})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_detector_reads_a_registration_literal(tmp_path):
+    sample = tmp_path / "test_lesson99.py"
+    sample.write_text('tasks = {"4.2": ("OverlappedDDP", 3.0), "x": 1}\n')
+    assert _registration_literals(sample) == [(1, "4.2", ("OverlappedDDP", 3.0))]
+
+
+def _contributing_example() -> str:
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    section = text.split("## 2. Register the checks", 1)[1]
+    return section.split("```python", 1)[1].split("```", 1)[0]
+
+
+def test_contributings_example_task_passes_the_hint_and_recipe_rule_as_written(monkeypatch):
+    monkeypatch.setattr(registry, "TASKS", {})
+    namespace: dict = {}
+    exec(compile(_contributing_example(), "CONTRIBUTING.md", "exec"), namespace)  # noqa: S102
+    (t,) = registry.TASKS.values()
+    # the rule tests/test_checks.py applies to every real task
+    assert t.hint and t.recipe and t.hint != t.recipe, t.id
+    assert t.cases, "the example registers no case"
+    for c in t.cases:
+        assert c.hint and c.recipe and c.hint != c.recipe, (t.id, c.name)
+    # and its cases run and pass on a correct shard_range
+    from autograder.checking import run_checks
+
+    monkeypatch.setattr(registry, "get_task", lambda task_id: t)
+    import autograder.checking
+
+    monkeypatch.setattr(autograder.checking, "get_task", lambda task_id: t)
+    t.reference = _balanced
+    report = run_checks(t.id, _balanced)
+    assert report.passed, report.to_text()
+
+
+def _balanced(n, rank, world_size):
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
