@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autograder.loading import load_tasks
-from kit.launcher import run_ranks
+from kit.launcher import preload_modules, run_ranks
 from kit.lessons.models import TinyTransformer, token_batch
 from kit.lessons.sharding import stage_bytes
 
@@ -133,8 +133,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
 
-    import torch._dynamo  # noqa: F401  (FSDP2's DTensors import it: once here, not per rank)
-    import torch.distributed.fsdp  # noqa: F401
+    # FSDP2's DTensors import Dynamo: once here, before the ranks fork, not in every rank
+    preload_modules(("torch._dynamo", "torch.distributed.fsdp"))
 
     solution = load_tasks(ROOT / "solutions" / "05_sharding.py")
     config = {"vocab": 256, "dim": args.dim, "layers": args.layers, "heads": 4, "context": 64}

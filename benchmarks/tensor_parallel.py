@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autograder.loading import load_tasks
-from kit.launcher import run_ranks
+from kit.launcher import preload_modules, run_ranks
 from kit.trace import trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args(argv)
 
-    import torch.distributed.tensor.parallel  # noqa: F401 - once here, not in every forked rank
+    preload_modules(("torch.distributed.tensor.parallel",))  # once here, not in every forked rank
 
     solution = load_tasks(ROOT / "solutions" / "08_model_parallel.py")
     result = run_ranks(_time_both, (solution.ColumnParallelLinear, solution.RowParallelLinear,

@@ -348,10 +348,13 @@ def test_50_consecutive_launches_leak_no_process_or_fd():
 
 
 INTERRUPT_SCRIPT = textwrap.dedent("""
-    import faulthandler, os, sys, time
+    import faulthandler, os, signal, sys, time
     import torch.distributed as dist
     import kit
 
+    # What a Jupyter kernel does before it runs a cell: SIGINT raises KeyboardInterrupt, whatever
+    # disposition the process inherited (a shell's `cmd &` or nohup starts it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # If this script ever hangs, its own stack reaches the test's report before the test gives up.
     faulthandler.dump_traceback_later(75, exit=True)
 
@@ -370,12 +373,18 @@ INTERRUPT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_interrupt_leaves_no_rank_behind_and_next_launch_works(tmp_path):
+def _ignoring_sigint() -> None:  # what `cmd &` in a non-interactive shell, or nohup, hands down
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_interrupt_leaves_no_rank_behind_and_next_launch_works(tmp_path, inherited):
     script = tmp_path / "interrupt.py"
     script.write_text(INTERRUPT_SCRIPT)
     prefix = str(tmp_path / "pid")
     proc = subprocess.Popen([sys.executable, str(script), prefix], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ignoring_sigint if inherited == "ignored" else None)
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("pid*"))) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -391,6 +400,46 @@ def test_interrupt_leaves_no_rank_behind_and_next_launch_works(tmp_path):
         pytest.fail(f"the script did not exit within 90 s of SIGINT\nstdout:\n{out}\nstderr:\n{err}")
     assert "interrupted" in out and "[0, 1]" in out, f"stdout:\n{out}\nstderr:\n{err}"
     time.sleep(0.2)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+IGNORED_SIGINT_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch.distributed as dist
+    import kit
+
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+    def work(path):
+        with open(path + str(dist.get_rank()), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3)
+        return dist.get_rank()
+
+    if __name__ == "__main__":
+        print(kit.launch(work, sys.argv[1], world_size=2, timeout=60), flush=True)
+        print("disposition", signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+""")
+
+
+def test_a_launch_under_an_ignored_sigint_ignores_it_and_cleans_up(tmp_path):
+    # With SIGINT ignored there is no interrupt to obey: the launch runs to its end, returns
+    # every rank's value, leaves no rank behind and leaves the disposition as it found it.
+    script = tmp_path / "ignored.py"
+    script.write_text(IGNORED_SIGINT_SCRIPT)
+    prefix = str(tmp_path / "pid")
+    proc = subprocess.Popen([sys.executable, str(script), prefix], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_ignoring_sigint)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.1)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "[0, 1]" in out and "disposition True" in out, f"stdout:\n{out}\nstderr:\n{err}"
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
