@@ -1,30 +1,26 @@
 """Checks for Lesson 00, "Launching ranks from a notebook": tasks 0.1 and 0.2.
 
-Task 0.1 ``shard_range`` is checked against ``torch.tensor_split`` (torch's own balanced
-split). Task 0.2 ``global_mean`` runs on real ranks through :func:`kit.launch`; its expected
-value is computed in one process as the mean of the concatenation of every rank's data.
+Task 0.1 ``shard_range`` is checked against torch's own balanced split (``torch.tensor_split``).
+Task 0.2 ``global_mean`` runs on real ranks, one shared run per case; its expected value is the
+mean of the concatenation of every rank's data, computed in one process. Both answers live in
+:mod:`autograder.references.lesson00`, which only the trusted side imports: this module names
+them (``reference="shard_range"``) and holds only the untrusted runs and the comparisons.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
-from autograder.registry import CheckFailed, plain, task
+from autograder.compare import CheckFailed, describe, per_rank
+from autograder.registry import plain, task
 
 # --------------------------------------------------------------------------- task 0.1
 
-
-def _reference_shard_range(n: int, rank: int, world_size: int) -> range:
-    # torch.tensor_split gives the first n % world_size sections one extra element.
-    sizes = [len(s) for s in torch.tensor_split(torch.arange(n), world_size)]
-    start = sum(sizes[:rank])
-    return range(start, start + sizes[rank])
-
-
 SHARD = task(
-    "0.1", "shard_range", points=2, reference=_reference_shard_range,
+    "0.1", "shard_range", points=2, reference="shard_range",
     forbidden=("torch.utils.data.DistributedSampler",),
     hint="The shards split 0 .. n-1 into world_size contiguous pieces that cover every item "
          "exactly once, with sizes that differ by at most one (a balanced split).",
@@ -88,34 +84,27 @@ MEAN = task(
 )
 
 
-def _local_blocks(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+def local_blocks(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
     """Each rank's data: float32 blocks of the given shapes, centred on different values."""
     g = torch.Generator().manual_seed(seed)
     # The per-rank offset makes the mean of means differ clearly from the true mean.
     return [torch.randn(shape, generator=g) + 3.0 * rank for rank, shape in enumerate(shapes)]
 
 
-
 def _mean_on_rank(global_mean: Any, seed: int, shapes: list[tuple[int, ...]]) -> Any:
+    """What one rank returns: ``global_mean`` of its own block, as plain data."""
     import torch.distributed as dist
 
-    local = _local_blocks(seed, shapes)[dist.get_rank()]
+    local = local_blocks(seed, shapes)[dist.get_rank()]
     return plain(global_mean(local))
 
 
-def _expected_means(seed: int, shapes: list[tuple[int, ...]]) -> list[float]:
-    # Trusted and independent of any collective: one process, the concatenation of all data.
-    everything = torch.cat([b.reshape(-1).double() for b in _local_blocks(seed, shapes)])
-    return [everything.mean().item()] * len(shapes)
-
-
 def _compare_means(got: Any, expected: list[float]) -> None:
-    if not isinstance(got, list) or len(got) != len(expected):
-        raise CheckFailed("expected one result per rank", expected=len(expected), got=repr(got)[:200])
-    for rank, (g, e) in enumerate(zip(got, expected)):
+    for rank, (g, e) in enumerate(zip(per_rank(got, len(expected), "mean"), expected)):
         if not isinstance(g, torch.Tensor):
-            raise CheckFailed(f"rank {rank} returned {g!r}, not a tensor", expected="a 0-d tensor",
-                              got=g, hint="Return a tensor, e.g. total / count, not .item().")
+            raise CheckFailed(f"rank {rank} returned {describe(g, 80)}, not a tensor",
+                              expected="a 0-d tensor", got=g,
+                              hint="Return a tensor, e.g. total / count, not .item().")
         if g.numel() != 1:
             raise CheckFailed(f"rank {rank} returned a tensor of shape {tuple(g.shape)}, not a single "
                               "value", expected="a 0-d tensor, like torch.mean returns",
@@ -127,14 +116,11 @@ def _compare_means(got: Any, expected: list[float]) -> None:
 
 
 def _mean_case(name: str, shapes: list[tuple[int, ...]], hint: str = "", recipe: str = "") -> None:
-    def run(global_mean: Any, seed: int) -> list[Any]:
-        import kit
-
-        return list(kit.launch(_mean_on_rank, global_mean, seed, shapes,
-                               world_size=len(shapes), timeout=20.0))
-
-    MEAN.case(name, compare=_compare_means, hint=hint, recipe=recipe,
-              expect=lambda seed: _expected_means(seed, shapes))(run)
+    """A case on ``len(shapes)`` ranks, rank r holding a block of ``shapes[r]``."""
+    on_ranks = MEAN.shared(partial(_mean_on_rank, shapes=shapes), world_size=len(shapes),
+                           timeout=20.0)
+    MEAN.case(name, uses=on_ranks, compare=_compare_means, hint=hint, recipe=recipe,
+              expect=lambda seed: MEAN.trusted("mean_in_one_process")(seed, shapes))
 
 
 _mean_case("4 ranks holding 6 elements each", [(6,)] * 4)

@@ -183,9 +183,9 @@ def test_unknown_task_id_names_the_known_ones():
 
 @given(st.integers(0, 5000), st.integers(1, 64))
 def test_reference_shard_range_is_a_balanced_exact_cover(n, world_size):
-    from autograder.lesson00 import _reference_shard_range
+    from autograder.references.lesson00 import shard_range
 
-    shards = [_reference_shard_range(n, r, world_size) for r in range(world_size)]
+    shards = [shard_range(n, r, world_size) for r in range(world_size)]
     assert [i for s in shards for i in s] == list(range(n))
     sizes = [len(s) for s in shards]
     assert max(sizes) - min(sizes) <= 1
@@ -193,12 +193,13 @@ def test_reference_shard_range_is_a_balanced_exact_cover(n, world_size):
 
 
 def test_expected_global_mean_is_the_mean_of_the_concatenation():
-    from autograder.lesson00 import _expected_means, _local_blocks
+    from autograder.lesson00 import local_blocks
+    from autograder.references.lesson00 import mean_in_one_process
 
     shapes = [(4,), (0,), (7,)]
-    blocks = _local_blocks(3, shapes)
+    blocks = local_blocks(3, shapes)
     want = torch.cat(blocks).double().mean().item()
-    assert _expected_means(3, shapes) == pytest.approx([want] * 3)
+    assert mean_in_one_process(3, shapes) == pytest.approx([want] * 3)
     assert blocks[1].numel() == 0
 
 
@@ -206,12 +207,13 @@ def test_global_mean_case_runs_a_loaded_function_on_spawned_ranks():
     # Where fork is unsafe (macOS, CUDA in the kernel) ranks are spawned: the case's rank
     # function and the loaded task must then be importable in a fresh interpreter.
     import kit
-    from autograder.lesson00 import _expected_means, _mean_on_rank
+    from autograder.lesson00 import _mean_on_rank
+    from autograder.references.lesson00 import mean_in_one_process
 
     shapes = [(3,), (0,)]
     impl = solutions(0).global_mean
     got = kit.launch(_mean_on_rank, impl, 5, shapes, world_size=2, start_method="spawn", timeout=120)
-    assert [float(x) for x in got] == pytest.approx(_expected_means(5, shapes))
+    assert [float(x) for x in got] == pytest.approx(mean_in_one_process(5, shapes))
 
 
 # --------------------------------------------------------------------------- hint levels
