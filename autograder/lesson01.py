@@ -6,8 +6,10 @@ call no collective, and the broadcast must finish in ``ceil(log2 p)`` rounds, co
 messages the ranks really sent. Results are compared with torch's own ``dist.all_reduce`` on the
 same random inputs (1.2) or with the source rank's data (1.1). Task 1.3 ``store_barrier`` is a
 property check: with one rank arriving late in every round, no rank may leave before the last
-one arrived. Task 1.4 compares with a least-squares fit kept here (not in :mod:`kit.lessons.costmodel`,
-which the lesson's setup cell imports) and with :func:`kit.lessons.costmodel.ring_all_reduce_time`.
+one arrived. Task 1.4 compares with a least-squares fit and with
+:func:`kit.lessons.costmodel.ring_all_reduce_time`. The answers live in
+:mod:`autograder.references.lesson01` (trusted only), named here by string; the ranks of
+1.1 and 1.2 run as shared runs, the reference's through the very same ones.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import shutil
 import tempfile
 import time
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
 
-from autograder.registry import CheckFailed, assert_same, plain, task
-from kit.lessons import costmodel
+from autograder.compare import CheckFailed, assert_same, describe, per_rank
+from autograder.registry import plain, task
 
 # Every collective, by each name a route reaches it under (the recorder's op names, and the
 # functional collectives): tasks 1.1 and 1.2 build theirs from point-to-point messages only.
@@ -45,8 +48,7 @@ RANK_TIMEOUT_S = 30.0  # a deadlocked ring shows the launcher's hang report afte
 STORE_WAIT_S = 4.0  # how long store_barrier's waits may block before the check calls it stuck
 
 
-
-def _rank_tensor(seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def rank_tensor(seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Rank ``rank``'s random input: normal floats, or integers in [-100, 100) for int64."""
     g = torch.Generator().manual_seed(seed * 7919 + rank)
     if dtype.is_floating_point:
@@ -54,14 +56,9 @@ def _rank_tensor(seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtyp
     return torch.randint(-100, 100, shape, generator=g, dtype=dtype)
 
 
-def _launch(fn: Any, args: tuple, world_size: int) -> list[Any]:
-    from kit.launcher import run_ranks
-
-    return list(run_ranks(fn, args, {}, world_size=world_size, timeout=RANK_TIMEOUT_S, echo=False))
-
-
-def _no_collectives(got: dict[str, Any], name: str) -> None:
-    used = sorted({op for ops in got["collectives"] for op in ops})
+def _no_collectives(collectives: list[list[str]], name: str) -> None:
+    """Fail if any rank called a collective (``collectives``: each rank's op names)."""
+    used = sorted({op for ops in collectives for op in ops})
     if used:
         raise CheckFailed(f"{name} called {', '.join(f'dist.{op}' for op in used)}: this task may use "
                           "only send/recv (or isend/irecv)", expected="no collective calls", got=used,
@@ -70,8 +67,8 @@ def _no_collectives(got: dict[str, Any], name: str) -> None:
 
 def _compare_tensors(got: list[Any], expected: list[torch.Tensor], what: str) -> None:
     for rank, (g, e) in enumerate(zip(got, expected)):
-        if isinstance(g, str):
-            raise CheckFailed(f"{what}: rank {rank} ended with {g}, not a tensor")
+        if not isinstance(g, torch.Tensor):
+            raise CheckFailed(f"{what}: rank {rank} ended with {describe(g, 80)}, not a tensor")
         # float sums in a different order than gloo's differ in the last bits only
         assert_same(g, e, rtol=1e-5, atol=1e-5, path=f"{what}, rank {rank}")
 
@@ -87,7 +84,7 @@ def _broadcast_on_rank(tree_broadcast: Any, seed: int, src: int, shape: tuple[in
 
     rank = dist.get_rank()
     # Non-source ranks start from their own data: a broadcast must overwrite it.
-    tensor = _rank_tensor(seed, rank, shape, dtype)
+    tensor = rank_tensor(seed, rank, shape, dtype)
     with trace() as t:
         tree_broadcast(tensor, src)
     messages = [(e.op, e.peer) for e in t.events if e.kind == "p2p"]
@@ -136,10 +133,8 @@ def count_rounds(messages: list[list[tuple[str, int | None]]], src: int) -> int:
 
 
 def _compare_broadcast(got: Any, expected: dict[str, Any]) -> None:
-    if not isinstance(got, list) or len(got) != len(expected["tensors"]):
-        raise CheckFailed("expected one result per rank", got=repr(got)[:200])
-    got_ = {"collectives": [g["collectives"] for g in got]}
-    _no_collectives(got_, "tree_broadcast")
+    got = per_rank(got, len(expected["tensors"]))
+    _no_collectives([g["collectives"] for g in got], "tree_broadcast")
     _compare_tensors([g["tensor"] for g in got], expected["tensors"],
                      f"broadcast from rank {expected['src']}")
     rounds = count_rounds([g["messages"] for g in got], expected["src"])
@@ -152,14 +147,8 @@ def _compare_broadcast(got: Any, expected: dict[str, Any]) -> None:
                                "one rank that does not, so the number of holders doubles.")
 
 
-def _reference_tree_broadcast(tensor: torch.Tensor, src: int = 0) -> None:
-    import torch.distributed as dist
-
-    dist.broadcast(tensor, src)
-
-
 BROADCAST = task(
-    "1.1", "tree_broadcast", points=3, reference=_reference_tree_broadcast, forbidden=COLLECTIVES,
+    "1.1", "tree_broadcast", points=3, reference="tree_broadcast", forbidden=COLLECTIVES,
     hint="A binomial tree: in every round each rank that already holds the data sends it to "
          "one rank that does not, so the number of holders doubles and p ranks are done in "
          "ceil(log2 p) rounds, with point-to-point messages only.",
@@ -174,16 +163,11 @@ BROADCAST = task(
 
 def _broadcast_case(name: str, world_size: int, src: int, shape: tuple[int, ...],
                     dtype: torch.dtype, hint: str = "", recipe: str = "") -> None:
-    def run(tree_broadcast: Any, seed: int) -> list[dict[str, Any]]:
-        return _launch(_broadcast_on_rank, (tree_broadcast, seed, src, shape, dtype), world_size)
-
-    def expect(seed: int) -> dict[str, Any]:
-        # torch's broadcast leaves every rank with src's tensor: computed here in one process.
-        data = _rank_tensor(seed, src, shape, dtype)
-        return {"tensors": [data] * world_size, "src": src,
-                "rounds": math.ceil(math.log2(world_size)) if world_size > 1 else 0}
-
-    BROADCAST.case(name, compare=_compare_broadcast, expect=expect, hint=hint, recipe=recipe)(run)
+    on_ranks = BROADCAST.shared(partial(_broadcast_on_rank, src=src, shape=shape, dtype=dtype),
+                                world_size=world_size, timeout=RANK_TIMEOUT_S)
+    BROADCAST.case(name, uses=on_ranks, compare=_compare_broadcast, hint=hint, recipe=recipe,
+                   expect=lambda seed: BROADCAST.trusted("broadcast_from_src")(
+                       seed, world_size, src, shape, dtype))
 
 
 _broadcast_case("4 ranks from rank 0 (float32, 2 rounds)", 4, 0, (5, 3), torch.float32)
@@ -201,13 +185,7 @@ _broadcast_case("7 ranks from rank 2 (not a power of two)", 7, 2, (4,), torch.fl
                      "rank may have fewer children than its place in the tree allows.",
                 recipe="Skip every child whose vrank is >= p: that rank does not exist.")
 _broadcast_case("2 ranks from rank 1", 2, 1, (3,), torch.int64)
-
-
-@BROADCAST.case("a single rank does nothing", expect=lambda seed: {"tensors": [
-    _rank_tensor(seed, 0, (3,), torch.float32)], "src": 0, "rounds": 0},
-    compare=_compare_broadcast)
-def _(tree_broadcast: Any, seed: int) -> list[dict[str, Any]]:
-    return _launch(_broadcast_on_rank, (tree_broadcast, seed, 0, (3,), torch.float32), 1)
+_broadcast_case("a single rank does nothing", 1, 0, (3,), torch.float32)
 
 
 # --------------------------------------------------------------------------- task 1.2
@@ -223,7 +201,7 @@ def _ring_on_rank(ring_all_reduce: Any, seed: int, configs: list[tuple[tuple[int
     tensors = []
     with trace() as t:
         for i, (shape, dtype) in enumerate(configs):
-            tensor = _rank_tensor(seed + 1000 * i, rank, shape, dtype)
+            tensor = rank_tensor(seed + 1000 * i, rank, shape, dtype)
             ring_all_reduce(tensor)  # in place
             tensors.append(plain(tensor))
             t.events.append(None)  # a marker: the messages of the next config follow
@@ -238,22 +216,16 @@ def _ring_on_rank(ring_all_reduce: Any, seed: int, configs: list[tuple[tuple[int
             "messages": messages[:-1]}
 
 
-def _reference_ring_all_reduce(tensor: torch.Tensor) -> None:
-    import torch.distributed as dist
-
-    dist.all_reduce(tensor)
-
-
 def _describe_config(shape: tuple[int, ...], dtype: torch.dtype) -> str:
     return f"{math.prod(shape)} elements of {str(dtype).replace('torch.', '')}"
 
 
-def _compare_ring(got: Any, expected: dict[str, Any]) -> None:
-    want = expected["ranks"]
-    if not isinstance(got, list) or len(got) != len(want):
-        raise CheckFailed("expected one result per rank", got=repr(got)[:200])
-    _no_collectives({"collectives": [g["collectives"] for g in got]}, "ring_all_reduce")
-    for i, (shape, dtype) in enumerate(expected["configs"]):
+def _compare_ring(got: Any, want: list[dict[str, Any]],
+                  configs: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """One launch: ``got`` the student's ranks, ``want`` torch's all_reduce on the same inputs."""
+    got = per_rank(got, len(want))
+    _no_collectives([g["collectives"] for g in got], "ring_all_reduce")
+    for i, (shape, dtype) in enumerate(configs):
         what = f"{len(got)} ranks, {_describe_config(shape, dtype)}"
         _compare_ring_pattern([g["messages"][i] for g in got], math.prod(shape),
                               torch.empty((), dtype=dtype).element_size(), what)
@@ -304,7 +276,7 @@ def _compare_ring_pattern(messages: list[list[tuple[str, int | None, int]]], n: 
 
 
 RING = task(
-    "1.2", "ring_all_reduce", points=4, reference=_reference_ring_all_reduce, forbidden=COLLECTIVES,
+    "1.2", "ring_all_reduce", points=4, reference="ring_all_reduce", forbidden=COLLECTIVES,
     hint="A ring all-reduce is a reduce-scatter followed by an all-gather over p chunks: each "
          "rank only sends to its right neighbour and receives from its left, one chunk of about "
          "n / p elements per step, sending and receiving at the same time, 2(p - 1) steps.",
@@ -322,24 +294,22 @@ def _ring_case(name: str, world_size: int, configs: list[tuple[tuple[int, ...], 
                hint: str = "", also: tuple[int, list[tuple[tuple[int, ...], torch.dtype]]] | None = None,
                recipe: str = "") -> None:
     """A case on ``world_size`` ranks; ``also`` adds a second launch (world size, configs) that
-    must pass too (a single rank, which any implementation passes, never stands alone)."""
+    must pass too (a single rank, which any implementation passes, never stands alone). The
+    expected data is the reference (torch's all_reduce) through the same runs, on real ranks."""
     launches = [(world_size, configs)] + ([also] if also else [])
+    on_ranks = [RING.shared(partial(_ring_on_rank, configs=c), world_size=w, timeout=RANK_TIMEOUT_S)
+                for w, c in launches]
 
     def run(ring_all_reduce: Any, seed: int) -> list[list[dict[str, Any]]]:
-        return [_launch(_ring_on_rank, (ring_all_reduce, seed, c), w) for w, c in launches]
+        return [launch(ring_all_reduce, seed) for launch in on_ranks]
 
-    def expect(seed: int) -> list[dict[str, Any]]:
-        # torch's own all_reduce on the same inputs, on real ranks (trusted code).
-        return [{"ranks": _launch(_ring_on_rank, (_reference_ring_all_reduce, seed, c), w),
-                 "configs": c} for w, c in launches]
-
-    def compare(got: Any, expected: list[dict[str, Any]]) -> None:
+    def compare(got: Any, expected: list[list[dict[str, Any]]]) -> None:
         if not isinstance(got, list) or len(got) != len(expected):
-            raise CheckFailed("expected one result per launch", got=repr(got)[:200])
-        for g, e in zip(got, expected):
-            _compare_ring(g, e)
+            raise CheckFailed("expected one result per launch", got=describe(got))
+        for g, e, (_, c) in zip(got, expected, launches):
+            _compare_ring(g, e, c)
 
-    RING.case(name, compare=compare, expect=expect, hint=hint, recipe=recipe)(run)
+    RING.case(name, compare=compare, hint=hint, recipe=recipe)(run)
 
 
 _F32, _F64, _I64 = torch.float32, torch.float64, torch.int64
@@ -398,8 +368,7 @@ def _barrier_on_rank(store_barrier: Any, seed: int, host: str, port: int | None,
     return times
 
 
-def _compare_barrier(got: Any, expected: dict[str, Any]) -> None:
-    names = expected["names"]
+def _compare_barrier(got: Any, expected: None, names: list[str]) -> None:
     if not isinstance(got, list) or any(not isinstance(g, list) or len(g) != len(names) for g in got):
         raise CheckFailed("expected an (arrive, leave) time per rank and barrier", got=repr(got)[:200])
     for i, name in enumerate(names):
@@ -423,6 +392,8 @@ def _barrier_case(name: str, world_size: int, names: list[str], *, file_store: b
     def run(store_barrier: Any, seed: int) -> list[list[tuple[float, float]]]:
         import torch.distributed as dist
 
+        from kit.launcher import run_ranks
+
         rng = random.Random(seed)
         late = [rng.randrange(world_size) for _ in names]
         tmp = tempfile.mkdtemp(prefix="kit-barrier-")
@@ -434,13 +405,14 @@ def _barrier_case(name: str, world_size: int, names: list[str], *, file_store: b
                 master = dist.TCPStore(host, 0, None, True, timedelta(seconds=10),
                                        wait_for_workers=False)
                 args = (store_barrier, seed, host, master.port, None, names, late)
-            return _launch(_barrier_on_rank, args, world_size)
+            return list(run_ranks(_barrier_on_rank, args, world_size=world_size,
+                                  timeout=RANK_TIMEOUT_S, echo=False))
         finally:
             del master
             shutil.rmtree(tmp, ignore_errors=True)
 
-    BARRIER.case(name, compare=_compare_barrier, expect=lambda seed: {"names": names},
-                 hint=hint)(run)
+    # a property check: no expectation, the compare knows the barrier's names
+    BARRIER.case(name, compare=partial(_compare_barrier, names=names), hint=hint)(run)
 
 
 BARRIER = task(
@@ -474,16 +446,14 @@ _barrier_case("5 ranks on a FileStore, reused 4 times", 5, ["epoch"] * 4, file_s
 
 def _model_of(fit_alpha_beta: Any) -> Any:
     """The student's ``ring_all_reduce_time``: defined beside ``fit_alpha_beta`` (same cell)."""
-    found = getattr(fit_alpha_beta, "ring_all_reduce_time", None)
-    if found is None:
-        found = getattr(fit_alpha_beta, "__globals__", {}).get("ring_all_reduce_time")
+    found = MODEL.companion(fit_alpha_beta, "ring_all_reduce_time")
     if not callable(found):
         raise CheckFailed("ring_all_reduce_time is not defined",
                           hint="Define ring_all_reduce_time in the same cell as fit_alpha_beta.")
     return found
 
 
-def _measurements(seed: int, noise: float) -> tuple[list[float], list[float], float, float]:
+def measurements(seed: int, noise: float) -> tuple[list[float], list[float], float, float]:
     """Synthetic timings: sizes from 1 KB to 64 MB, times alpha + beta n, times (1 + noise)."""
     rng = random.Random(seed)
     alpha = rng.uniform(20e-6, 200e-6)  # 20-200 us latency
@@ -531,21 +501,8 @@ def _compare_fit(got: Any, expected: Any) -> None:
             raise CheckFailed(f"{name} is wrong", expected=e, got=g)
 
 
-def _reference_fit(nbytes: Any, seconds: Any) -> tuple[float, float]:
-    """Trusted least-squares fit of ``seconds = alpha + beta * nbytes`` (float64, torch's lstsq)."""
-    x = torch.as_tensor(nbytes, dtype=torch.float64).reshape(-1)
-    y = torch.as_tensor(seconds, dtype=torch.float64).reshape(-1)
-    if x.numel() != y.numel():
-        raise ValueError(f"nbytes and seconds differ in length ({x.numel()} != {y.numel()})")
-    if x.unique().numel() < 2:
-        raise ValueError("fitting alpha and beta needs at least two different message sizes")
-    design = torch.stack([torch.ones_like(x), x], dim=1)  # (m, 2): [1, n] per measurement
-    alpha, beta = torch.linalg.lstsq(design, y[:, None], driver="gelsd").solution[:, 0].tolist()
-    return alpha, beta
-
-
 MODEL = task(
-    "1.4", "fit_alpha_beta", points=2, reference=_reference_fit,
+    "1.4", "fit_alpha_beta", points=2, reference="fit_alpha_beta", companions=("ring_all_reduce_time",),
     # One-call answers; kit.lessons.costmodel.ring_all_reduce_time stays in kit for Lesson 08's planner.
     forbidden=("numpy.polyfit", "numpy.polynomial.polynomial.polyfit", "scipy.stats.linregress",
                "kit.lessons.costmodel.ring_all_reduce_time"),
@@ -558,32 +515,32 @@ MODEL = task(
 
 
 @MODEL.case("recovers alpha and beta from exact timings (lists)", compare=_compare_fit,
-            expect=lambda seed: list(_measurements(seed, 0.0)[2:]))
+            expect="true_alpha_beta")
 def _(fit_alpha_beta: Any, seed: int) -> Any:
-    sizes, times, _, _ = _measurements(seed, 0.0)
+    sizes, times, _, _ = measurements(seed, 0.0)
     return _pair(fit_alpha_beta(sizes, times))
 
 
 @MODEL.case("least-squares fit of noisy timings (tensors)", compare=_compare_fit,
-            expect=lambda seed: list(_reference_fit(*_measurements(seed + 1, 0.2)[:2])),
+            expect="fit_of_noisy_timings",
             hint="Fit ordinary least squares on the seconds, with an intercept: not a line "
                  "through the origin, not through two points.")
 def _(fit_alpha_beta: Any, seed: int) -> Any:
-    sizes, times, _, _ = _measurements(seed + 1, 0.2)
+    sizes, times, _, _ = measurements(seed + 1, 0.2)
     return _pair(fit_alpha_beta(torch.tensor(sizes), torch.tensor(times)))
 
 
 _GRID = [(n, p) for n in (1.0, 4096.0, 2.0**24, 1e9) for p in (1, 2, 3, 4, 8, 64)]
 
 
-def _predictions(model: Any, alpha: float, beta: float) -> list[dict[str, Any]]:
+def predictions(model: Any, alpha: float, beta: float) -> list[dict[str, Any]]:
     return [{"label": f"ring_all_reduce_time({n:g} bytes, world_size={p})",
              "value": _as_float(model(n, p, alpha, beta))} for n, p in _GRID]
 
 
 @MODEL.case("ring_all_reduce_time matches 2(p-1) alpha + 2(p-1)/p n beta", compare=_compare_model,
-            expect=lambda seed: _predictions(costmodel.ring_all_reduce_time, 5e-5, 1e-9),
+            expect="ring_predictions",
             hint="A ring all-reduce is 2(p-1) messages in a row, each of n / p bytes and each "
                  "paying the latency alpha once; one rank sends nothing.")
 def _(fit_alpha_beta: Any, seed: int) -> Any:
-    return _predictions(_model_of(fit_alpha_beta), 5e-5, 1e-9)
+    return predictions(_model_of(fit_alpha_beta), 5e-5, 1e-9)

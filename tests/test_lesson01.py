@@ -19,8 +19,9 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autograder.lesson01 import _reference_fit, count_rounds
+from autograder.lesson01 import count_rounds
 from autograder.loading import load_tasks
+from autograder.references.lesson01 import fit_alpha_beta as reference_fit
 from autograder.registry import CheckFailed
 from kit.launcher import run_ranks
 from kit.lessons import costmodel
@@ -121,7 +122,7 @@ def test_solution_ring_equals_torch_all_reduce(p, n, dtype):
 def test_fits_recover_alpha_and_beta_from_exact_times(alpha, beta):
     sizes = [2.0**k for k in range(8, 28, 3)]
     seconds = [alpha + beta * n for n in sizes]
-    for fit in (_reference_fit, solution().fit_alpha_beta):
+    for fit in (reference_fit, solution().fit_alpha_beta):
         a, b = fit(sizes, seconds)
         assert a == pytest.approx(alpha, rel=1e-6, abs=1e-12)
         assert b == pytest.approx(beta, rel=1e-6)
@@ -132,14 +133,14 @@ def test_fits_agree_with_numpy_polyfit_on_noisy_times():
     sizes = np.geomspace(1e3, 1e8, 12)
     seconds = (5e-5 + 2e-10 * sizes) * rng.uniform(0.7, 1.3, sizes.size)
     beta, alpha = np.polyfit(sizes, seconds, 1)  # an independent least-squares implementation
-    for fit in (_reference_fit, solution().fit_alpha_beta):
+    for fit in (reference_fit, solution().fit_alpha_beta):
         a, b = fit(sizes.tolist(), torch.tensor(seconds))
         assert (a, b) == pytest.approx((alpha, beta), rel=1e-6)
 
 
 def test_fit_refuses_a_single_message_size():
     with pytest.raises(ValueError, match="two different message sizes"):
-        _reference_fit([1024, 1024], [1e-4, 2e-4])
+        reference_fit([1024, 1024], [1e-4, 2e-4])
 
 
 @given(st.integers(1, 1024), st.floats(1, 1e10))
