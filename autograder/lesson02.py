@@ -6,7 +6,8 @@ Task 2.1 ``dist_info_from_env`` is compared with a trusted reader on torchrun's 
 an uninterrupted single-process run of the trusted training loop: in this process after a
 simulated crash, and under real ``torchrun --max-restarts=1`` with rank 1 killed (SIGKILL)
 partway through the first attempt. Task 2.3 ``first_mismatch`` is compared with a trusted
-finder on hand-made call sequences.
+finder on hand-made call sequences. The trusted reader, training loop and finder live in
+:mod:`autograder.references.lesson02`, named here by string.
 """
 
 from __future__ import annotations
@@ -17,59 +18,20 @@ import signal
 import sys
 import tempfile
 import types
-from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from autograder.registry import CheckFailed, assert_same, pickle_for_worker, task
+from autograder.compare import CheckFailed, assert_same, describe
+from autograder.registry import pickle_for_worker, task
 
 # --------------------------------------------------------------------------- task 2.1
 
 FIELDS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank", "master_addr",
           "master_port", "is_distributed")
-
-
-def _reference_dist_info(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Trusted reader: the DistInfo fields as a dict, or ValueError."""
-    env = os.environ if env is None else env
-
-    def number(name: str, default: int, low: int = 0) -> int:
-        if name not in env:
-            return default
-        try:
-            value = int(env[name])
-        except ValueError:
-            raise ValueError(f"{name}={env[name]!r} is not an integer") from None
-        if value < low:
-            raise ValueError(f"{name}={value} must be >= {low}")
-        return value
-
-    world_size = number("WORLD_SIZE", 1, low=1)
-    rank = number("RANK", 0)
-    local_world_size = number("LOCAL_WORLD_SIZE", world_size, low=1)
-    local_rank = number("LOCAL_RANK", rank % local_world_size)
-    node_rank = number("GROUP_RANK", rank // local_world_size)
-    port = number("MASTER_PORT", 29500, low=1)
-    if port > 65535:
-        raise ValueError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
-    if rank >= world_size:
-        raise ValueError(f"RANK={rank} must be < WORLD_SIZE={world_size}")
-    if local_rank >= local_world_size:
-        raise ValueError(f"LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_world_size}")
-    if world_size % local_world_size:
-        raise ValueError(f"LOCAL_WORLD_SIZE={local_world_size} does not divide WORLD_SIZE={world_size}")
-    if rank != node_rank * local_world_size + local_rank:
-        raise ValueError(f"RANK={rank} != GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK "
-                         f"({node_rank} * {local_world_size} + {local_rank})")
-    return {"rank": rank, "local_rank": local_rank, "world_size": world_size,
-            "local_world_size": local_world_size, "node_rank": node_rank,
-            "master_addr": env.get("MASTER_ADDR", "127.0.0.1"), "master_port": port,
-            "is_distributed": "WORLD_SIZE" in env}
 
 
 def _info_as_dict(info: Any) -> Any:
@@ -79,15 +41,15 @@ def _info_as_dict(info: Any) -> Any:
     return f"<a {type(info).__name__}, not a DistInfo>"
 
 
-def _outcome(fn: Callable[..., Any], env: dict[str, str], as_dict: Callable[[Any], Any] = _info_as_dict) -> Any:
+def _outcome(fn: Callable[..., Any], env: dict[str, str]) -> Any:
     try:
-        return as_dict(fn(env))
+        return _info_as_dict(fn(env))
     except ValueError as e:
         return ["ValueError", str(e)]
 
 
 INFO = task(
-    "2.1", "dist_info_from_env", points=3,
+    "2.1", "dist_info_from_env", points=3, reference="dist_info_from_env",
     hint="The environment torchrun sets is the only truth about where a process runs: read "
          "every variable, fall back to one process when it is unset, and refuse (ValueError) "
          "values that are malformed or contradict each other, before anything uses them.",
@@ -110,15 +72,12 @@ def _info_case(name: str, envs: list[dict[str, str]], hint: str = "", recipe: st
     def run(dist_info_from_env: Any, seed: int) -> list[Any]:
         return [_outcome(dist_info_from_env, dict(env)) for env in envs]
 
-    def expect(seed: int) -> list[Any]:
-        return [_outcome(_reference_dist_info, dict(env), dict) for env in envs]
-
-    INFO.case(name, compare=_compare_infos, expect=expect, hint=hint, recipe=recipe)(run)
+    INFO.case(name, compare=_compare_infos, hint=hint, recipe=recipe)(run)
 
 
 def _compare_infos(got: Any, expected: list[Any]) -> None:
     if not isinstance(got, list) or len(got) != len(expected):
-        raise CheckFailed("could not collect one result per environment", got=repr(got)[:200])
+        raise CheckFailed("could not collect one result per environment", got=describe(got))
     for g, e in zip(got, expected):
         if isinstance(e, list):  # the reference raised: the student must too, naming the variable
             variable = e[1].split("=")[0]
@@ -162,72 +121,26 @@ _info_case("inconsistent values raise ValueError", [
           "rank is not node rank times local world size plus local rank.")
 
 
-def _read_environ_on_rank(dist_info_from_env: Any) -> Any:
+def _read_environ_on_rank(dist_info_from_env: Any, seed: int) -> Any:
     info = _info_as_dict(dist_info_from_env())
     if isinstance(info, dict):
         info.pop("master_port")  # kit.launch picks a free port: not comparable
     return info
 
 
-@INFO.case("reads os.environ when env is None (2 ranks under kit.launch)",
-           expect=lambda seed: [{"rank": r, "local_rank": r, "world_size": 2, "local_world_size": 2,
-                                 "node_rank": 0, "master_addr": "127.0.0.1", "is_distributed": True}
-                                for r in range(2)],
-           hint="Called without an argument the function reads the real environment of the "
-                "process (os.environ), as it must under torchrun.")
-def _(dist_info_from_env: Any, seed: int) -> list[Any]:
-    from kit.launcher import run_ranks
-
-    return list(run_ranks(_read_environ_on_rank, (dist_info_from_env,), {}, world_size=2, timeout=30.0))
+# A module-level rank function, wrapped apart from its name, so that spawned ranks import it.
+_environ_on_ranks = INFO.shared(_read_environ_on_rank, world_size=2, timeout=30.0)
+INFO.case("reads os.environ when env is None (2 ranks under kit.launch)", uses=_environ_on_ranks,
+          expect="environ_of_two_ranks",
+          hint="Called without an argument the function reads the real environment of the "
+               "process (os.environ), as it must under torchrun.")
 
 
 # --------------------------------------------------------------------------- task 2.2
-# Trusted copies of the lesson's model, data and train_step (its setup cell): the expected
-# parameters come from here, never from the student's module.
+# The expected parameters come from the references' copy of the lesson's model, data and
+# train_step (its setup cell), never from the student's module.
 
 GLOBAL_BATCH, MICROBATCHES, TOTAL_STEPS, CRASH_STEP = 8, 2, 6, 3
-
-
-def _make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-
-
-def _make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-
-def _batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(GLOBAL_BATCH, 4, generator=g)  # (B, 4)
-    return x, x.sin().sum(dim=1, keepdim=True)  # (B, 1)
-
-
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
-    # One process accumulates both micro-batches, two ranks take one each and all-reduce:
-    # either way each grad is g0 + g1, so the runs agree bit for bit.
-    x, y = _batch_at(step)
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    optimizer.zero_grad()
-    loss = torch.zeros(())
-    for micro in range(rank, MICROBATCHES, world_size):
-        xb, yb = x.chunk(MICROBATCHES)[micro], y.chunk(MICROBATCHES)[micro]
-        loss = ((model(xb) - yb) ** 2).sum() / GLOBAL_BATCH
-        loss.backward()
-    if world_size > 1:
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-    optimizer.step()
-    return loss.item()
-
-
-def _expected_params(total_steps: int = TOTAL_STEPS) -> dict[str, torch.Tensor]:
-    """An uninterrupted single-process run of the trusted loop."""
-    model = _make_model()
-    optimizer = _make_optimizer(model)
-    for step in range(total_steps):
-        _train_step(model, optimizer, step)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 class SimulatedCrash(Exception):
@@ -273,7 +186,7 @@ TRAIN = task(
 
 
 @TRAIN.case("an uninterrupted run equals the reference exactly",
-            expect=lambda seed: _expected_params())
+            expect="uninterrupted_run")
 def _(resumable_train: Any, seed: int) -> Any:
     with tempfile.TemporaryDirectory(prefix="kit-ckpt-") as ckpt_dir:
         return _plain_params(resumable_train(ckpt_dir, TOTAL_STEPS))
@@ -299,7 +212,7 @@ def _compare_resumed(got: Any, expected: dict[str, torch.Tensor]) -> None:
 
 
 @TRAIN.case(f"a crash at step {CRASH_STEP} then a rerun resumes and ends exactly as the reference",
-            compare=_compare_resumed, expect=lambda seed: _expected_params())
+            compare=_compare_resumed, expect="uninterrupted_run")
 def _(resumable_train: Any, seed: int) -> Any:
     attempts: list[list[int]] = [[], []]
     attempt = [0]
@@ -373,7 +286,7 @@ def _steps(work: Path, rank: int, attempt: int) -> list[int]:
 
 
 @TRAIN.case(f"under torchrun --max-restarts=1, rank 1 killed at step {CRASH_STEP}: resumes exactly",
-            compare=_compare_resumed, expect=lambda seed: _expected_params(), weight=2.0)
+            compare=_compare_resumed, expect="uninterrupted_run", weight=2.0)
 def _(resumable_train: Any, seed: int) -> Any:
     from kit.torchrun import TorchrunError, torchrun
 
@@ -410,23 +323,6 @@ def _(resumable_train: Any, seed: int) -> Any:
 Call = tuple[str, tuple[int, ...]]
 
 
-def _reference_first_mismatch(calls: dict[int, list[Call]]) -> dict[str, Any] | None:
-    """Trusted finder; returns the Mismatch fields as a dict."""
-    ranks = sorted(calls)
-    seqs = {r: [(op, tuple(shape)) for op, shape in calls[r]] for r in ranks}
-    longest = max((len(s) for s in seqs.values()), default=0)
-    for index in range(longest):
-        at = {r: (seqs[r][index] if index < len(seqs[r]) else None) for r in ranks}
-        if len(set(at.values())) == 1:
-            continue
-        counts = Counter(at.values())
-        top = max(counts.values())
-        # Majority call; a tie goes to the call of the lowest rank among the tied.
-        majority = next(at[r] for r in ranks if counts[at[r]] == top)
-        return {"index": index, "ranks": [r for r in ranks if at[r] != majority], "calls": at}
-    return None
-
-
 def _mismatch_as_dict(m: Any) -> Any:
     if m is None:
         return None
@@ -441,7 +337,7 @@ def _mismatch_as_dict(m: Any) -> Any:
 
 
 MISMATCH = task(
-    "2.3", "first_mismatch", points=3,
+    "2.3", "first_mismatch", points=3, reference="first_mismatch",
     hint="Ranks must call the same collectives, with the same shapes, in the same order: the "
          "first call number where they disagree (a missing call included) is the mismatch, and "
          "the odd ranks are those that differ from the majority.",
@@ -457,7 +353,7 @@ def _mismatch_case(name: str, calls: dict[int, list[Call]], hint: str = "") -> N
     def run(first_mismatch: Any, seed: int) -> Any:
         return _mismatch_as_dict(first_mismatch({r: list(c) for r, c in calls.items()}))
 
-    MISMATCH.case(name, expect=lambda seed: _reference_first_mismatch(calls), hint=hint)(run)
+    MISMATCH.case(name, hint=hint)(run)
 
 
 _AR, _BC = "all_reduce", "broadcast"

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from autograder import lesson02 as checks
 from autograder.loading import load_tasks
+from autograder.references import lesson02 as references
 from autograder.registry import CheckFailed, lesson_tasks
 from kit.launcher import run_ranks
 from kit.lessons.debugging import RECORDED, _run_recorded, record_collectives
@@ -55,7 +56,7 @@ def torchrun_layouts(draw):
 @given(env=torchrun_layouts())
 def test_dist_info_matches_the_trusted_reader_on_every_torchrun_layout(lesson, env):
     info = lesson.dist_info_from_env(env)
-    assert checks._info_as_dict(info) == checks._reference_dist_info(env)
+    assert checks._info_as_dict(info) == checks._info_as_dict(references.dist_info_from_env(env))
     assert info.rank == info.node_rank * info.local_world_size + info.local_rank
 
 
@@ -80,10 +81,10 @@ def test_dist_info_reads_os_environ_by_default(lesson, monkeypatch):
 
 
 def _train(steps: int) -> dict[str, torch.Tensor]:
-    model = checks._make_model()
-    optimizer = checks._make_optimizer(model)
+    model = references.make_model()
+    optimizer = references.make_optimizer(model)
     for step in range(steps):
-        checks._train_step(model, optimizer, step)
+        references.train_step(model, optimizer, step)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -93,7 +94,7 @@ def test_two_ranks_all_reducing_equal_one_process_accumulating_bit_for_bit():
     alone = _train(4)
     for params in on_ranks:
         assert all(torch.equal(params[k], alone[k]) for k in alone)
-    assert not torch.equal(alone["0.weight"], checks._make_model().state_dict()["0.weight"])
+    assert not torch.equal(alone["0.weight"], references.make_model().state_dict()["0.weight"])
 
 
 def test_lesson_setup_trains_exactly_like_the_trusted_copy(lesson):
@@ -101,7 +102,7 @@ def test_lesson_setup_trains_exactly_like_the_trusted_copy(lesson):
     optimizer = lesson.make_optimizer(model)
     for step in range(checks.TOTAL_STEPS):
         lesson.train_step(model, optimizer, step)
-    expected = checks._expected_params()
+    expected = references.uninterrupted_run()
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
 
 
@@ -111,13 +112,13 @@ def test_lesson_setup_trains_exactly_like_the_trusted_copy(lesson):
     ([[0, 1, 2, 3], [2, 3, 5]], "in order"),
 ])
 def test_resume_check_explains_what_went_wrong_with_the_steps(steps, says):
-    expected = checks._expected_params()
+    expected = references.uninterrupted_run()
     with pytest.raises(CheckFailed, match=says):
         checks._compare_resumed({"steps": steps, "params": expected}, expected)
 
 
 def test_resume_check_accepts_an_exact_resume_and_rejects_one_ulp_of_drift():
-    expected = checks._expected_params()
+    expected = references.uninterrupted_run()
     good = {"steps": [[0, 1, 2, 3], [3, 4, 5]], "params": expected}
     checks._compare_resumed(good, expected)
     drifted = {k: v.clone() for k, v in expected.items()}
@@ -246,7 +247,7 @@ def _params_with_threads(threads: int) -> dict[str, torch.Tensor]:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return checks._expected_params()
+        return references.uninterrupted_run()
     finally:
         torch.set_num_threads(before)
 
