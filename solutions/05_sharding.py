@@ -819,11 +819,15 @@ for shape in [(4,), (2, 2)]:
 # %% [markdown]
 # ### `reshard_after_forward`
 #
-# `fully_shard(module, reshard_after_forward=True)` (the default) frees a block's gathered
-# parameters after its forward and gathers them again for backward, as your `FSDP` does.
-# `False` keeps them until backward: one all-gather fewer per block and step, for the memory
-# of every block's full parameters between forward and backward (ZeRO-2's memory for the
-# parameters). Count the all-gathers of one step:
+# `fully_shard(module, reshard_after_forward=True)` frees a block's gathered parameters after
+# its forward and gathers them again for backward, as your `FSDP` does. `False` keeps them
+# until backward: one all-gather fewer per block and step, for the memory of every block's
+# full parameters between forward and backward (ZeRO-2's memory for the parameters). The
+# default, `None`, means `True` for every module you shard except the root and `False` for
+# the root: backward starts with the root's parameters (the output layer), so freeing them
+# would only gather them again at once
+# ([`fully_shard`](https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html)).
+# Below, the blocks and the root get the same value. Count the all-gathers of one step:
 
 # %%
 def count_gathers(reshard):

@@ -319,9 +319,10 @@ for world_size in (2, 3):
 # functions hide all three: `get_state_dict(model, optimizer)` returns the model's and the
 # optimizer's state keyed by parameter names (FQNs) without wrapper prefixes, and
 # `set_state_dict` puts them back. `StateDictOptions` picks the form: `full_state_dict=True`
-# gathers unsharded tensors, `cpu_offload=True` keeps them on CPU and on rank 0 only,
-# `strict=False` tolerates missing keys, `broadcast_from_rank0=True` loads a full state dict
-# that only rank 0 read.
+# gathers unsharded tensors (on every rank), `cpu_offload=True` moves the tensors to CPU, and
+# the two together keep the gathered state on rank 0 only (the other ranks get an empty dict,
+# so that W full copies do not fill the host's memory); `strict=False` tolerates missing
+# keys, `broadcast_from_rank0=True` loads a full state dict that only rank 0 read.
 
 # %%
 def state_dict_keys(kind: str) -> dict:
@@ -341,9 +342,15 @@ for kind in ("DDP", "FSDP2"):
     print(kind, launch(state_dict_keys, kind, world_size=2)[0])
 
 # %% [markdown]
-# Note the last line: on a *fresh* optimizer, `get_state_dict` creates AdamW's state (zeros),
-# so that `dcp.load` has tensors of the right shapes to load into; `optimizer.state_dict()` of
-# a fresh optimizer has no state at all, and a checkpoint loaded into it restores none.
+# Note the last line: on a *fresh* optimizer, `get_state_dict` creates AdamW's state, so that
+# `dcp.load` has tensors of the right shapes to load into; `optimizer.state_dict()` of a fresh
+# optimizer has no state at all, and a checkpoint loaded into it restores none. It creates
+# the state by running one `optimizer.step()` with zero gradients and the learning rate set
+# to 0 (`_init_optim_state` in `torch/distributed/checkpoint/state_dict.py`): the parameters
+# do not move, but the optimizer has changed. Its moments are zeros and its `step` counter
+# is 1, so the next real step uses Adam's bias correction for step 2. That is harmless
+# before a load, which overwrites the state; before training from scratch, call
+# `get_state_dict` after the first step, or not at all.
 #
 # ## 6. Everything else a resume needs: `Stateful`
 #
@@ -456,8 +463,9 @@ check("6.2", TrainingState)
 #
 # `dcp.save` blocks until every byte is written. [`dcp.async_save`](https://pytorch.org/docs/stable/distributed.checkpoint.html#torch.distributed.checkpoint.state_dict_saver.async_save)
 # returns a `Future` as soon as the state is *staged*, copied into memory the checkpoint
-# owns, and writes in a background thread while training continues. Let us time how long each
-# blocks the loop, on a model large enough for the write to matter:
+# owns, and writes in a background thread while training continues (so with its default
+# stager; a stager of your own changes what it returns, see "Running at scale"). Let us time
+# how long each blocks the loop, on a model large enough for the write to matter:
 
 # %%
 def blocked_by_save(folder: str, dim: int) -> dict:
@@ -513,10 +521,8 @@ plt.show()
 #   group with 'cpu:gloo,cuda:nccl'`). On CPU, gloo is that backend.
 # - **Its own group.** The save's collectives run in another thread while training runs its
 #   own; on one shared group the two streams of collectives could interleave differently on
-#   different ranks. Create a group for checkpointing once and pass it as `process_group=`,
-#   as PyTorch's
-#   [asynchronous saving recipe](https://pytorch.org/tutorials/recipes/distributed_async_checkpoint_recipe.html)
-#   does (on CPU: `dist.new_group(backend="gloo")`).
+#   different ranks. Create a group for checkpointing once and pass it as `process_group=`
+#   (on CPU: `dist.new_group(backend="gloo")`).
 
 # %%
 def change_while_saving(folder: str) -> list:
@@ -732,10 +738,17 @@ print("back to DCP:", sorted(os.listdir(demo_dir / "back-to-dcp")))
 # >   power loss can leave a "complete" checkpoint with missing bytes), `overwrite` refuses or
 # >   allows an existing folder, `per_thread_copy_ahead` bounds the bytes each thread copies off
 # >   the GPU ahead of writing.
-# > - **Staging from GPU.** On GPUs `async_save` copies device tensors to host memory first;
-# >   `DefaultStager(StagingOptions(use_pinned_memory=True, ...))` reuses pinned buffers so the
-# >   copy runs at full PCIe/NVLink speed, and `async_checkpointer_type=AsyncCheckpointerType.PROCESS`
-# >   writes from a separate process instead of a thread.
+# > - **Staging from GPU.** On GPUs `async_save` copies device tensors to host memory first.
+# >   A stager of your own, `stager = DefaultStager(StagingOptions(use_pinned_memory=True, ...))`
+# >   (`torch.distributed.checkpoint.staging`), keeps pinned buffers between saves so the copy
+# >   runs at full PCIe speed, and with `use_async_staging=True` (its default) copies in a
+# >   background thread too. `dcp.async_save(..., async_stager=stager)` then returns an
+# >   `AsyncSaveResponse`, not a `Future`: wait on `response.staging_completion.result()`
+# >   before the next optimizer step changes the parameters, and on
+# >   `response.upload_completion.result()` where this lesson calls `.result()` (before the
+# >   next save). The stager is yours: call `stager.close()` after the last save.
+# >   `async_checkpointer_type=AsyncCheckpointerType.PROCESS` writes from a separate process
+# >   instead of a thread.
 # > - **How often to save.** A checkpoint costing δ seconds every τ seconds wastes δ/τ of the
 # >   time; a failure, on average every M seconds (the job's mean time between failures,
 # >   roughly one node's MTBF divided by the number of nodes), loses τ/2 of work plus the

@@ -72,8 +72,14 @@ for row in format_table():
 #   numbers as fp32 (gradients do not underflow in practice), but coarse rounding
 #   (eps = 1/128).
 # - **tf32** is not a storage type: it is how NVIDIA tensor cores (Ampere and newer) read
-#   fp32 inputs of a matmul when `torch.backends.cuda.matmul.allow_tf32 = True`: fp32's range
-#   with fp16's 10 mantissa bits ([docs](https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices)).
+#   fp32 inputs of a matmul or a convolution when TF32 is on: fp32's range with fp16's 10
+#   mantissa bits. torch 2.13 switches it per backend and op:
+#   `torch.backends.cuda.matmul.fp32_precision = "tf32"` for matmuls (off by default),
+#   `torch.backends.cudnn.conv.fp32_precision` for convolutions (`"tf32"` by default) and
+#   `torch.backends.cudnn.rnn.fp32_precision`, or all of them with `torch.backends.fp32_precision`
+#   ([docs](https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices)).
+#   The older flags, `torch.backends.cuda.matmul.allow_tf32` and `torch.backends.cudnn.allow_tf32`,
+#   still work; do not mix the two (reading an old flag after setting a new one raises).
 #
 # Here is what happens to the real gradients of a small transformer if they are stored in
 # fp16: the histogram of their magnitudes against fp16's limits.
@@ -113,11 +119,14 @@ plt.show()
 # ## 2. autocast: which ops run in low precision
 #
 # [`torch.autocast`](https://pytorch.org/docs/stable/amp.html) does not convert the model. It
-# intercepts each op and casts its inputs: ops that are fast and safe in low precision
-# (matmuls, convolutions, linear layers) run in bf16 or fp16; ops that need range or
-# accumulate many terms (reductions, norms, losses, `exp`) run in fp32. The weights stay
-# fp32 (**master weights**): the optimizer adds small updates to them, which bf16 would round
-# away (1 + 1/256 is 1 in bf16). Watch each module's output dtype:
+# intercepts each op and casts its inputs, following one list per device. Ops that are fast
+# and safe in low precision (matmuls, convolutions, linear layers) run in bf16 or fp16 on
+# every device. Which ops are cast up to fp32 differs: CUDA's list holds the ops that need
+# range or add up many terms (`exp`, `log`, `sum`, `softmax`, `log_softmax`, `layer_norm`,
+# `group_norm` and the losses), while CPU's holds mostly the losses. Every op on neither list
+# runs in the dtype of its inputs (the widest, when they differ). The weights stay fp32
+# (**master weights**): the optimizer adds small updates to them, which bf16 would round away
+# (1 + 1/256 is 1 in bf16). Watch each module's output dtype:
 
 # %%
 dtypes = []
@@ -138,13 +147,38 @@ with torch.autocast("cpu", dtype=torch.bfloat16):  # on CPU, softmax keeps its i
           "| of fp32 ->", torch.softmax(logits.float(), -1).dtype)
 
 # %% [markdown]
-# On CPU, linear layers and GELU run in bf16, LayerNorm and the loss in fp32, and the
-# gradients land in fp32 on the fp32 weights. The lists differ by device: on **CUDA**,
-# `softmax`, `log_softmax`, `layer_norm` and the losses are on the "autocast to float32"
-# list, while on CPU `softmax` follows its input (bf16 above). The
-# [op reference](https://pytorch.org/docs/stable/amp.html#autocast-op-reference) lists both.
-# fp16 autocast works on CPU too (`dtype=torch.float16`); it needs the loss scaling below.
+# On CPU, linear layers and GELU run in bf16, the loss in fp32, and the gradients land in
+# fp32 on the fp32 weights. LayerNorm's output is fp32 here, but not because of a list: its
+# input, the residual stream `x + proj(...)`, is fp32 (fp32 plus bf16 gives fp32), and CPU
+# autocast leaves `layer_norm` in its input's dtype. Side by side, for an op given a bf16
+# input (the CPU column is measured in the next cell; the CUDA column is the
+# ["CUDA ops that can autocast to float32"](https://pytorch.org/docs/stable/amp.html#cuda-ops-that-can-autocast-to-float32)
+# list of the [op reference](https://pytorch.org/docs/stable/amp.html#autocast-op-reference)):
 #
+# | op | CPU autocast, bf16 | CUDA autocast |
+# | --- | --- | --- |
+# | `linear`, `matmul`, `conv2d` (even on fp32 inputs) | bf16 | bf16 / fp16 |
+# | `layer_norm`, `group_norm` | bf16 (its input's dtype) | fp32 |
+# | `softmax`, `log_softmax` | bf16 | fp32 |
+# | `exp`, `sum` | bf16 | fp32 |
+# | `cross_entropy`, `nll_loss`, `mse_loss` | fp32 | fp32 |
+#
+# A CPU kernel such as `sum` still accumulates a bf16 input in fp32 and rounds only the
+# result. fp16 autocast works on CPU too (`dtype=torch.float16`); it needs the loss scaling
+# below.
+
+# %%
+bf16_input, targets = torch.randn(4, 8, dtype=torch.bfloat16), torch.randint(0, 8, (4,))
+ops = {"linear (fp32 in)": lambda t: F.linear(t.float(), torch.randn(8, 8)),
+       "layer_norm": lambda t: F.layer_norm(t, (8,)), "group_norm": lambda t: F.group_norm(t, 2),
+       "softmax": lambda t: t.softmax(-1), "log_softmax": lambda t: t.log_softmax(-1),
+       "exp": torch.exp, "sum": torch.sum, "cross_entropy": lambda t: F.cross_entropy(t, targets),
+       "mse_loss": lambda t: F.mse_loss(t, torch.zeros_like(t))}
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    for name, op in ops.items():
+        print(f"CPU autocast: {name:16} -> {op(bf16_input).dtype}")
+
+# %% [markdown]
 # ## 3. Loss scaling, on one rank and many
 #
 # Dynamic loss scaling (`torch.amp.GradScaler`) keeps a scale $S$:
@@ -310,8 +344,11 @@ plt.show()
 #
 # - **DDP** all-reduces whatever dtype the gradients have (fp32 under autocast). A
 #   [communication hook](https://pytorch.org/docs/stable/ddp_comm_hooks.html) can compress
-#   each bucket to half precision for the wire: `fp16_compress_hook` works with any backend;
-#   `bf16_compress_hook` needs NCCL (or XCCL), as gloo tells you:
+#   each bucket to half precision for the wire: `fp16_compress_hook` works with any backend.
+#   `bf16_compress_hook` is refused by the build of torch, not by the backend: when you
+#   register it, DDP checks for a CUDA (or ROCm) build with NCCL 2.10 or newer, or an XPU
+#   build with XCCL, and never looks at the process group, so on a CUDA build it registers
+#   even on a gloo group. This CPU-only build refuses it:
 
 # %%
 def bf16_hook_on_gloo():
@@ -639,9 +676,10 @@ print("CPU capability:", torch.backends.cpu.get_cpu_capability())
 
 # %% [markdown]
 # The loss curves lie almost on top of each other: bf16's coarse rounding costs little
-# because weights, their updates and the reductions stay in fp32. Speed is another story and
-# depends on the hardware. A CPU without native bf16 matrix units (AMX on recent Xeons, or
-# AVX512-BF16) converts bf16 in software and is often *slower* than fp32, as it may be here;
+# because the weights, their updates and the loss stay in fp32 (and here the LayerNorms too,
+# fed by the fp32 residual stream). Speed is another story and depends on the hardware. A
+# CPU without native bf16 matrix units (AMX on recent Xeons, or AVX512-BF16) converts bf16
+# in software and is often *slower* than fp32, as it may be here;
 # GPU tensor cores (Ampere and newer) run bf16 matmuls several times faster than fp32.
 # Memory falls everywhere: activations saved in bf16 take half the bytes.
 #
@@ -712,8 +750,12 @@ check("7.4", compile_ready)
 # ### Guards and recompiles
 #
 # A backend is just a function that receives each captured graph; this one counts them. A
-# Python number in the arguments becomes a guard (here `scale == 2.0`), so a new value
-# compiles again; a new shape compiles once more, then Dynamo marks that dimension dynamic.
+# Python float in the arguments first becomes a constant of the graph, with a guard
+# (`scale == 2.0`), so the first new value compiles again. That recompile makes `scale` an
+# input of the graph instead (*automatic dynamic*; `torch._dynamo.config.specialize_float`
+# is False), and every later value reuses it: 2.0, 3.0, 4.0 compile, compile, reuse. A new
+# shape does the same: it compiles once more with that dimension dynamic, and later sizes
+# reuse that graph.
 
 
 # %%
@@ -731,7 +773,8 @@ def counting_backend(gm, example_inputs):
 
 torch._dynamo.reset()
 fast = torch.compile(scaled_gelu, backend=counting_backend)
-for shape, scale in [((8, 4), 2.0), ((8, 4), 2.0), ((8, 4), 3.0), ((16, 4), 3.0), ((32, 4), 3.0)]:
+for shape, scale in [((8, 4), 2.0), ((8, 4), 2.0), ((8, 4), 3.0), ((8, 4), 4.0), ((16, 4), 4.0),
+                     ((32, 4), 5.0)]:
     before = len(compiled_graphs)
     fast(torch.randn(shape), scale)
     print(f"x {shape}, scale={scale}: {'compiled' if len(compiled_graphs) > before else 'reused'}")
@@ -857,9 +900,9 @@ for cap in (25, 1):
 # >         model.blocks[i] = checkpoint_wrapper(block)
 # > policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # > for block in model.blocks:
-# >     fully_shard(block, mp_policy=policy)
-# > fully_shard(model, mp_policy=policy)
-# > model = torch.compile(model)
+# >     block.compile()                           # compile each block first (in place) ...
+# >     fully_shard(block, mp_policy=policy)      # ... then shard it: FSDP2's collectives
+# > fully_shard(model, mp_policy=policy)          # fall between the compiled graphs
 # > torch.cuda.reset_peak_memory_stats()
 # > # ... the training loop; bf16 needs no scaler, fp16 needs ShardedGradScaler ...
 # > print(torch.cuda.max_memory_allocated() / 2**30, "GiB at peak")
@@ -882,7 +925,9 @@ for cap in (25, 1):
 #
 # - Exponent bits set the range, mantissa bits the precision. fp16 underflows and needs a
 #   loss scaler; bf16 has fp32's range and needs none.
-# - autocast casts per op: matmuls low, reductions, norms and losses fp32; weights stay fp32.
+# - autocast casts per op, from a list per device: matmuls low everywhere, losses fp32
+#   everywhere; norms, softmax, `exp` and sums fp32 on CUDA but in their input's dtype on
+#   CPU. The weights stay fp32.
 # - Dynamic loss scaling skips steps with inf/NaN gradients and adapts the scale; with
 #   sharded gradients every rank must skip together (all-reduce the flag).
 # - Saved activations are what memory grows with; `saved_tensors_hooks` shows them, and the

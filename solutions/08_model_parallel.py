@@ -336,17 +336,23 @@ for e in last_step[0]:
 # say more about the machine's load than about the link. Now scale it up: a 70B-class model
 # (80 layers, $h$ = 8192) with micro-batches of one 4096-token sequence in bf16 moves
 # 4 × 80 × 4096 × 8192 × 2 bytes = 21 GB through all-reduces per micro-batch, inside the
-# tensor-parallel group. Price it with the model, $t$ = 8, on NVLink and on a network link:
+# tensor-parallel group. Price it with the model, $t$ = 8, on NVLink and on a network link.
+# A ring all-reduce sends and receives at once, so $\beta$ is the inverse of the bandwidth
+# *per direction*: NVIDIA quotes 600 GB/s of total (bidirectional) NVLink bandwidth per A100
+# (NVLink 3) and 900 GB/s per H100 (NVLink 4), which is 300 and 450 GB/s each way
+# ([A100](https://www.nvidia.com/en-us/data-center/a100/) and
+# [H100](https://www.nvidia.com/en-us/data-center/h100/) datasheets):
 
 # %%
-for name, (a, b) in {"NVLink (~150 GB/s per GPU)": (5e-6, 1 / 150e9),
+for name, (a, b) in {"A100 NVLink 3 (300 GB/s each way)": (5e-6, 1 / 300e9),
+                     "H100 NVLink 4 (450 GB/s each way)": (5e-6, 1 / 450e9),
                      "InfiniBand 200 Gb/s (~25 GB/s)": (10e-6, 1 / 25e9)}.items():
     per_layer = 4 * costmodel.ring_all_reduce_time(4096 * 8192 * 2, 8, a, b)  # t = 8
-    print(f"{name:32s} 80 layers x 4 all-reduces, t = 8: {80 * per_layer:.2f} s per micro-batch")
+    print(f"{name:34s} 80 layers x 4 all-reduces, t = 8: {80 * per_layer:.2f} s per micro-batch")
 
 # %% [markdown]
-# Several times slower across the network, for every micro-batch of every step: that is why
-# tensor parallelism stays inside a node.
+# Ten to fifteen times slower across the network, for every micro-batch of every step: that is
+# why tensor parallelism stays inside a node.
 
 # %% [markdown]
 # ### Attention heads split across ranks
@@ -865,8 +871,9 @@ plt.show()
 #
 # ### 1F1B: the same bubble, $p$ activations at most
 #
-# PipeDream-Flush ([Narayanan et al., 2021](https://arxiv.org/abs/2104.04473)), better known as
-# **1F1B**, reorders each stage's work. Stage $s$ runs $p - s - 1$ **warm-up** forwards, just
+# PipeDream-Flush (Narayanan et al., [*Memory-Efficient Pipeline-Parallel DNN Training*, ICML
+# 2021](https://arxiv.org/abs/2006.09503)), better known as **1F1B**, reorders each stage's
+# work. Stage $s$ runs $p - s - 1$ **warm-up** forwards, just
 # enough to fill the pipeline below it; then, in **steady state**, one forward and one backward
 # in turn, each backward freeing the activations of the oldest micro-batch; then a
 # **cool-down** of the remaining backwards. The bubble is the same as GPipe's, but stage $s$
@@ -1218,8 +1225,10 @@ for step in range(3):
 # [`DeviceMesh`](https://pytorch.org/tutorials/recipes/distributed_device_mesh.html),
 # [`torch.distributed.pipelining`](https://pytorch.org/docs/stable/distributed.pipelining.html),
 # and the papers: Megatron-LM (Shoeybi et al., 2019), sequence parallelism (Korthikanti et
-# al., 2022), GPipe (Huang et al., 2019), PipeDream-Flush and interleaved 1F1B (Narayanan et
-# al., 2021).
+# al., 2022), GPipe (Huang et al., 2019), PipeDream-Flush (Narayanan et al., *Memory-Efficient
+# Pipeline-Parallel DNN Training*, ICML 2021) and interleaved 1F1B (Narayanan et al.,
+# [*Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM*](https://arxiv.org/abs/2104.04473), SC 2021).
 #
 # ## Exercises (not graded)
 #

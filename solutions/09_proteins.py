@@ -70,7 +70,9 @@ from kit.lessons.proteins import (
 # fair-esm's [`Alphabet`](https://github.com/facebookresearch/esm/blob/main/esm/data.py)
 # for ESM-2 has 33 tokens: four special tokens at the front (`<cls>`, `<pad>`, `<eos>`,
 # `<unk>`), the 20 canonical amino acids, the rare and ambiguous letters (`X`, `B`, `U`, `Z`,
-# `O`), two gap symbols, a filler to round the vocabulary to a multiple of 8, and `<mask>`.
+# `O`), two gap symbols, a filler `<null_1>` and `<mask>`. The filler pads the 31 tokens
+# before it to 32, a multiple of 8; `<mask>` comes after the padding, so the vocabulary
+# itself (33) is not a multiple of 8.
 # A sequence becomes `<cls>` residues `<eos>`, padded with `<pad>` on the right.
 
 # %%
@@ -145,6 +147,19 @@ for name in ESM2_FAMILY:
 # random number from `generator` (`torch.rand(..., generator=generator)`), so that a run can
 # be replayed. The checks test the invariants exactly, the frequencies within binomial bounds
 # on 66,000 residues, and replay.
+#
+# fair-esm's model expects this recipe. `small_esm2` keeps `ESM2`'s default
+# `token_dropout=True`: its forward sets the embedding of every `<mask>` token to zero and
+# multiplies all embeddings by (1 − 0.15 · 0.8) / (1 − the sequence's share of `<mask>`
+# tokens), counting every non-padding token, `<cls>` and `<eos>` included
+# ([`esm/model/esm2.py`](https://github.com/facebookresearch/esm/blob/main/esm/model/esm2.py)).
+# The constant 0.15 · 0.8 = 0.12 is the share of `<mask>` that 15% masking with 80% `<mask>`
+# produces, so the factor is about 1 in training, and 0.88 at inference, where no token is
+# `<mask>` (dropout's rescaling, for whole tokens). The constant stays 0.12 whatever
+# `mask_prob` you pass: with `mask_prob=0.3` about 24% of the tokens are `<mask>` and the
+# others reach the first layer scaled by 0.88 / 0.76 ≈ 1.16 in training, 16% louder than the
+# 0.15 recipe makes them (the demo below uses 0.3 only to show more masks). To mask at
+# another rate, change the constant too, or build `ESM2(..., token_dropout=False)`.
 
 # %% tags=["task-9.1"]
 def mask_tokens(tokens, alphabet, generator, mask_prob=0.15):
@@ -480,8 +495,8 @@ plt.show()
 # parallelism** splits the sequence itself across ranks. Each rank holds a contiguous chunk
 # of L / W queries, keys and values.
 #
-# The simple way is to all-gather K and V before attention: every rank then holds the whole
-# K and V (memory O(L) per rank again) and a chunk × L block of scores. **Ring attention**
+# One way is to all-gather K and V: every rank then holds the whole K and V (O(L) memory per
+# rank again) and, with plain attention, a chunk × L block of scores. **Ring attention**
 # (Liu et al. 2023) never holds more than one block: in W − 1 steps each rank passes the K/V
 # block it holds to its right neighbour and receives the next from its left, computing with
 # each block as it arrives. Softmax is not computed block by block directly, but it can be
@@ -504,7 +519,15 @@ plt.show()
 # itself, and composes with tensor and sequence parallelism on a 2-D mesh. torch ships it as
 # the experimental
 # [`torch.distributed.tensor.experimental.context_parallel`](https://pytorch.org/docs/stable/distributed.tensor.html),
-# which torchtitan uses with SDPA on GPUs.
+# which torchtitan uses with SDPA on GPUs. Its default way to move K and V is the all-gather:
+# `set_rotate_method("allgather")` (the default in torch 2.13) gathers every rank's K/V in one
+# collective, started while the rank computes with its own block, then runs SDPA block by
+# block and merges the blocks' log-sum-exps, so no chunk × L score block exists either;
+# `set_rotate_method("alltoall")` passes the blocks around the ring, one exchange per step, as
+# you will. The all-gather wins while the whole sequence's K and V fit beside the rest (they
+# are small: 2 · L · head_dim values per head, less with grouped-query attention): one
+# collective, with a single latency. The ring wins when they do not, since a rank then holds
+# only two K/V blocks at a time.
 #
 # ### Task 9.3: `ring_attention`
 #
@@ -780,7 +803,9 @@ except FileNotFoundError as e:
 #   compose on fair-esm's own model; on a tiny model FSDP2 is slower than DDP, and it becomes
 #   necessary from ESM-2 3B on.
 # - Ring attention passes K/V blocks around the ring in W − 1 point-to-point steps and merges
-#   them with an online softmax: per-rank attention memory drops by W².
+#   them with an online softmax. Per rank, a materialised score block drops by W² (chunk²
+#   instead of L²); Q, K, V and the output drop by W; flash-style kernels, which never
+#   materialise the scores, have no L² term at all, so their memory drops by W.
 # - AlphaFold's pair representation is L²·c_z, triangle attention's logits heads·L³; crops
 #   and row chunking keep them in memory.
 #

@@ -40,7 +40,10 @@
 #
 # We use [PyTorch Geometric](https://pytorch-geometric.readthedocs.io/) (PyG) without its
 # optional compiled extensions (`pyg-lib`, `torch-scatter`): everything here is plain torch
-# (`index_add_`, `repeat_interleave`), which is also what PyG falls back to without them.
+# (`index_add_`, `repeat_interleave`). PyG's own aggregation without them,
+# `torch_geometric.utils.scatter`, is plain torch too: `scatter_add_` for sums and means,
+# `scatter_reduce_` for min, max and product (the same sums as `index_add_`, with the index
+# broadcast to the source's shape).
 
 # %% tags=["setup"]
 import math
@@ -117,10 +120,12 @@ print(f"angle {i}-{j}-{k}: {math.degrees(math.acos(float(a @ b / (a.norm() * b.n
 # A `Data` subclass decides, per attribute, by how much it is shifted
 # ([`__inc__`](https://pytorch-geometric.readthedocs.io/en/latest/advanced/batching.html)) and
 # along which dimension it is concatenated (`__cat_dim__`). The defaults: attributes whose
-# name contains `index` shift by `num_nodes` and concatenate on the last dimension; everything
-# else shifts by 0 and concatenates on dimension 0. That default already covers
-# `triplet_index`'s name, but a model's own index attribute rarely has a convenient name, and
-# relying on it is how bugs hide, so we declare it.
+# name contains `batch` shift by their own maximum + 1 (so that batched batches stay apart);
+# otherwise attributes whose name contains `index` (and `face`) shift by `num_nodes` and
+# concatenate on the last dimension; everything else shifts by 0 and concatenates on
+# dimension 0. That default already covers `triplet_index`'s name, but a model's own index
+# attribute rarely has a convenient name, and relying on it is how bugs hide, so we declare
+# it.
 
 # %%
 pair = Batch.from_data_list([from_smiles("CCO"), from_smiles("C=O")])
@@ -260,8 +265,11 @@ for name, partition in (("DistributedSampler", strided), ("node-balanced", node_
 # A random split puts close analogues of every test molecule in the training set, so the test
 # error measures interpolation among known chemistry. A model is used on **new** chemistry.
 # The Bemis–Murcko **scaffold** of a molecule is its ring systems and the linkers between them,
-# side chains removed; MoleculeNet (Wu et al., 2018) groups molecules by scaffold and puts
-# whole groups in train, valid or test, so the test set holds scaffolds the model never saw. A
+# side chains removed. RDKit's `MurckoScaffold`, which DeepChem uses, keeps every atom joined
+# to a ring or linker atom by a double bond: the scaffold of cyclohexanone `O=C1CCCCC1` is
+# `O=C1CCCCC1`, not cyclohexane. MoleculeNet (Wu et al., 2018) groups molecules by scaffold
+# and puts whole groups in train, valid or test, so the test set holds scaffolds the model
+# never saw. A
 # **stratified** split, for regression, sorts by the label and deals molecules out so that
 # each split covers the label range.
 #
@@ -278,7 +286,7 @@ for name, partition in (("DistributedSampler", strided), ("node-balanced", node_
 #    would exceed `(frac_train + frac_valid) * n`; otherwise to test.
 
 # %%
-for s in ("CC(=O)Oc1ccccc1C(=O)O", "CCN(CC)C(=O)c1cccc(C)c1", "CCO"):
+for s in ("CC(=O)Oc1ccccc1C(=O)O", "CCN(CC)C(=O)c1cccc(C)c1", "O=C1CCCCC1", "CCO"):
     print(f"{s:28s} -> scaffold {MurckoScaffold.MurckoScaffoldSmiles(smiles=s)!r}")
 
 
@@ -641,7 +649,9 @@ plt.show()
 #
 # - **EF@x** (enrichment factor): the fraction of actives among the top `n = ceil(x N)` ranked
 #   molecules, divided by the fraction of actives overall. EF@1% = 10 means the top 1% is ten
-#   times richer in actives than the library. Its maximum is `min(1/x, N/actives)`.
+#   times richer in actives than the library. Its maximum is
+#   `min(N / ceil(x N), N / actives)`: at most `ceil(x N)` actives fit in the top, and at
+#   most all of them (`N / ceil(x N)` is `1/x` when `x N` is a whole number).
 # - **BEDROC(α)** (Truchon & Bayly, 2007): every active contributes `exp(-α r/N)` at rank `r`,
 #   normalised to lie in [0, 1]; with α = 20, 80% of the score comes from the top 8% of the list.
 #
@@ -767,7 +777,7 @@ for name, score in scorers.items():
     results[name] = {"AUROC": auroc(s, labels), "EF@1%": enrichment_factor(s, labels, 0.01),
                      "BEDROC(20)": bedroc(s, labels, 20.0)}
     print(f"{name:18s} " + "  ".join(f"{k} {v:6.3f}" for k, v in results[name].items()))
-ef_max = min(100.0, len(labels) / float(labels.sum()))
+ef_max = min(len(labels) / math.ceil(0.01 * len(labels)), len(labels) / float(labels.sum()))
 fig, axes = plt.subplots(1, 3, figsize=(10, 2.8))
 for ax, metric in zip(axes, ("AUROC", "EF@1%", "BEDROC(20)")):
     ax.bar(range(3), [results[n][metric] for n in scorers], color=["tab:gray", "tab:blue", "tab:green"])
