@@ -5,8 +5,9 @@ Task 3.1 ``ShardSampler`` is compared index for index with torch's own
 dataset lengths, replicas, ranks, shuffle, seeds, ``drop_last`` and epochs. Task 3.2
 ``seed_worker`` runs as the ``worker_init_fn`` of real ``DataLoader`` workers on two real
 ranks, two epochs each; its streams must be distinct and reproducible (a property: no
-reference). Task 3.3 ``gather_unpadded`` runs on real ranks; its result must equal the
-single-process data in dataset order.
+reference): one shared launch serves its four cases. Task 3.3 ``gather_unpadded`` runs on real
+ranks; its result must equal the single-process data in dataset order, computed by
+:mod:`autograder.references.lesson03` (trusted only).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import builtins
 import random
 import sys
+from functools import partial
 from typing import Any
 
 import cloudpickle
@@ -21,7 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from autograder.registry import CheckFailed, assert_same, task
+from autograder.compare import CheckFailed, assert_same, describe, per_rank
+from autograder.registry import task
 
 # --------------------------------------------------------------------------- task 3.1
 
@@ -77,7 +80,7 @@ def _sampler_streams(impl: Any, n: int, replicas: int, shuffle: bool, seed: int,
 def _compare_streams(got: Any, expected: dict[str, Any]) -> None:
     if not isinstance(got, dict) or set(got) != set(expected):
         raise CheckFailed("the sampler's indices could not be collected",
-                          expected="indices for every rank", got=repr(got)[:200])
+                          expected="indices for every rank", got=describe(got))
     for where, want in expected.items():
         have = got[where]
         if not isinstance(have, dict) or set(have) != set(want):
@@ -120,17 +123,16 @@ _sampler_case("shuffle from seed + epoch, over epochs 0-3 (set_epoch)",
                      "only stores the epoch.")
 
 
-@SAMPLER.case("defaults num_replicas and rank to the process group (3 real ranks)",
-              hint="Left out, num_replicas and rank come from the default process group, as in "
-                   "torch's DistributedSampler.")
-def _(impl: Any, seed: int) -> list[Any]:
-    from kit.launcher import run_ranks
+def _defaults_on_rank(impl: Any, seed: int) -> list[Any]:
+    sampler = impl(range(10), shuffle=True, seed=seed)  # num_replicas and rank left out
+    return [_as_index(i) for i in sampler]
 
-    def on_rank(impl: Any) -> Any:
-        sampler = impl(range(10), shuffle=True, seed=seed)
-        return [_as_index(i) for i in sampler]
 
-    return list(run_ranks(on_rank, (impl,), world_size=3, timeout=20.0, echo=False))
+# torch's DistributedSampler (the reference) runs on the same 3 ranks for the expectation.
+SAMPLER.case("defaults num_replicas and rank to the process group (3 real ranks)",
+             uses=SAMPLER.shared(_defaults_on_rank, world_size=3, timeout=20.0),
+             hint="Left out, num_replicas and rank come from the default process group, as in "
+                  "torch's DistributedSampler.")
 
 
 # A hypothesis search over every parameter. The search runs next to the student's code (it
@@ -187,7 +189,7 @@ def _search(impl: Any, seed: int) -> dict[str, Any]:
 
 def _compare_search(got: Any, expected: None) -> None:
     if not isinstance(got, dict) or not isinstance(got.get("tried"), list):
-        raise CheckFailed("the search's examples could not be collected", got=repr(got)[:200])
+        raise CheckFailed("the search's examples could not be collected", got=describe(got))
     records = ([got["smallest failure"]] if got.get("smallest failure") else []) + got["tried"]
     if got.get("smallest failure") is None and len(records) < SEARCH_EXAMPLES // 2:
         raise CheckFailed(f"the search tried only {len(records)} examples",
@@ -202,11 +204,14 @@ def _compare_search(got: Any, expected: None) -> None:
                          _sampler_streams(DistributedSampler, n, replicas, shuffle, s, drop_last, epochs))
 
 
+# No expectation: the trusted compare checks every example against DistributedSampler itself
+# (running the search on the reference would only find nothing).
 SAMPLER.case(f"hypothesis: {SEARCH_EXAMPLES} random lengths 0-200, 1-8 replicas, every rank, "
              "shuffle, seed, drop_last and epochs", compare=_compare_search, weight=2,
              expect=lambda seed: None)(_search)
 
 
+# The reference *is* torch's sampler: the expectation is the verdict an own implementation gets.
 @SAMPLER.case("iterates on its own (does not wrap torch's DistributedSampler)", weight=0.5,
               expect=lambda seed: "own indices",
               hint="Build the index list yourself; the point of the task is to know exactly "
@@ -335,7 +340,7 @@ def _streams(got: Any) -> Streams:
         assert all(sorted(s) == sorted(LIBRARIES) for s in runs.values())
     except (AssertionError, AttributeError, TypeError, ValueError) as e:
         raise CheckFailed("the workers' draws could not be collected",
-                          expected="2 ranks x 5 epochs x 2 workers", got=repr(got)[:200]) from e
+                          expected="2 ranks x 5 epochs x 2 workers", got=describe(got)) from e
     return runs
 
 
@@ -389,23 +394,8 @@ def _compare_other_seed(got: Any, expected: None) -> None:
                     expected="a stream derived from torch's per-worker seed", got=stream[lib][:2])
 
 
-# The four cases of task 3.2 read the same draws: one launch serves them all. Keyed by the
-# implementation object itself (kept alive in the value, so its id cannot be reused).
-_DRAWS_CACHE: dict[tuple[int, int], tuple[Any, list[Any]]] = {}
-
-
-def _seeding_run(seed_worker: Any, seed: int) -> list[Any]:
-    from kit.launcher import run_ranks
-
-    cached = _DRAWS_CACHE.get((id(seed_worker), seed))
-    if cached is not None and cached[0] is seed_worker:
-        return cached[1]
-    got = list(run_ranks(_draws_on_rank, (seed_worker, seed), world_size=2, timeout=60.0,
-                         echo=False))
-    _DRAWS_CACHE.clear()  # only the latest implementation is worth keeping
-    _DRAWS_CACHE[(id(seed_worker), seed)] = (seed_worker, got)
-    return got
-
+# The four cases of task 3.2 judge the same draws: one launch on 2 ranks serves them all.
+_draws_on_ranks = SEEDING.shared(_draws_on_rank, world_size=2, timeout=60.0)
 
 for _name, _compare, _weight, _hint in [
     ("different streams on every rank and worker (each rank called torch.manual_seed alike)",
@@ -423,8 +413,7 @@ for _name, _compare, _weight, _hint in [
      _compare_other_seed, 0.5,
      "Seed from torch.initial_seed() (the loader's per-worker seed), not from constants."),
 ]:
-    SEEDING.case(_name, compare=_compare, weight=_weight, hint=_hint,
-                 expect=lambda seed: None)(_seeding_run)
+    SEEDING.case(_name, uses=_draws_on_ranks, compare=_compare, weight=_weight, hint=_hint)
 
 
 # --------------------------------------------------------------------------- task 3.3
@@ -441,7 +430,7 @@ GATHER = task(
 )
 
 
-def _dataset_results(seed: int, n: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def dataset_results(seed: int, n: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Per-sample results of a whole dataset, as one process would compute them: (n, *shape)."""
     g = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
@@ -449,9 +438,11 @@ def _dataset_results(seed: int, n: int, shape: tuple[int, ...], dtype: torch.dty
     return torch.randint(0, 10, (n, *shape), generator=g, dtype=dtype)
 
 
-def _gather_on_rank(gather_unpadded: Any, results: torch.Tensor) -> Any:
+def _gather_on_rank(gather_unpadded: Any, seed: int, n: int, shape: tuple[int, ...],
+                    dtype: torch.dtype) -> Any:
     import torch.distributed as dist
 
+    results = dataset_results(seed, n, shape, dtype)  # (n, *shape), the same on every rank
     sampler = DistributedSampler(range(len(results)), dist.get_world_size(), dist.get_rank(),
                                  shuffle=False)
     local = results[list(sampler)]  # (ceil(n / W), *shape): this rank's shard, padding included
@@ -460,9 +451,7 @@ def _gather_on_rank(gather_unpadded: Any, results: torch.Tensor) -> Any:
 
 
 def _compare_gathered(got: Any, expected: list[torch.Tensor]) -> None:
-    if not isinstance(got, list) or len(got) != len(expected):
-        raise CheckFailed("expected one result per rank", expected=len(expected), got=repr(got)[:200])
-    for rank, (g, e) in enumerate(zip(got, expected)):
+    for rank, (g, e) in enumerate(zip(per_rank(got, len(expected)), expected)):
         if isinstance(g, torch.Tensor) and g.dim() >= 1 and e.dim() >= 1 and len(g) != len(e):
             extra = len(g) - len(e)
             raise CheckFailed(
@@ -476,15 +465,11 @@ def _compare_gathered(got: Any, expected: list[torch.Tensor]) -> None:
 
 def _gather_case(name: str, n: int, world_size: int, shape: tuple[int, ...] = (),
                  dtype: torch.dtype = torch.float32, hint: str = "") -> None:
-    def run(gather_unpadded: Any, seed: int) -> list[Any]:
-        from kit.launcher import run_ranks
-
-        results = _dataset_results(seed, n, shape, dtype)
-        return list(run_ranks(_gather_on_rank, (gather_unpadded, results), world_size=world_size,
-                              timeout=20.0, echo=False))
-
-    GATHER.case(name, compare=_compare_gathered, hint=hint,
-                expect=lambda seed: [_dataset_results(seed, n, shape, dtype)] * world_size)(run)
+    on_ranks = GATHER.shared(partial(_gather_on_rank, n=n, shape=shape, dtype=dtype),
+                             world_size=world_size, timeout=20.0)
+    GATHER.case(name, uses=on_ranks, compare=_compare_gathered, hint=hint,
+                expect=lambda seed: GATHER.trusted("dataset_in_order")(seed, n, world_size, shape,
+                                                                       dtype))
 
 
 _gather_case("10 per-sample losses on 4 ranks (2 padded duplicates)", 10, 4)
@@ -497,7 +482,7 @@ _gather_case("7 per-sample logits (7 x 5) on 3 ranks", 7, 3, shape=(5,),
 _gather_case("3 samples on 4 ranks (rank 3 holds only a duplicate)", 3, 4)
 
 
-def _accuracy_data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def accuracy_data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Predictions and labels where the first samples (those padding repeats) are all correct."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, 3, (n,), generator=g)
@@ -508,7 +493,7 @@ def _accuracy_data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _accuracy_on_rank(gather_unpadded: Any, seed: int, n: int) -> Any:
     import torch.distributed as dist
 
-    predictions, labels = _accuracy_data(seed, n)
+    predictions, labels = accuracy_data(seed, n)
     sampler = DistributedSampler(range(n), dist.get_world_size(), dist.get_rank(), shuffle=False)
     idx = list(sampler)
     correct = (predictions[idx] == labels[idx]).to(torch.int64)  # (ceil(n / W),) 0/1 per sample
@@ -516,14 +501,9 @@ def _accuracy_on_rank(gather_unpadded: Any, seed: int, n: int) -> Any:
     return every.double().mean().item() if isinstance(every, torch.Tensor) else repr(every)[:80]
 
 
-@GATHER.case("accuracy of 9 samples on 4 ranks equals the single-process accuracy",
-             expect=lambda seed: [(_accuracy_data(seed, 9)[0] == _accuracy_data(seed, 9)[1])
-                                  .double().mean().item()] * 4,
-             hint="The 3 padded slots repeat samples 0-2: counting them inflates the accuracy.")
-def _(gather_unpadded: Any, seed: int) -> list[Any]:
-    from kit.launcher import run_ranks
-
-    return list(run_ranks(_accuracy_on_rank, (gather_unpadded, seed, 9), world_size=4,
-                          timeout=20.0, echo=False))
+GATHER.case("accuracy of 9 samples on 4 ranks equals the single-process accuracy",
+            uses=GATHER.shared(partial(_accuracy_on_rank, n=9), world_size=4, timeout=20.0),
+            expect=lambda seed: GATHER.trusted("accuracy_in_one_process")(seed, 9, 4),
+            hint="The 3 padded slots repeat samples 0-2: counting them inflates the accuracy.")
 
 
