@@ -7,18 +7,22 @@ SGD steps on its own slice of every global batch. The trusted side trains one mo
 process on the whole batch from rank 0's initial weights; every rank's gradients after
 ``finish_gradient_synchronization()`` and its final weights must match it. The collective
 tracer (:mod:`kit.trace`) counts the all-reduces of every step and when they started: during
-``backward()`` (overlapped) or after it.
+``backward()`` (overlapped) or after it. Each distinct launch is a shared run that every case
+of the task reading it judges; the single-process run and the bucket plan live in
+:mod:`autograder.references.lesson04` (trusted only).
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-from autograder.registry import CheckFailed, task
+from autograder.compare import CheckFailed, short, tensor_mismatch
+from autograder.registry import SharedRun, Task, task
 from kit.lessons.models import AwkwardNet, token_batch
 
 VOCAB, LENGTH, PER_RANK = 16, 5, 2  # token vocabulary, sequence length, sequences per rank
@@ -29,7 +33,7 @@ MIB = 2**20
 # --------------------------------------------------------------------------- the experiment
 
 
-def _initial_model(seed: int, rank: int) -> AwkwardNet:
+def initial_model(seed: int, rank: int) -> AwkwardNet:
     """The model rank ``rank`` builds before wrapping: its own weights and its own buffer."""
     torch.manual_seed(seed * 1000 + rank)
     model = AwkwardNet(VOCAB)
@@ -38,37 +42,23 @@ def _initial_model(seed: int, rank: int) -> AwkwardNet:
     return model
 
 
-def _global_batch(seed: int, step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(seed: int, step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch: ``(world_size * PER_RANK, LENGTH)`` inputs and targets."""
     return token_batch(world_size * PER_RANK, LENGTH, VOCAB, seed * 7919 + step)
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))  # mean over (B * T) tokens
 
 
-def _grads(model: torch.nn.Module) -> dict[str, Any]:
+def grads_of(model: torch.nn.Module) -> dict[str, Any]:
     """``{name: grad or None}`` of every parameter (tied ones once, under their first name)."""
     return {n: None if p.grad is None else p.grad.detach().clone()
             for n, p in model.named_parameters()}
 
 
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in model.state_dict().items()}
-
-
-def _single_process(seed: int, world_size: int, steps: int, extra: list[int]) -> dict[str, Any]:
-    """Trusted: one model, rank 0's initial weights, SGD on the whole global batch."""
-    model = _initial_model(seed, 0)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    grads = []
-    for step in range(steps):
-        x, y = _global_batch(seed, step, world_size)
-        _loss(model(x, use_extra=step in extra), y).backward()
-        grads.append(_grads(model))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"initial": _state(_initial_model(seed, 0)), "grads": grads, "final": _state(model)}
 
 
 def _wrap(impl: Any, model: torch.nn.Module, cap_mb: float | None) -> Any:
@@ -94,7 +84,7 @@ DDP = ("torch.nn.parallel.DistributedDataParallel",
        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook")
 
 
-def _backward_phase(i: int, micro: int) -> str:
+def backward_phase(i: int, micro: int) -> str:
     """The name of micro-batch ``i``'s backward in the all-reduce counts."""
     return "during backward()" if micro == 1 else f"during backward() {i + 1} of {micro}"
 
@@ -124,7 +114,7 @@ def _train_on_rank(impl: Any, seed: int, steps: int, extra: list[int], cap_mb: f
     from kit.trace import trace
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = _initial_model(seed, rank)
+    model = initial_model(seed, rank)
     try:
         ddp = _wrap(impl, model, cap_mb)
     except NotImplementedError as e:
@@ -133,80 +123,70 @@ def _train_on_rank(impl: Any, seed: int, steps: int, extra: list[int], cap_mb: f
                                       f"first ({e})") from e
         raise
     module = _module_of(ddp, model)
-    initial = _state(module)
+    initial = state_of(module)
     optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=LR)
     grads, calls = [], []
     for step in range(steps):
-        x, y = _global_batch(seed, step, world_size)
+        x, y = global_batch(seed, step, world_size)
         x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
         xs, ys = x.chunk(micro), y.chunk(micro)  # micro-batches of PER_RANK // micro sequences
         phases: dict[str, tuple[float, float]] = {}
         with trace() as t:
             for i in range(micro):
-                loss = _loss(ddp(xs[i], use_extra=step in extra), ys[i]) / micro
+                loss = loss_of(ddp(xs[i], use_extra=step in extra), ys[i]) / micro
                 start = time.perf_counter()
                 if i < micro - 1:
                     with ddp.no_sync():
                         loss.backward()
                 else:
                     loss.backward()
-                phases[_backward_phase(i, micro)] = (start, time.perf_counter())
+                phases[backward_phase(i, micro)] = (start, time.perf_counter())
             start = time.perf_counter()
             ddp.finish_gradient_synchronization()
             phases[FINISH] = (start, time.perf_counter())
         calls.append({**{phase: _count(t.events, a, b) for phase, (a, b) in phases.items()},
                       BLOCKING: _blocking(t.events)})
-        grads.append(_grads(module))
+        grads.append(grads_of(module))
         optimizer.step()
         optimizer.zero_grad()
-    return {"initial": initial, "grads": grads, "final": _state(module), "calls": calls}
+    return {"initial": initial, "grads": grads, "final": state_of(module), "calls": calls}
 
 
-def _launch(impl: Any, seed: int, world_size: int, steps: int, extra: list[int] | None = None,
-            cap_mb: float | None = None, micro: int = 1, needs: str = "") -> list[Any]:
-    from kit.launcher import run_ranks
+def _training(t: Task, world_size: int, steps: int, extra: list[int] | None = None,
+              cap_mb: float | None = None, micro: int = 1, needs: str = "") -> SharedRun:
+    """One launch of ``_train_on_rank`` on ``world_size`` ranks for task ``t``: a shared run,
+    so every case of the task that reads it judges the same ranks."""
+    return t.shared(partial(_train_on_rank, steps=steps, extra=list(extra or []), cap_mb=cap_mb,
+                            micro=micro, needs=needs), world_size=world_size, timeout=30.0)
 
-    return list(run_ranks(_train_on_rank, (impl, seed, steps, extra or [], cap_mb, micro, needs),
-                          world_size=world_size, timeout=30.0, echo=False))
+
+def _trusted(t: Task, name: str, *args: Any) -> Any:
+    """``expect(seed)``: ``autograder.references.lesson04.<name>(seed, *args)``, looked up by the
+    trusted side when it first needs the expectation (never by a run)."""
+    return lambda seed: t.trusted(name)(seed, *args)
 
 
 # --------------------------------------------------------------------------- comparing
 
 
-def _tensor_diff(got: Any, want: torch.Tensor | None, world_size: int) -> str | None:
+def _mismatch(got: Any, want: torch.Tensor | None, world_size: int) -> str | None:
     """None if ``got`` matches ``want`` (None also matches zeros); else what is wrong."""
     if want is None:
         if got is None or (isinstance(got, torch.Tensor) and not got.any()):
             return None
         return "holds a gradient, but in one process it gets none (it is frozen or unused)"
-    if not isinstance(got, torch.Tensor):
-        return f"is {got!r}, expected a tensor of shape {tuple(want.shape)}"
-    if got.shape != want.shape:
-        return f"has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    if torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-        return None
-    diff = (got - want).abs().max().item()
-    if world_size > 1 and torch.allclose(got, want * world_size, rtol=1e-4, atol=1e-5):
-        return f"is {world_size}x the expected value: the sum over ranks, not the mean"
-    return f"differs (max abs difference {diff:.3g})"
+    return tensor_mismatch(got, want, rtol=1e-4, atol=1e-5, world_size=world_size)
 
 
 def _check_state(where: str, got: Any, want: dict[str, torch.Tensor], hint: str) -> None:
     if not isinstance(got, dict) or set(got) != set(want):
         raise CheckFailed(f"{where}: the model's state could not be read",
-                          expected=sorted(want), got=repr(got)[:200])
+                          expected=sorted(want), got=short(got))
     for name, tensor in want.items():
-        problem = _tensor_diff(got[name], tensor, 1)
+        problem = _mismatch(got[name], tensor, 1)
         if problem is not None:
-            raise CheckFailed(f"{where}: {name} {problem}", expected=_short(tensor),
-                              got=_short(got[name]), hint=hint)
-
-
-def _short(t: Any) -> str:
-    if not isinstance(t, torch.Tensor):
-        return repr(t)
-    flat = t.flatten()
-    return f"{[round(v, 4) for v in flat[:4].tolist()]}{' ...' if flat.numel() > 4 else ''}"
+            raise CheckFailed(f"{where}: {name} {problem}", expected=short(tensor),
+                              got=short(got[name]), hint=hint)
 
 
 BROADCAST_HINT = ("Data parallelism only works if every rank starts from the same weights: each "
@@ -230,62 +210,21 @@ def _compare_training(got: Any, expected: dict[str, Any]) -> None:
                               expected=len(expected["grads"]), got=len(run["grads"]))
         for step, (have, want) in enumerate(zip(run["grads"], expected["grads"])):
             for name, tensor in want.items():
-                problem = _tensor_diff(have.get(name), tensor, world_size)
+                problem = _mismatch(have.get(name), tensor, world_size)
                 if problem is not None:
                     raise CheckFailed(
                         f"rank {rank}, step {step}: {name}.grad after "
                         f"finish_gradient_synchronization() {problem}",
-                        expected=_short(tensor), got=_short(have.get(name)))
+                        expected=short(tensor), got=short(have.get(name)))
     for rank, run in enumerate(got):
         _check_state(f"rank {rank} after the last step", run["final"], expected["final"],
                      "Gradients matched but the weights did not: is every rank starting from "
                      "rank 0's weights and buffers?")
 
 
-# --------------------------------------------------------------------------- bucket plans
-
-
-def _bucket_plan(cap_mb: float) -> list[list[str]]:
-    """Trusted: the buckets (parameter names) of ``AwkwardNet`` for a cap, in reverse order."""
-    model = AwkwardNet(VOCAB)
-    cap = cap_mb * MIB
-    buckets: list[list[str]] = []
-    current: list[str] = []
-    size = 0
-    for name, p in reversed(list(model.named_parameters())):
-        if not p.requires_grad:
-            continue
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
-
-
+# Parameters that get no gradient in a step: the bucket holding one can only fire in finish.
 NEVER_USED = ("unused.",)
 SOMETIMES_USED = ("extra.",)
-
-
-def _expected_calls(cap_mb: float, steps: int, extra: list[int], micro: int) -> list[dict[str, int]]:
-    """Per step: all-reduces per micro-batch backward and in finish, one per bucket.
-
-    A bucket fires during the last backward once all its parameters have their gradient; a
-    bucket holding a parameter that got none this step fires in finish."""
-    out = []
-    for step in range(steps):
-        idle = NEVER_USED + (() if step in extra else SOMETIMES_USED)
-        buckets = _bucket_plan(cap_mb)
-        late = sum(any(n.startswith(idle) for n in b) for b in buckets)
-        calls = {_backward_phase(i, micro): 0 for i in range(micro)}
-        calls[_backward_phase(micro - 1, micro)] = len(buckets) - late
-        calls[FINISH] = late
-        calls[BLOCKING] = 0
-        out.append(calls)
-    return out
 
 
 # --------------------------------------------------------------------------- task 4.1
@@ -302,34 +241,19 @@ NAIVE = task(
 )
 
 SEED_STEPS, SEED_EXTRA = 3, [1]
+_naive_wrapped = _training(NAIVE, 3, steps=0)
+_naive_on_2 = _training(NAIVE, 2, SEED_STEPS, SEED_EXTRA)
+_naive_on_4 = _training(NAIVE, 4, 2, [0])
 
-
-@NAIVE.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
-            compare=_compare_initial, hint=BROADCAST_HINT, recipe=BROADCAST_RECIPE,
-            expect=lambda seed: _single_process(seed, 3, 0, []))
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 3, steps=0)
-
-
-@NAIVE.case("3 SGD steps on 2 ranks equal one process on the whole batch "
-            "(frozen, unused, tied parameters, a branch used on step 1 only)",
-            compare=_compare_training,
-            expect=lambda seed: _single_process(seed, 2, SEED_STEPS, SEED_EXTRA))
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 2, SEED_STEPS, SEED_EXTRA)
-
-
-@NAIVE.case("the same on 4 ranks", compare=_compare_training,
-            expect=lambda seed: _single_process(seed, 4, 2, [0]))
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 4, 2, [0])
-
-
-def _with_grad(step: int, extra: list[int]) -> int:
-    """How many parameters of AwkwardNet get a gradient in ``step`` (tied counted once)."""
-    idle = NEVER_USED + (() if step in extra else SOMETIMES_USED)
-    return sum(1 for n, p in AwkwardNet(VOCAB).named_parameters()
-               if p.requires_grad and not n.startswith(idle))
+NAIVE.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
+           uses=_naive_wrapped, compare=_compare_initial, hint=BROADCAST_HINT,
+           recipe=BROADCAST_RECIPE, expect=_trusted(NAIVE, "single_process", 3, 0, []))
+NAIVE.case("3 SGD steps on 2 ranks equal one process on the whole batch "
+           "(frozen, unused, tied parameters, a branch used on step 1 only)",
+           uses=_naive_on_2, compare=_compare_training,
+           expect=_trusted(NAIVE, "single_process", 2, SEED_STEPS, SEED_EXTRA))
+NAIVE.case("the same on 4 ranks", uses=_naive_on_4, compare=_compare_training,
+           expect=_trusted(NAIVE, "single_process", 4, 2, [0]))
 
 
 def _compare_at_most_one_per_grad(got: Any, expected: list[int]) -> None:
@@ -348,15 +272,14 @@ def _compare_at_most_one_per_grad(got: Any, expected: list[int]) -> None:
                     got=n)
 
 
-@NAIVE.case("at most one all-reduce per parameter with a gradient (the tied weight once)",
-            compare=_compare_at_most_one_per_grad,
-            hint="A parameter shared by two modules (a tied weight) has one gradient: reduce "
-                 "it once, or it is summed twice.",
-            recipe="Iterate over the whole module's parameters() (a tied parameter appears "
-                   "once), not module by module (which visits it twice).",
-            expect=lambda seed: [_with_grad(s, SEED_EXTRA) for s in range(SEED_STEPS)])
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 2, SEED_STEPS, SEED_EXTRA)
+
+NAIVE.case("at most one all-reduce per parameter with a gradient (the tied weight once)",
+           uses=_naive_on_2, compare=_compare_at_most_one_per_grad,
+           hint="A parameter shared by two modules (a tied weight) has one gradient: reduce "
+                "it once, or it is summed twice.",
+           recipe="Iterate over the whole module's parameters() (a tied parameter appears "
+                  "once), not module by module (which visits it twice).",
+           expect=_trusted(NAIVE, "gradients_per_step", SEED_STEPS, SEED_EXTRA))
 
 
 # --------------------------------------------------------------------------- task 4.2
@@ -373,26 +296,22 @@ OVERLAPPED = task(
            "world size, and forget the handles.",
 )
 
+_overlapped_wrapped = _training(OVERLAPPED, 3, steps=0)
+_overlapped_on_3 = _training(OVERLAPPED, 3, SEED_STEPS, SEED_EXTRA)
 
-@OVERLAPPED.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
-                 compare=_compare_initial, hint=BROADCAST_HINT, recipe=BROADCAST_RECIPE,
-                 expect=lambda seed: _single_process(seed, 3, 0, []))
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 3, steps=0)
-
-
-@OVERLAPPED.case("3 SGD steps on 3 ranks equal one process on the whole batch "
-                 "(frozen, unused, tied parameters, a branch used on step 1 only)",
-                 compare=_compare_training,
-                 expect=lambda seed: _single_process(seed, 3, SEED_STEPS, SEED_EXTRA))
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 3, SEED_STEPS, SEED_EXTRA)
+OVERLAPPED.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
+                uses=_overlapped_wrapped, compare=_compare_initial, hint=BROADCAST_HINT,
+                recipe=BROADCAST_RECIPE, expect=_trusted(OVERLAPPED, "single_process", 3, 0, []))
+OVERLAPPED.case("3 SGD steps on 3 ranks equal one process on the whole batch "
+                "(frozen, unused, tied parameters, a branch used on step 1 only)",
+                uses=_overlapped_on_3, compare=_compare_training,
+                expect=_trusted(OVERLAPPED, "single_process", 3, SEED_STEPS, SEED_EXTRA))
 
 
 def _compare_one_per_grad_in_backward(got: Any, expected: list[int]) -> None:
     for rank, run in enumerate(got):
         for step, (calls, n) in enumerate(zip(run["calls"], expected)):
-            want = {_backward_phase(0, 1): n, FINISH: 0, BLOCKING: 0}
+            want = {backward_phase(0, 1): n, FINISH: 0, BLOCKING: 0}
             if calls != want:
                 raise CheckFailed(
                     f"rank {rank}, step {step}: all-reduces started during backward() and in "
@@ -400,14 +319,15 @@ def _compare_one_per_grad_in_backward(got: Any, expected: list[int]) -> None:
                     "gradient, each started as soon as it is ready", expected=want, got=calls)
 
 
-@OVERLAPPED.case("one async all-reduce per parameter with a gradient, each started during "
-                 "backward; finish only waits", compare=_compare_one_per_grad_in_backward, weight=3,
-                 hint="Each all-reduce must be started asynchronously, during backward, once per "
-                      "parameter with a gradient: blocking in the hook stalls backward, and "
-                      "starting them in finish does not overlap at all.",
-                 expect=lambda seed: [_with_grad(s, SEED_EXTRA) for s in range(SEED_STEPS)])
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 2, SEED_STEPS, SEED_EXTRA)
+
+# The same 3 ranks as the training case: the count per step does not depend on the world size.
+OVERLAPPED.case("one async all-reduce per parameter with a gradient, each started during "
+                "backward; finish only waits", uses=_overlapped_on_3,
+                compare=_compare_one_per_grad_in_backward, weight=3,
+                hint="Each all-reduce must be started asynchronously, during backward, once per "
+                     "parameter with a gradient: blocking in the hook stalls backward, and "
+                     "starting them in finish does not overlap at all.",
+                expect=_trusted(OVERLAPPED, "gradients_per_step", SEED_STEPS, SEED_EXTRA))
 
 
 # --------------------------------------------------------------------------- task 4.3
@@ -429,27 +349,19 @@ BUCKETED = task(
 
 SMALL_CAP = 600 / MIB  # 6 buckets of AwkwardNet, one of them holding the unused layer
 LARGE_CAP = 1500 / MIB  # 4 buckets
+_bucketed_wrapped = _training(BUCKETED, 3, steps=0, cap_mb=LARGE_CAP)
+_bucketed_on_2 = _training(BUCKETED, 2, SEED_STEPS, SEED_EXTRA, cap_mb=SMALL_CAP)
+_bucketed_on_4 = _training(BUCKETED, 4, 2, [0], cap_mb=LARGE_CAP)
 
-
-@BUCKETED.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
-               compare=_compare_initial, hint=BROADCAST_HINT, recipe=BROADCAST_RECIPE,
-               expect=lambda seed: _single_process(seed, 3, 0, []))
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 3, steps=0, cap_mb=LARGE_CAP)
-
-
-@BUCKETED.case("3 SGD steps on 2 ranks, 600-byte buckets, equal one process on the whole batch "
-               "(frozen, unused, tied parameters, a branch used on step 1 only)",
-               compare=_compare_training,
-               expect=lambda seed: _single_process(seed, 2, SEED_STEPS, SEED_EXTRA))
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 2, SEED_STEPS, SEED_EXTRA, cap_mb=SMALL_CAP)
-
-
-@BUCKETED.case("the same on 4 ranks with 1500-byte buckets", compare=_compare_training,
-               expect=lambda seed: _single_process(seed, 4, 2, [0]))
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 4, 2, [0], cap_mb=LARGE_CAP)
+BUCKETED.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
+              uses=_bucketed_wrapped, compare=_compare_initial, hint=BROADCAST_HINT,
+              recipe=BROADCAST_RECIPE, expect=_trusted(BUCKETED, "single_process", 3, 0, []))
+BUCKETED.case("3 SGD steps on 2 ranks, 600-byte buckets, equal one process on the whole batch "
+              "(frozen, unused, tied parameters, a branch used on step 1 only)",
+              uses=_bucketed_on_2, compare=_compare_training,
+              expect=_trusted(BUCKETED, "single_process", 2, SEED_STEPS, SEED_EXTRA))
+BUCKETED.case("the same on 4 ranks with 1500-byte buckets", uses=_bucketed_on_4,
+              compare=_compare_training, expect=_trusted(BUCKETED, "single_process", 4, 2, [0]))
 
 
 def _compare_bucket_calls(got: Any, expected: dict[str, Any]) -> None:
@@ -464,15 +376,14 @@ def _compare_bucket_calls(got: Any, expected: dict[str, Any]) -> None:
                     "parameter of the bucket got no gradient", expected=want, got=calls)
 
 
-@BUCKETED.case("exactly one all-reduce per bucket per step, started when the bucket is ready "
-               "(600-byte buckets, reverse order)", compare=_compare_bucket_calls, weight=2,
-               hint="One all-reduce per bucket per step, started during backward the moment the "
-                    "bucket's last gradient is ready; a bucket with a parameter that got no "
-                    "gradient can only start in finish.",
-               expect=lambda seed: {"plan": _bucket_plan(SMALL_CAP),
-                                    "calls": _expected_calls(SMALL_CAP, SEED_STEPS, SEED_EXTRA, 1)})
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 2, SEED_STEPS, SEED_EXTRA, cap_mb=SMALL_CAP)
+
+BUCKETED.case("exactly one all-reduce per bucket per step, started when the bucket is ready "
+              "(600-byte buckets, reverse order)", uses=_bucketed_on_2,
+              compare=_compare_bucket_calls, weight=2,
+              hint="One all-reduce per bucket per step, started during backward the moment the "
+                   "bucket's last gradient is ready; a bucket with a parameter that got no "
+                   "gradient can only start in finish.",
+              expect=_trusted(BUCKETED, "bucket_calls", SMALL_CAP, SEED_STEPS, SEED_EXTRA, 1))
 
 
 # --------------------------------------------------------------------------- task 4.4
@@ -489,21 +400,12 @@ NO_SYNC = task(
 )
 
 MICRO = 2  # micro-batches per step: PER_RANK sequences split in two
+_accumulating = _training(NO_SYNC, 2, SEED_STEPS, SEED_EXTRA, cap_mb=SMALL_CAP, micro=MICRO,
+                          needs="Task 4.4:")
 
-
-@NO_SYNC.case("2 micro-batches per step (the first under no_sync) equal one process on the "
-              "whole batch, 3 steps on 2 ranks", compare=_compare_training,
-              expect=lambda seed: _single_process(seed, 2, SEED_STEPS, SEED_EXTRA))
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 2, SEED_STEPS, SEED_EXTRA, cap_mb=SMALL_CAP, micro=MICRO,
-                   needs="Task 4.4:")
-
-
-@NO_SYNC.case("no all-reduce under no_sync; one per bucket on the last micro-batch",
-              compare=_compare_bucket_calls,
-              expect=lambda seed: {"plan": _bucket_plan(SMALL_CAP),
-                                   "calls": _expected_calls(SMALL_CAP, SEED_STEPS, SEED_EXTRA,
-                                                            MICRO)})
-def _(impl: Any, seed: int) -> list[Any]:
-    return _launch(impl, seed, 2, SEED_STEPS, SEED_EXTRA, cap_mb=SMALL_CAP, micro=MICRO,
-                   needs="Task 4.4:")
+NO_SYNC.case("2 micro-batches per step (the first under no_sync) equal one process on the "
+             "whole batch, 3 steps on 2 ranks", uses=_accumulating, compare=_compare_training,
+             expect=_trusted(NO_SYNC, "single_process", 2, SEED_STEPS, SEED_EXTRA))
+NO_SYNC.case("no all-reduce under no_sync; one per bucket on the last micro-batch",
+             uses=_accumulating, compare=_compare_bucket_calls,
+             expect=_trusted(NO_SYNC, "bucket_calls", SMALL_CAP, SEED_STEPS, SEED_EXTRA, MICRO))

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from autograder.checking import NOT_IMPLEMENTED, run_checks
-from autograder.lesson04 import MIB, _bucket_plan
-from autograder.registry import get_task, lesson_tasks
+from autograder.lesson04 import MIB
+from autograder.references.lesson04 import bucket_plan
+from autograder.registry import fresh_runs, get_task, lesson_tasks
 from kit.launcher import run_ranks
 from kit.lessons.models import AwkwardNet, TinyTransformer, token_batch
 
@@ -70,7 +71,7 @@ def test_bucket_plan_covers_parameters_in_reverse_order_under_the_cap(cap_bytes)
     model = AwkwardNet()
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    plan = _bucket_plan(cap_bytes / MIB)
+    plan = bucket_plan(cap_bytes / MIB)
     assert [n for b in plan for n in b] == trainable[::-1]  # every trainable one once, reversed
     for bucket in plan:
         total = sum(sizes[n] for n in bucket)
@@ -87,7 +88,7 @@ def test_solution_buckets_match_the_trusted_plan(solution):
 
     for cap in (600 / MIB, 1500 / MIB, 1.0):
         got = run_ranks(buckets_on_rank, (solution.BucketedDDP, cap), world_size=1, echo=False)[0]
-        assert got == _bucket_plan(cap)
+        assert got == bucket_plan(cap)
 
 
 # --------------------------------------------------------------------------- against torch DDP
@@ -190,6 +191,7 @@ def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
     import kit.launcher
 
     monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
+    fresh_runs()  # no run kept from a forked launch: these must spawn
     for task_id in TASK_IDS:
         task = get_task(task_id)
         case = task.cases[-1]
