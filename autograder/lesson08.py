@@ -4,23 +4,27 @@ Every case runs on real gloo ranks and compares with the unsharded model in one 
 from the same seeded weights: outputs, input gradients and every parameter's gradient (each
 rank's slice against the same slice of the full gradient). The collective tracer
 (:mod:`kit.trace`) grades the communication: which collectives forward and backward made and
-how many bytes (8.1, 8.2), and every point-to-point message's peer and size (8.3). Task 8.2
-also reads the autograd graph for what the LayerNorm saved for backward. Task 8.4's orders are
-checked as properties over a grid of pipeline shapes, then played on real ranks by the
-grader's own executor. One launch per world size serves every case of a task (cached per
-implementation and seed).
+how many bytes (8.1, 8.2), and every point-to-point message's peer and size (8.3). The meter
+(:mod:`kit.meter`) grades what the techniques save, from torch's allocator and FLOP counter: the
+weight bytes a rank keeps and the matmul FLOPs it runs, 1/t of the layers' (8.1, 8.2), and the
+activations a pipeline stage holds while its 1F1B order is played (8.4). Task 8.2 also reads the
+autograd graph for what the LayerNorm saved for backward. Task 8.4's orders are checked as
+properties over a grid of pipeline shapes, then played on real ranks by the grader's own
+executor. One shared run per world size serves every case of a task; the unsharded model's
+answers live in :mod:`autograder.references.lesson08`, named here by string.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autograder.registry import CheckFailed, task
+from autograder.compare import CheckFailed, per_rank, short, tensor_mismatch
+from autograder.registry import task
 
 TIMEOUT = 30.0  # seconds per launch with forked ranks (spawned ones re-import torch: 4x)
 PIPE_TIMEOUT = 15.0  # a pipeline launch: a deadlocked order ends here
@@ -37,6 +41,13 @@ PIPELINING = ("torch.distributed.pipelining.pipeline", "torch.distributed.pipeli
               "torch.distributed.pipelining.ScheduleGPipe",
               "torch.distributed.pipelining.Schedule1F1B",
               "torch.distributed.pipelining.ScheduleInterleaved1F1B")
+# Imported once before the ranks fork (Task.preload): ``tensor.backward(grad)`` imports sympy
+# through torch.fx's symbolic shapes the first time it runs (1-4 s per process), the meter's
+# FLOP counter (FlopCounterMode) imports torch._dynamo on first use (~2 s per process), and the
+# libraries a cheat wraps take ~0.6 s each.
+TP_PRELOAD = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo",
+              "torch.distributed.tensor.parallel")
+PIPE_PRELOAD = ("torch.fx.experimental.symbolic_shapes", "torch.distributed.pipelining")
 
 ALL_GATHER = {"all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_single"}
 REDUCE_SCATTER = {"reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
@@ -44,36 +55,6 @@ REDUCE_SCATTER = {"reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_ba
 
 
 # --------------------------------------------------------------------------- shared helpers
-
-_CACHE: OrderedDict[tuple, Any] = OrderedDict()
-
-
-def _cached(key: tuple, compute: Any) -> Any:
-    """One launch serves every case asking for the same (implementation, seed, setting); a
-    launch that failed (a stub, a crash, a deadlock) fails every such case at once."""
-    if key not in _CACHE:
-        try:
-            _CACHE[key] = (True, compute())
-        except Exception as e:  # noqa: BLE001 - re-raised below, for this case and the next
-            _CACHE[key] = (False, e)
-        while len(_CACHE) > 16:
-            _CACHE.popitem(last=False)
-    ok, value = _CACHE[key]
-    if not ok:
-        raise value
-    return value
-
-
-def _run(fn: Any, args: tuple, world_size: int, timeout: float = TIMEOUT) -> list[Any]:
-    # ``tensor.backward(grad)`` imports sympy (through torch.fx's symbolic shapes) the first time
-    # it runs, 1-4 s per process: import it here, once, before the ranks fork, not in each rank.
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401
-
-    from kit.launcher import default_start_method, run_ranks
-
-    if default_start_method("gloo") != "fork":
-        timeout *= 4
-    return list(run_ranks(fn, args, world_size=world_size, timeout=timeout, echo=False))
 
 
 def _local(t: Any) -> Any:
@@ -92,25 +73,7 @@ def _collectives(events: list[Any]) -> list[list[Any]]:
 
 def _close(got: Any, want: torch.Tensor) -> str | None:
     """None if ``got`` equals ``want`` up to float32 rounding; else what is wrong."""
-    if not isinstance(got, torch.Tensor):
-        return f"is {got!r}, expected a tensor of shape {tuple(want.shape)}"
-    if got.shape != want.shape:
-        return f"has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    if torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-        return None
-    diff = (got - want).abs().max().item()
-    for k in (2, 3, 4):
-        if torch.allclose(got, k * want, rtol=1e-4, atol=1e-5):
-            return f"is {k}x the expected value (max abs difference {diff:.3g})"
-    return f"differs (max abs difference {diff:.3g})"
-
-
-def _short(t: Any) -> str:
-    if not isinstance(t, torch.Tensor):
-        return repr(t)[:120]
-    flat = t.flatten()
-    return f"shape {tuple(t.shape)}: {[round(v, 4) for v in flat[:4].tolist()]}" + (
-        " ..." if flat.numel() > 4 else "")
+    return tensor_mismatch(got, want, rtol=1e-4, atol=1e-5)
 
 
 def _compare_tensors(got: Any, expected: dict[str, Any], hints: dict[str, str] | None = None,
@@ -124,63 +87,99 @@ def _compare_tensors(got: Any, expected: dict[str, Any], hints: dict[str, str] |
         for rank, want in enumerate(ranks):
             have = got[setting][rank]
             for name, tensor in want.items():
-                problem = _close(have.get(name) if isinstance(have, dict) else have, tensor)
+                value = have.get(name) if isinstance(have, dict) else have
+                problem = _close(value, tensor)
                 if problem is not None:
                     raise CheckFailed(f"{setting}, rank {rank}: {name} {problem}",
-                                      expected=_short(tensor), got=_short(have.get(name)),
+                                      expected=short(tensor), got=short(value),
                                       hint=hints.get(name.split(" ")[0], ""),
                                       recipe=recipes.get(name.split(" ")[0], ""))
 
 
+def _launch(fn: Any, args: tuple, world_size: int, preload: tuple[str, ...],
+            timeout: float = TIMEOUT) -> list[Any]:
+    """Every rank's return value of ``fn(*args)`` on ``world_size`` forked (or spawned) ranks."""
+    from kit.launcher import default_start_method, run_ranks
+
+    if default_start_method("gloo") != "fork":
+        timeout *= 4  # spawned ranks re-import torch and the lesson
+    return list(run_ranks(fn, args, world_size=world_size, timeout=timeout, echo=False,
+                          preload=preload))
+
+
+# The meter's layers, for 8.1 and 8.2: large enough that the weights dominate the biases a
+# correct layer keeps whole (h = 64, f = 256: each weight 64 KiB), on (batch 2, seq 8) tokens.
+METER_HIDDEN, METER_FFN, METER_TOKENS = 64, 256, (2, 8)
+METER_WORLD = 4  # the bounds read the 4-rank runs: a layer that keeps everything holds 4x its share
+
+
+def _kept_and_flops(build: Any, forward: Any) -> dict[str, int]:
+    """Bytes ``build()`` allocated that are still alive once it returns (what the layer keeps),
+    and the FLOPs of ``forward(layer)`` plus its backward, from the allocator and FlopCounterMode."""
+    from kit import meter
+
+    with meter.track() as kept:
+        layer = build()
+    with meter.count_flops() as flops:
+        forward(layer).sum().backward()
+    return {"weight bytes": kept.alive, "flops": flops.total}
+
+
+def _metered(key: str) -> Any:
+    """A bound case's pick: every rank's ``metered[key]``."""
+    def pick(ranks: Any) -> dict[str, Any]:
+        if not isinstance(ranks, list):
+            return {"error": repr(ranks)[:200]}
+        return {"measured": [r["metered"][key] if isinstance(r, dict) and "metered" in r else None
+                             for r in ranks]}
+
+    return pick
 # --------------------------------------------------------------------------- task 8.1
 
 HIDDEN, FFN = 8, 16  # the MLP: Linear(8, 16), GELU, Linear(16, 8)
 TP_SHAPE = (3, 5, HIDDEN)  # (batch, seq, hidden) input
 
 
-def _mlp(seed: int) -> tuple[nn.Linear, nn.Linear]:
+def mlp(seed: int) -> tuple[nn.Linear, nn.Linear]:
+    """The full MLP's two layers, the same on every rank and in the trusted reference."""
     torch.manual_seed(seed)
     return nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
 
 
-def _tp_data(seed: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tp_data(seed: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The input and a random output weighting (so every output element matters)."""
     g = torch.Generator().manual_seed(seed * 31 + replica)
     return torch.randn(TP_SHAPE, generator=g), torch.randn(TP_SHAPE, generator=g)
 
 
-def _row_parallel_of(column: Any) -> Any:
-    """The student's RowParallelLinear: defined beside ColumnParallelLinear (same cell)."""
-    import sys
-
-    found = getattr(column, "RowParallelLinear", None)  # a class attribute wins (tests' bugs)
-    if found is None:
-        found = getattr(getattr(column, "__init__", None), "__globals__", {}).get("RowParallelLinear")
-    if found is None:
-        found = getattr(sys.modules.get(getattr(column, "__module__", ""), None),
-                        "RowParallelLinear", None)
-    if found is None:
-        raise CheckFailed("RowParallelLinear is not defined",
-                          hint="Define RowParallelLinear in the same cell as ColumnParallelLinear.")
-    return found
+def _metered_mlp(column_cls: Any, row_cls: Any, seed: int) -> dict[str, int]:
+    """The metered column-GELU-row MLP over the whole world: what its layers keep, its FLOPs."""
+    torch.manual_seed(seed + 300)
+    # The full layers and the input exist before the track: only what the layers keep counts.
+    lin1, lin2 = nn.Linear(METER_HIDDEN, METER_FFN), nn.Linear(METER_FFN, METER_HIDDEN)
+    x = torch.randn(*METER_TOKENS, METER_HIDDEN, generator=torch.Generator().manual_seed(seed),
+                    requires_grad=True)
+    return _kept_and_flops(lambda: (column_cls(lin1), row_cls(lin2)),
+                           lambda layers: layers[1](F.gelu(layers[0](x))))
 
 
-def _tp_mlp_on_rank(column_cls: Any, row_cls: Any, seed: int, split: int) -> dict[str, Any]:
-    """One rank: the column-GELU-row MLP on the whole world (and, if ``split``, on subgroups
-    of ``split`` ranks), plus each layer alone with its other option."""
+def _tp_mlp_on_rank(column_cls: Any, row_cls: Any, seed: int) -> dict[str, Any]:
+    """One rank: the column-GELU-row MLP on the whole world (and, on 4 ranks, on subgroups of
+    2), each layer alone with its other option, and the metered MLP."""
     import torch.distributed as dist
 
     from kit.trace import trace
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    split = 2 if world == 4 else 0
     out: dict[str, Any] = {}
     settings = [("world", None, 0)]
     if split:
         groups = [dist.new_group(list(range(g, g + split))) for g in range(0, world, split)]
         settings.append((f"groups of {split}", groups[rank // split], 1 + rank // split))
     for name, group, replica in settings:
-        lin1, lin2 = _mlp(seed)
-        x, w = _tp_data(seed, replica)
+        lin1, lin2 = mlp(seed)
+        x, w = tp_data(seed, replica)
         x.requires_grad_()
         col, row = column_cls(lin1, group=group), row_cls(lin2, group=group)
         with trace() as fwd:
@@ -195,8 +194,8 @@ def _tp_mlp_on_rank(column_cls: Any, row_cls: Any, seed: int, split: int) -> dic
                      "row bias grad": _local(row.bias.grad),
                      "forward": _collectives(fwd.events), "backward": _collectives(bwd.events)}
     # Each layer alone, with the options the MLP does not use.
-    lin1, lin2 = _mlp(seed)
-    x, w = _tp_data(seed, 0)
+    lin1, lin2 = mlp(seed)
+    x, w = tp_data(seed, 0)
     x.requires_grad_()
     col = column_cls(lin1, gather_output=True)
     y = col(x)
@@ -209,57 +208,23 @@ def _tp_mlp_on_rank(column_cls: Any, row_cls: Any, seed: int, split: int) -> dic
     (y * w).sum().backward()
     out["RowParallelLinear(input_is_parallel=False)"] = {
         "output": _local(y), "input grad": _local(h.grad), "weight grad": _local(row.weight.grad)}
+    out["metered"] = _metered_mlp(column_cls, row_cls, seed)
     return out
 
 
-def _tp_launch(column_cls: Any, seed: int, world_size: int) -> list[dict[str, Any]]:
-    def compute() -> list[dict[str, Any]]:
-        row_cls = _row_parallel_of(column_cls)
-        split = 2 if world_size == 4 else 0
-        return _run(_tp_mlp_on_rank, (column_cls, row_cls, seed, split), world_size)
+def _tp_run(world_size: int) -> Any:
+    """The shared run of every 8.1 case on ``world_size`` ranks."""
+    def run(column_cls: Any, seed: int) -> list[dict[str, Any]]:
+        # Found here and handed to the ranks: a spawned rank could not find it beside a class
+        # that travelled by value.
+        row_cls = TP.companion(column_cls, "RowParallelLinear")
+        if row_cls is None:
+            raise CheckFailed("RowParallelLinear is not defined",
+                              hint="Define RowParallelLinear in the same cell as ColumnParallelLinear.")
+        return _launch(_tp_mlp_on_rank, (column_cls, row_cls, seed), world_size, TP.preload)
 
-    return _cached(("8.1", column_cls, seed, world_size), compute)
-
-
-def _tp_expected(seed: int, world_size: int) -> list[dict[str, Any]]:
-    """Trusted: the unsharded MLP in one process; each rank's slices of its gradients."""
-    out: list[dict[str, Any]] = [{} for _ in range(world_size)]
-    settings = [("world", world_size, 0)]
-    if world_size == 4:
-        settings.append(("groups of 2", 2, None))
-    for name, t, replica in settings:
-        for rank in range(world_size):
-            r = rank % t
-            lin1, lin2 = _mlp(seed)
-            x, w = _tp_data(seed, replica if replica is not None else 1 + rank // t)
-            x.requires_grad_()
-            y = lin2(F.gelu(lin1(x)))
-            (y * w).sum().backward()
-            rows = slice(r * FFN // t, (r + 1) * FFN // t)
-            out[rank][name] = {
-                "output": y.detach(), "input grad": x.grad,
-                "column weight": lin1.weight.detach()[rows], "column weight grad": lin1.weight.grad[rows],
-                "column bias grad": lin1.bias.grad[rows],
-                "row weight": lin2.weight.detach()[:, rows], "row weight grad": lin2.weight.grad[:, rows],
-                "row bias grad": lin2.bias.grad,
-                "forward": [["all_reduce", y.numel() * 4]], "backward": [["all_reduce", x.numel() * 4]]}
-    lin1, lin2 = _mlp(seed)
-    x, w = _tp_data(seed, 0)
-    x.requires_grad_()
-    y = lin1(x)
-    (y * torch.cat([w, w], dim=-1)).sum().backward()
-    h = torch.randn(3, 5, FFN, generator=torch.Generator().manual_seed(seed + 7), requires_grad=True)
-    y2 = lin2(h)
-    (y2 * w).sum().backward()
-    for rank in range(world_size):
-        rows = slice(rank * FFN // world_size, (rank + 1) * FFN // world_size)
-        out[rank]["ColumnParallelLinear(gather_output=True)"] = {
-            "output": y.detach(), "input grad": x.grad, "weight grad": lin1.weight.grad[rows]}
-        out[rank]["RowParallelLinear(input_is_parallel=False)"] = {
-            "output": y2.detach(), "input grad": h.grad, "weight grad": lin2.weight.grad[:, rows]}
-    return out
-
-
+    run.__name__ = f"tp_mlp_on_{world_size}_ranks"
+    return TP.shared(run)
 TP_VALUE_KEYS = ("output", "input grad", "column weight", "column weight grad", "column bias grad",
                  "row weight", "row weight grad", "row bias grad")
 TP_HINTS = {
@@ -287,8 +252,7 @@ TP_RECIPES = {
 
 def _compare_mlp(settings: tuple[str, ...]) -> Any:
     def compare(got: Any, expected: list[dict[str, Any]]) -> None:
-        if not isinstance(got, list) or len(got) != len(expected):
-            raise CheckFailed("expected one result per rank", got=repr(got)[:200])
+        got = per_rank(got, len(expected))
         for setting in settings:
             want = {setting: [{k: e[setting][k] for k in TP_VALUE_KEYS} for e in expected]}
             have = {setting: [g.get(setting, {}) if isinstance(g, dict) else {} for g in got]}
@@ -298,8 +262,7 @@ def _compare_mlp(settings: tuple[str, ...]) -> Any:
 
 
 def _compare_single_layers(got: Any, expected: list[dict[str, Any]]) -> None:
-    if not isinstance(got, list) or len(got) != len(expected):
-        raise CheckFailed("expected one result per rank", got=repr(got)[:200])
+    got = per_rank(got, len(expected))
     hints = {"output": "gather_output=True all-gathers the output slices along the last "
                        "dimension, in rank order; input_is_parallel=False keeps this rank's "
                        "slice of the input's last dimension first.",
@@ -315,8 +278,7 @@ def _compare_single_layers(got: Any, expected: list[dict[str, Any]]) -> None:
 
 
 def _compare_tp_calls(got: Any, expected: list[dict[str, Any]]) -> None:
-    if not isinstance(got, list) or len(got) != len(expected):
-        raise CheckFailed("expected one result per rank", got=repr(got)[:200])
+    got = per_rank(got, len(expected))
     for rank, (g, e) in enumerate(zip(got, expected)):
         for setting in [s for s in ("world", "groups of 2") if s in e]:
             for phase in ("forward", "backward"):
@@ -338,6 +300,7 @@ def _compare_tp_calls(got: Any, expected: list[dict[str, Any]]) -> None:
 
 TP = task(
     "8.1", "ColumnParallelLinear", points=4, forbidden=DTENSOR,
+    companions=("RowParallelLinear",), preload=TP_PRELOAD,
     hint="Tensor parallelism splits each Linear over the ranks: the column layer computes a "
          "slice of the output features, the row layer a partial sum over its slice of the input "
          "features. Two conjugate operations carry all the communication: f (identity forward, "
@@ -354,49 +317,68 @@ TP = task(
            "input's last dimension, whose backward all-gathers the gradient) multiplies without "
            "the bias, applies g, then adds the bias once.",
 )
+_TP_RUNS = {world_size: _tp_run(world_size) for world_size in (1, 2, 4)}
 
 
-@TP.case("the MLP on 1 rank equals nn.Linear, GELU, nn.Linear",
-         compare=_compare_mlp(("world",)), expect=lambda seed: _tp_expected(seed, 1))
-def _(impl: Any, seed: int) -> Any:
-    return _tp_launch(impl, seed, 1)
+def _tp_expected(world_size: int) -> Any:
+    return lambda seed: TP.trusted("tp_expected")(seed, world_size)
 
 
-@TP.case("the MLP on 2 ranks: output, input gradient and every slice's gradient equal the "
-         "unsharded MLP's", compare=_compare_mlp(("world",)), weight=2,
-         expect=lambda seed: _tp_expected(seed, 2))
-def _(impl: Any, seed: int) -> Any:
-    return _tp_launch(impl, seed, 2)
-
-
-@TP.case("the same on 4 ranks, and on 4 ranks as two tensor-parallel groups of 2 (group=)",
-         compare=_compare_mlp(("world", "groups of 2")), weight=2,
-         expect=lambda seed: _tp_expected(seed, 4))
-def _(impl: Any, seed: int) -> Any:
-    return _tp_launch(impl, seed, 4)
+TP.case("the MLP on 1 rank equals nn.Linear, GELU, nn.Linear", uses=_TP_RUNS[1],
+        compare=_compare_mlp(("world",)), expect=_tp_expected(1))
+TP.case("the MLP on 2 ranks: output, input gradient and every slice's gradient equal the "
+        "unsharded MLP's", uses=_TP_RUNS[2], compare=_compare_mlp(("world",)), weight=2,
+        expect=_tp_expected(2))
+TP.case("the same on 4 ranks, and on 4 ranks as two tensor-parallel groups of 2 (group=)",
+        uses=_TP_RUNS[4], compare=_compare_mlp(("world", "groups of 2")), weight=2,
+        expect=_tp_expected(4))
 
 
 @TP.case("one all-reduce of the output in forward, one of the input gradient in backward "
          "(2 and 4 ranks, and groups of 2)", compare=_compare_tp_calls, weight=2,
-         expect=lambda seed: _tp_expected(seed, 2) + _tp_expected(seed, 4))
+         expect=lambda seed: TP.trusted("tp_expected")(seed, 2) + TP.trusted("tp_expected")(seed, 4))
 def _(impl: Any, seed: int) -> Any:
-    return _tp_launch(impl, seed, 2) + _tp_launch(impl, seed, 4)
+    return _TP_RUNS[2](impl, seed) + _TP_RUNS[4](impl, seed)
 
 
-@TP.case("ColumnParallelLinear(gather_output=True) and RowParallelLinear(input_is_parallel="
-         "False) each equal nn.Linear (2 ranks)", compare=_compare_single_layers,
-         expect=lambda seed: _tp_expected(seed, 2))
-def _(impl: Any, seed: int) -> Any:
-    return _tp_launch(impl, seed, 2)
+TP.case("ColumnParallelLinear(gather_output=True) and RowParallelLinear(input_is_parallel="
+        "False) each equal nn.Linear (2 ranks)", uses=_TP_RUNS[2], compare=_compare_single_layers,
+        expect=_tp_expected(2))
 
-
+# What tensor parallelism saves, measured on the 4-rank run's metered MLP (h = 64, f = 256):
+# each rank keeps and multiplies by 1/t of both weights. The 25% margin covers what a correct
+# layer may keep or compute beside its slices (the whole second bias, a spare buffer); a layer
+# that keeps (or multiplies by) the whole weights is t = 4 times the share: 3.2x the bound.
+TP.bound("weight bytes each rank keeps after building both layers",
+         formula="1.25 · ((h·f + f·h)/t + f/t + h) · 4 bytes: its rows of the first layer's "
+                 "weight and bias, its columns of the second's, the second's bias whole",
+         lost="the layers keep the whole weights on every rank: tensor parallelism's 1/t of the "
+              "weights per rank is lost",
+         hint="Tensor parallelism exists so that no rank holds a whole weight: each keeps only "
+              "its slice, measured here in bytes allocated and still alive after the layers are "
+              "built.",
+         recipe="Copy only this rank's rows (column layer) or columns (row layer) into new "
+                "Parameters, and keep no other copy of the full weight: not as an attribute, a "
+                "buffer, or a tensor to assemble the full matrix from.",
+         expect="tp_weight_bytes_bound", uses=_TP_RUNS[4], pick=_metered("weight bytes"))
+TP.bound("matmul FLOPs per rank, forward and backward",
+         formula="1.25 · 3 · 2·N·(h·f + f·h)/t: the forward, input-gradient and weight-gradient "
+                 "matmuls of this rank's slices on N tokens",
+         lost="every rank multiplies by the whole weights: tensor parallelism's 1/t of the "
+              "compute per rank is lost",
+         hint="Tensor parallelism splits the compute too: each rank multiplies only by its "
+              "slice, so its matmuls are 1/t of the layer's, counted by torch's FLOP counter.",
+         recipe="Multiply the input by this rank's slice of the weight only: no full-size matrix "
+                "(padded, concatenated or masked) and no second, unsharded pass.",
+         unit="FLOPs", expect="tp_flops_bound", uses=_TP_RUNS[4], pick=_metered("flops"))
 # --------------------------------------------------------------------------- task 8.2
 
 SP_BATCH, SP_SEQ = 2, 8  # (batch, seq, HIDDEN); seq divides by 1, 2 and 4
 SP_PASSES = 2  # two forward/backward passes accumulate into .grad
 
 
-def _sp_modules(seed: int) -> tuple[nn.LayerNorm, nn.Linear, nn.Linear]:
+def sp_modules(seed: int) -> tuple[nn.LayerNorm, nn.Linear, nn.Linear]:
+    """The full block's LayerNorm and two layers, the same on every rank and in the reference."""
     torch.manual_seed(seed + 100)
     norm = nn.LayerNorm(HIDDEN)
     with torch.no_grad():  # not the default ones and zeros: their gradient must show
@@ -405,13 +387,14 @@ def _sp_modules(seed: int) -> tuple[nn.LayerNorm, nn.Linear, nn.Linear]:
     return norm, nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
 
 
-def _sp_data(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sp_data(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass ``step``'s whole (batch, seq, hidden) input and output weighting."""
     g = torch.Generator().manual_seed(seed * 97 + step)
     shape = (SP_BATCH, SP_SEQ, HIDDEN)
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def _layer_norm_saved_bytes(output: torch.Tensor) -> int:
+def layer_norm_saved_bytes(output: torch.Tensor) -> int:
     """Bytes of activations (input, mean, 1/std) every layer norm in ``output``'s graph saved."""
     seen, stack, total = set(), [output.grad_fn], 0
     while stack:
@@ -428,62 +411,44 @@ def _layer_norm_saved_bytes(output: torch.Tensor) -> int:
     return total
 
 
+def _metered_block(impl: Any, seed: int) -> dict[str, int]:
+    """The metered LayerNorm-MLP block on this rank's sequence shard: what it keeps, its FLOPs."""
+    import torch.distributed as dist
+
+    t, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed + 400)
+    # The full modules and the input exist before the track: only what the block keeps counts.
+    norm = nn.LayerNorm(METER_HIDDEN)
+    lin1, lin2 = nn.Linear(METER_HIDDEN, METER_FFN), nn.Linear(METER_FFN, METER_HIDDEN)
+    x = torch.randn(*METER_TOKENS, METER_HIDDEN, generator=torch.Generator().manual_seed(seed))
+    shard = x.chunk(t, dim=1)[rank].clone().requires_grad_()  # (b, s/t, h)
+    return _kept_and_flops(lambda: impl(norm, lin1, lin2), lambda block: block(shard))
+
+
 def _sp_on_rank(impl: Any, seed: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from kit.trace import trace
 
     rank, t = dist.get_rank(), dist.get_world_size()
-    norm, lin1, lin2 = _sp_modules(seed)
+    norm, lin1, lin2 = sp_modules(seed)
     block = impl(norm, lin1, lin2)
     out: dict[str, Any] = {"outputs": [], "input grads": []}
     for step in range(SP_PASSES):
-        x, w = _sp_data(seed, step)
+        x, w = sp_data(seed, step)
         shard = x.chunk(t, dim=1)[rank].clone().requires_grad_()  # (b, s/t, h)
         with trace() as fwd:
             y = block(shard)
         if step == 0:
             out["forward"] = _collectives(fwd.events)
-            out["layer norm saved bytes"] = _layer_norm_saved_bytes(y) if y.grad_fn else 0
+            out["layer norm saved bytes"] = layer_norm_saved_bytes(y) if y.grad_fn else 0
         (y * w.chunk(t, dim=1)[rank]).sum().backward()
         out["outputs"].append(_local(y))
         out["input grads"].append(_local(shard.grad))
     out["grads"] = {f"{m}.{p}": _local(getattr(getattr(getattr(block, m, None), p, None), "grad", None))
                     for m in ("norm", "linear1", "linear2") for p in ("weight", "bias")}
+    out["metered"] = _metered_block(impl, seed)
     return out
-
-
-def _sp_launch(impl: Any, seed: int, world_size: int) -> list[dict[str, Any]]:
-    return _cached(("8.2", impl, seed, world_size),
-                   lambda: _run(_sp_on_rank, (impl, seed), world_size))
-
-
-def _sp_expected(seed: int, t: int) -> dict[str, Any]:
-    """Trusted: the unsharded block, two passes; each rank's shards and slices."""
-    norm, lin1, lin2 = _sp_modules(seed)
-    outputs, input_grads = [], []
-    for step in range(SP_PASSES):
-        x, w = _sp_data(seed, step)
-        x.requires_grad_()
-        y = lin2(F.gelu(lin1(norm(x))))
-        if step == 0:
-            saved = _layer_norm_saved_bytes(y)
-            nbytes = y.numel() * y.element_size()
-        (y * w).sum().backward()
-        outputs.append(y.detach())
-        input_grads.append(x.grad)
-    ranks = []
-    for r in range(t):
-        cols = slice(r * FFN // t, (r + 1) * FFN // t)
-        ranks.append({
-            "outputs": [o.chunk(t, dim=1)[r] for o in outputs],
-            "input grads": [g.chunk(t, dim=1)[r] for g in input_grads],
-            "grads": {"norm.weight": norm.weight.grad, "norm.bias": norm.bias.grad,
-                      "linear1.weight": lin1.weight.grad[cols], "linear1.bias": lin1.bias.grad[cols],
-                      "linear2.weight": lin2.weight.grad[:, cols], "linear2.bias": lin2.bias.grad}})
-    return {"ranks": ranks, "saved": saved, "nbytes": nbytes}
-
-
 _NORM_HINT = ("Each rank's LayerNorm saw only its shard of the sequence: its gradient is part "
               "of the whole, and the parts must be summed over the group in every backward pass.")
 _NORM_RECIPE = ("Sum the LayerNorm gradients over the group once per backward pass (a gradient "
@@ -523,8 +488,7 @@ SP_RECIPES = {
 
 def _compare_sp_values(got: Any, expected: dict[str, Any]) -> None:
     want_ranks = expected["ranks"]
-    if not isinstance(got, list) or len(got) != len(want_ranks):
-        raise CheckFailed("expected one result per rank", got=repr(got)[:200])
+    got = per_rank(got, len(want_ranks))
     for rank, (g, e) in enumerate(zip(got, want_ranks)):
         for key in ("outputs", "input grads"):
             for step, want in enumerate(e[key]):
@@ -533,22 +497,22 @@ def _compare_sp_values(got: Any, expected: dict[str, Any]) -> None:
                 if problem is not None:
                     what = "output shard" if key == "outputs" else "input shard's gradient"
                     raise CheckFailed(f"rank {rank}, pass {step + 1}: the {what} {problem}",
-                                      expected=_short(want), got=_short(have),
+                                      expected=short(want), got=short(have),
                                       hint=SP_HINTS[key.split(" ")[0].rstrip("s")],
                                       recipe=SP_RECIPES[key.split(" ")[0].rstrip("s")])
         for name, want in e["grads"].items():
             problem = _close(g["grads"].get(name), want)
             if problem is not None:
                 raise CheckFailed(f"rank {rank}: {name}.grad after {SP_PASSES} backward passes "
-                                  f"{problem}", expected=_short(want),
-                                  got=_short(g["grads"].get(name)), hint=SP_HINTS[name],
+                                  f"{problem}", expected=short(want),
+                                  got=short(g["grads"].get(name)), hint=SP_HINTS[name],
                                   recipe=SP_RECIPES[name])
 
 
 def _compare_sp_calls(got: Any, expected: dict[str, Any]) -> None:
     n = expected["nbytes"]
     want = [["all_gather", n], ["reduce_scatter", n]]
-    for rank, g in enumerate(got):
+    for rank, g in enumerate(per_rank(got, len(expected["ranks"]))):
         have = [[("all_gather" if op in ALL_GATHER else "reduce_scatter" if op in REDUCE_SCATTER
                   else op), nbytes] for op, nbytes in g.get("forward", [])]
         if have != want:
@@ -560,8 +524,8 @@ def _compare_sp_calls(got: Any, expected: dict[str, Any]) -> None:
 
 
 def _compare_sp_memory(got: Any, expected: dict[str, Any]) -> None:
-    t = len(got)
-    for rank, g in enumerate(got):
+    t = len(expected["ranks"])
+    for rank, g in enumerate(per_rank(got, t)):
         have = g.get("layer norm saved bytes")
         if have != expected["saved"] // t:
             raise CheckFailed(
@@ -574,7 +538,7 @@ def _compare_sp_memory(got: Any, expected: dict[str, Any]) -> None:
 
 
 SP = task(
-    "8.2", "SequenceParallelMLP", points=3, forbidden=DTENSOR,
+    "8.2", "SequenceParallelMLP", points=3, forbidden=DTENSOR, preload=TP_PRELOAD,
     hint="Sequence parallelism runs the LayerNorm on this rank's shard of the sequence and "
          "splits the tensor-parallel all-reduce into an all-gather before linear1 and a "
          "reduce-scatter after linear2, each the other's backward. Parameters used on the shard "
@@ -592,46 +556,61 @@ SP = task(
            "8.1's f) where they are used, so each pass's gradient is summed, not the "
            "accumulated .grad.",
 )
+_SP_RUNS = {t: SP.shared(_sp_on_rank, world_size=t, timeout=TIMEOUT) for t in (2, 4)}
 
 
-@SP.case("2 ranks: output shards, input gradients and every gradient (2 passes accumulated) "
-         "equal the unsharded block's", compare=_compare_sp_values, weight=2,
-         expect=lambda seed: _sp_expected(seed, 2))
-def _(impl: Any, seed: int) -> Any:
-    return _sp_launch(impl, seed, 2)
+def _sp_expected(t: int) -> Any:
+    return lambda seed: SP.trusted("sp_expected")(seed, t)
 
 
-@SP.case("the same on 4 ranks", compare=_compare_sp_values, weight=2,
-         expect=lambda seed: _sp_expected(seed, 4))
-def _(impl: Any, seed: int) -> Any:
-    return _sp_launch(impl, seed, 4)
+SP.case("2 ranks: output shards, input gradients and every gradient (2 passes accumulated) "
+        "equal the unsharded block's", uses=_SP_RUNS[2], compare=_compare_sp_values, weight=2,
+        expect=_sp_expected(2))
+SP.case("the same on 4 ranks", uses=_SP_RUNS[4], compare=_compare_sp_values, weight=2,
+        expect=_sp_expected(4))
+SP.case("forward makes one all-gather and one reduce-scatter of the whole activation, and no "
+        "all-reduce (4 ranks)", uses=_SP_RUNS[4], compare=_compare_sp_calls, expect=_sp_expected(4))
+SP.case("the LayerNorm's saved activations per rank are 1/t of the unsharded block's (4 ranks)",
+        uses=_SP_RUNS[4], compare=_compare_sp_memory, expect=_sp_expected(4))
 
-
-@SP.case("forward makes one all-gather and one reduce-scatter of the whole activation, and no "
-         "all-reduce (4 ranks)", compare=_compare_sp_calls,
-         expect=lambda seed: _sp_expected(seed, 4))
-def _(impl: Any, seed: int) -> Any:
-    return _sp_launch(impl, seed, 4)
-
-
-@SP.case("the LayerNorm's saved activations per rank are 1/t of the unsharded block's (4 ranks)",
-         compare=_compare_sp_memory, expect=lambda seed: _sp_expected(seed, 4))
-def _(impl: Any, seed: int) -> Any:
-    return _sp_launch(impl, seed, 4)
-
-
+# What the tensor-parallel half of the block saves, measured on the 4-rank run's metered block
+# (h = 64, f = 256, the whole LayerNorm given, not counted): the same 1/t of the weights and of
+# the matmuls as Task 8.1, N being the gathered sequence's tokens. The 25% margin covers a copy
+# of the LayerNorm or a spare buffer; a block that keeps (or multiplies by) both whole weights
+# is t = 4 times the share: 3.2x the bound.
+SP.bound("weight bytes each rank keeps after building the block",
+         formula="1.25 · ((h·f + f·h)/t + f/t + h) · 4 bytes: linear1's rows and their bias, "
+                 "linear2's columns, linear2's bias whole",
+         lost="the block keeps both whole weights on every rank: the 1/t of the weights per "
+              "rank is lost",
+         hint="The block is tensor parallel as well as sequence parallel: no rank holds a whole "
+              "weight, measured in bytes allocated and still alive after it is built.",
+         recipe="Keep only this rank's rows of linear1 and columns of linear2 (in self.linear1 "
+                "and self.linear2), and no other copy of the full weights.",
+         expect="sp_weight_bytes_bound", uses=_SP_RUNS[4], pick=_metered("weight bytes"))
+SP.bound("matmul FLOPs per rank, forward and backward",
+         formula="1.25 · 3 · 2·N·(h·f + f·h)/t: the forward, input-gradient and weight-gradient "
+                 "matmuls of this rank's slices on the N gathered tokens",
+         lost="every rank runs the whole MLP: the 1/t of the compute per rank is lost",
+         hint="After the all-gather every rank holds the whole sequence but multiplies it only "
+              "by its slices: 1/t of the MLP's matmuls, counted by torch's FLOP counter.",
+         recipe="Apply linear1's rows and linear2's columns only: no full-width matrix (padded, "
+                "concatenated or masked) and no second, unsharded pass.",
+         unit="FLOPs", expect="sp_flops_bound", uses=_SP_RUNS[4], pick=_metered("flops"))
 # --------------------------------------------------------------------------- task 8.3 and 8.4
 
 PIPE_HIDDEN, PIPE_MICRO_BATCH = 6, 2  # stages map (2, 6) micro-batches to (2, 6)
 
 
-def _pipeline(seed: int, p: int) -> nn.ModuleList:
+def pipeline(seed: int, p: int) -> nn.ModuleList:
+    """The p stages of the pipeline, the same on every rank and in the reference."""
     torch.manual_seed(seed + 200)
     return nn.ModuleList(nn.Sequential(nn.Linear(PIPE_HIDDEN, PIPE_HIDDEN), nn.Tanh())
                          for _ in range(p))
 
 
-def _pipe_data(seed: int, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def pipe_data(seed: int, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The m input and target micro-batches."""
     g = torch.Generator().manual_seed(seed * 13 + m)
     x = torch.randn(m * PIPE_MICRO_BATCH, PIPE_HIDDEN, generator=g)
     y = torch.randn(m * PIPE_MICRO_BATCH, PIPE_HIDDEN, generator=g)
@@ -640,7 +619,7 @@ def _pipe_data(seed: int, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor
 
 # The loss the student's gpipe calls: torch's own function (the gates refuse any call from the
 # task's code into the grader's functions).
-_mse = F.mse_loss
+mse = F.mse_loss
 
 
 def _stage_grads(stage: nn.Module) -> list[Any]:
@@ -664,33 +643,18 @@ def _gpipe_on_rank(impl: Any, seed: int, m: int) -> dict[str, Any]:
     from kit.trace import trace
 
     rank, p = dist.get_rank(), dist.get_world_size()
-    stage = _pipeline(seed, p)[rank]
-    xs, ys = _pipe_data(seed, m)
+    stage = pipeline(seed, p)[rank]
+    xs, ys = pipe_data(seed, m)
     with trace() as t:
-        loss = impl(stage, xs, ys, _mse)
+        loss = impl(stage, xs, ys, mse)
     return {"loss": _local(loss) if isinstance(loss, torch.Tensor) else repr(loss)[:80],
             "grads": _stage_grads(stage), "messages": _messages(t.events),
             "collectives": [e.op for e in t.events if e.kind == "collective"]}
 
 
-def _pipe_expected(seed: int, p: int, m: int) -> dict[str, Any]:
-    """Trusted: the whole pipeline in one process on the whole batch."""
-    model = _pipeline(seed, p)
-    xs, ys = _pipe_data(seed, m)
-    out = torch.cat(xs)
-    for stage in model:
-        out = stage(out)
-    loss = _mse(out, torch.cat(ys))
-    loss.backward()
-    return {"loss": loss.detach(), "grads": [[q.grad for q in s.parameters()] for s in model],
-            "nbytes": PIPE_MICRO_BATCH * PIPE_HIDDEN * 4, "p": p, "m": m}
-
-
 def _compare_pipe_grads(got: Any, expected: dict[str, Any]) -> None:
     p = expected["p"]
-    if not isinstance(got, list) or len(got) != p:
-        raise CheckFailed("expected one result per rank", got=repr(got)[:200])
-    for rank, g in enumerate(got):
+    for rank, g in enumerate(per_rank(got, p)):
         for k, want in enumerate(expected["grads"][rank]):
             have = g["grads"][k] if k < len(g["grads"]) else None
             problem = _close(have, want)
@@ -698,7 +662,7 @@ def _compare_pipe_grads(got: Any, expected: dict[str, Any]) -> None:
                 name = ("weight", "bias")[k] if k < 2 else f"parameter {k}"
                 raise CheckFailed(
                     f"stage {rank} of {p}, {expected['m']} micro-batches: the Linear's {name} "
-                    f"gradient {problem}", expected=_short(want), got=_short(have),
+                    f"gradient {problem}", expected=short(want), got=short(have),
                     hint="A stage's gradients must add up to the whole batch's: each "
                          "micro-batch contributes 1/m of the mean loss, and each stage's input "
                          "gradient must reach the stage before it.",
@@ -709,7 +673,7 @@ def _compare_pipe_grads(got: Any, expected: dict[str, Any]) -> None:
 
 def _compare_pipe_loss(got: Any, expected: dict[str, Any]) -> None:
     p = expected["p"]
-    for rank, g in enumerate(got):
+    for rank, g in enumerate(per_rank(got, p)):
         have = g["loss"]
         if rank < p - 1:
             if have != "None":
@@ -719,32 +683,14 @@ def _compare_pipe_loss(got: Any, expected: dict[str, Any]) -> None:
         problem = _close(have, expected["loss"])
         if problem is not None or have.dim() != 0:
             raise CheckFailed(f"last stage: the returned loss {problem or 'is not a 0-d tensor'}",
-                              expected=_short(expected["loss"]), got=_short(have),
+                              expected=short(expected["loss"]), got=short(have),
                               hint="Return the mean of the m micro-batch losses as a 0-d tensor.")
-
-
-def _expected_messages(p: int, m: int, nbytes: int) -> list[list[list[Any]]]:
-    """GPipe's messages on each rank: forward recv/send per micro-batch, then backward."""
-    out = []
-    for r in range(p):
-        msgs = []
-        for _ in range(m):
-            if r > 0:
-                msgs.append(["recv", r - 1, nbytes])
-            if r < p - 1:
-                msgs.append(["send", r + 1, nbytes])
-        for _ in range(m):
-            if r < p - 1:
-                msgs.append(["recv", r + 1, nbytes])
-            if r > 0:
-                msgs.append(["send", r - 1, nbytes])
-        out.append(msgs)
-    return out
 
 
 def _compare_pipe_messages(got: Any, expected: dict[str, Any]) -> None:
     p, m = expected["p"], expected["m"]
-    want = _expected_messages(p, m, expected["nbytes"])
+    want = expected["messages"]
+    got = per_rank(got, p)
     sends = sum(1 for g in got for msg in g["messages"] if msg[0] == "send")
     for rank, g in enumerate(got):
         if g["collectives"]:
@@ -768,13 +714,21 @@ def _compare_pipe_messages(got: Any, expected: dict[str, Any]) -> None:
                        "from rank + 1, send the input's gradient to rank - 1.")
 
 
-def _gpipe_launch(impl: Any, seed: int, p: int, m: int) -> list[dict[str, Any]]:
-    return _cached(("8.3", impl, seed, p, m),
-                   lambda: _run(_gpipe_on_rank, (impl, seed, m), p, timeout=PIPE_TIMEOUT))
+def _for_each_shape(compare: Any) -> Any:
+    """``compare`` applied to the run and the expectation of every pipeline shape in turn."""
+    def each(got: Any, expected: list[Any]) -> None:
+        for g, e in zip(per_rank(got, len(expected), "pipeline run"), expected):
+            compare(g, e)
+
+    return each
 
 
+# bounds nothing: GPipe keeps every micro-batch's activations until its backward by design (the
+# cost 1F1B removes, bounded in 8.4); what it saves over one process, 1/p of the layers per
+# rank, is the stage it is handed, and its traffic, 2·m·(p−1) messages of one micro-batch each,
+# is checked exactly by the message case.
 GPIPE = task(
-    "8.3", "gpipe", points=3, forbidden=PIPELINING,
+    "8.3", "gpipe", points=3, forbidden=PIPELINING, preload=PIPE_PRELOAD,
     hint="GPipe: micro-batches flow forward through the stages, then their gradients flow "
          "back in reverse; a stage talks only to its neighbours, and the micro-batch losses, "
          "each divided by m, add up to the whole batch's mean loss.",
@@ -790,50 +744,87 @@ GPIPE = task(
 )
 
 PIPE_SHAPES = [(2, 3), (4, 4)]  # (stages, micro-batches)
+_GPIPE_RUNS = [GPIPE.shared(partial(_gpipe_on_rank, m=m), world_size=p, timeout=PIPE_TIMEOUT)
+               for p, m in PIPE_SHAPES]
 
 
-@GPIPE.case("every stage's gradients equal the whole model's on the whole batch "
-            "(2 stages x 3 micro-batches, 4 stages x 4)", weight=2,
-            compare=lambda got, exp: [_compare_pipe_grads(g, e) for g, e in zip(got, exp)],
-            expect=lambda seed: [_pipe_expected(seed, p, m) for p, m in PIPE_SHAPES])
-def _(impl: Any, seed: int) -> Any:
-    return [_gpipe_launch(impl, seed, p, m) for p, m in PIPE_SHAPES]
+@GPIPE.shared
+def _gpipe_runs(impl: Any, seed: int) -> list[Any]:
+    """Both pipeline shapes' runs, in PIPE_SHAPES order."""
+    return [run(impl, seed) for run in _GPIPE_RUNS]
 
 
-@GPIPE.case("the last stage returns the mean loss, the others None",
-            compare=lambda got, exp: [_compare_pipe_loss(g, e) for g, e in zip(got, exp)],
-            expect=lambda seed: [_pipe_expected(seed, p, m) for p, m in PIPE_SHAPES])
-def _(impl: Any, seed: int) -> Any:
-    return [_gpipe_launch(impl, seed, p, m) for p, m in PIPE_SHAPES]
-
-
-@GPIPE.case("exactly 2·m·(p−1) messages, each to the neighbour it belongs to, all forwards "
-            "before the backwards", weight=2,
-            compare=lambda got, exp: [_compare_pipe_messages(g, e) for g, e in zip(got, exp)],
-            expect=lambda seed: [_pipe_expected(seed, p, m) for p, m in PIPE_SHAPES])
-def _(impl: Any, seed: int) -> Any:
-    return [_gpipe_launch(impl, seed, p, m) for p, m in PIPE_SHAPES]
+GPIPE.case("every stage's gradients equal the whole model's on the whole batch "
+           "(2 stages x 3 micro-batches, 4 stages x 4)", weight=2, uses=_gpipe_runs,
+           compare=_for_each_shape(_compare_pipe_grads), expect="gpipe_expected")
+GPIPE.case("the last stage returns the mean loss, the others None", uses=_gpipe_runs,
+           compare=_for_each_shape(_compare_pipe_loss), expect="gpipe_expected")
+GPIPE.case("exactly 2·m·(p−1) messages, each to the neighbour it belongs to, all forwards "
+           "before the backwards", weight=2, uses=_gpipe_runs,
+           compare=_for_each_shape(_compare_pipe_messages), expect="gpipe_expected")
 
 
 # --------------------------------------------------------------------------- task 8.4
 
 GRID = [(s, p, m) for p in range(1, 6) for s in range(p) for m in range(1, 9)]
 
+# The activations 1F1B bounds, measured by playing each stage's order of a 4-stage pipeline
+# with 8 micro-batches in this process: stage s may hold num_stages - s micro-batches at once,
+# GPipe's order holds all 8 (2x the bound on stage 0, 6.4x on stage 3). A micro-batch's
+# activations on the played stage (Linear(32, 32), Tanh) are its input and its output, 16 x 32
+# floats each; the gradients are allocated before the track and accumulate in place.
+HELD_SHAPE = (4, 8)  # (stages, micro-batches)
+HELD_HIDDEN, HELD_MICRO_BATCH = 32, 16
 
-def _orders(impl: Any) -> dict[str, Any]:
-    """The implementation's order for every (stage, stages, micro-batches) of the grid."""
-    out = {}
+
+def _played_activations(order: list[list[Any]], seed: int) -> int:
+    """Most bytes of activations alive between two steps while one stage plays ``order``."""
+    from kit import meter
+
+    m = HELD_SHAPE[1]
+    torch.manual_seed(seed + 500)
+    stage = nn.Sequential(nn.Linear(HELD_HIDDEN, HELD_HIDDEN), nn.Tanh())
+    for q in stage.parameters():
+        q.grad = torch.zeros_like(q)  # backward then accumulates in place: not counted
+    g = torch.Generator().manual_seed(seed + 501)
+    inputs = [torch.randn(HELD_MICRO_BATCH, HELD_HIDDEN, generator=g) for _ in range(m)]
+    grads = [torch.randn(HELD_MICRO_BATCH, HELD_HIDDEN, generator=g) for _ in range(m)]
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with meter.track() as usage:
+        for k, (op, i) in enumerate(order):
+            if op == "F":  # the activation received from the previous stage, and the output
+                x = inputs[i].clone().requires_grad_()
+                held[i] = (x, stage(x))
+                del x
+            else:
+                x, y = held.pop(i)
+                y.backward(grads[i])
+                del x, y  # this micro-batch's activations (and its input's gradient) are free
+            usage.mark(f"after step {k}")
+    return max(usage.marks.values(), default=0)
+
+
+def _orders(impl: Any, seed: int) -> dict[str, Any]:
+    """The implementation's order for every (stage, stages, micro-batches) of the grid, and the
+    activations each stage of HELD_SHAPE holds when its order is played."""
+    orders = {}
     for s, p, m in GRID:
         order = impl(s, p, m)
         try:
-            out[f"{s},{p},{m}"] = [[str(op), int(i)] for op, i in order]
+            orders[f"{s},{p},{m}"] = [[str(op), int(i)] for op, i in order]
         except (TypeError, ValueError):
-            out[f"{s},{p},{m}"] = repr(order)[:120]
-    return out
-
-
-def _orders_cached(impl: Any) -> dict[str, Any]:
-    return _cached(("8.4", impl), lambda: _orders(impl))
+            orders[f"{s},{p},{m}"] = repr(order)[:120]
+    p, m = HELD_SHAPE
+    held: dict[str, Any] = {"measured": []}
+    for s in range(p):
+        order = orders[f"{s},{p},{m}"]
+        if not _well_formed(order, m):
+            held = {"error": f"stage {s} of {p}'s order does not run each of the {m} micro-batches "
+                             "forward, then backward, once"}
+            break
+        # Stage s may hold num_stages - s micro-batches: per allowed micro-batch, at most one.
+        held["measured"].append(_played_activations(order, seed) / (p - s))
+    return {"orders": orders, "held": held}
 
 
 def _for_each_order(check: Any) -> Any:
@@ -901,8 +892,8 @@ def _run_orders_on_rank(orders: list[list[list[Any]]], seed: int, m: int) -> lis
     import torch.distributed as dist
 
     rank, p = dist.get_rank(), dist.get_world_size()
-    stage = _pipeline(seed, p)[rank]
-    xs, ys = _pipe_data(seed, m)
+    stage = pipeline(seed, p)[rank]
+    xs, ys = pipe_data(seed, m)
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     sends = []
@@ -920,7 +911,7 @@ def _run_orders_on_rank(orders: list[list[list[Any]]], seed: int, m: int) -> lis
                 sends.append(dist.isend(y.detach().clone(), dst=rank + 1))
         else:
             if rank == p - 1:
-                (_mse(outputs[i], ys[i]) / m).backward()
+                (mse(outputs[i], ys[i]) / m).backward()
             else:
                 grad = torch.empty_like(outputs[i])
                 dist.recv(grad, src=rank + 1)
@@ -954,7 +945,8 @@ def _play(impl: Any, seed: int) -> list[Any]:
             continue
         orders = [[[str(op), int(i)] for op, i in o] for o in orders]
         try:
-            results.append(_run(_run_orders_on_rank, (orders, seed, m), p, timeout=PIPE_TIMEOUT))
+            results.append(_launch(_run_orders_on_rank, (orders, seed, m), p,
+                                   ONE_F_ONE_B.preload, timeout=PIPE_TIMEOUT))
         except Exception as e:  # noqa: BLE001 - a deadlock (LaunchTimeout) or a crash
             results.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return results
@@ -971,7 +963,7 @@ def _compare_played(got: Any, expected: Any) -> None:
 
 
 ONE_F_ONE_B = task(
-    "8.4", "one_f_one_b", points=2, forbidden=PIPELINING,
+    "8.4", "one_f_one_b", points=2, forbidden=PIPELINING, preload=PIPE_PRELOAD,
     hint="1F1B fills the pipe, then alternates: a stage runs as many forwards as there are "
          "stages after it before its first backward, and from then on never keeps more "
          "activations than that plus one.",
@@ -979,34 +971,30 @@ ONE_F_ONE_B = task(
            "in the steady state alternate the next forward with the oldest pending backward; "
            "cool down with the backwards that are left, oldest first.",
 )
+_ORDERS = ONE_F_ONE_B.shared(_orders)
 
-
-@ONE_F_ONE_B.case("every micro-batch goes forward, then backward, exactly once, in order",
-                  compare=_for_each_order(_each_once))
-def _(impl: Any, seed: int) -> Any:
-    return _orders_cached(impl)
-
-
-@ONE_F_ONE_B.case("warm-up: num_stages − stage − 1 forwards (at most m)",
-                  compare=_for_each_order(_warmup))
-def _(impl: Any, seed: int) -> Any:
-    return _orders_cached(impl)
-
-
-@ONE_F_ONE_B.case("steady state: forwards and backwards alternate, then the cool-down",
-                  compare=_for_each_order(_alternates))
-def _(impl: Any, seed: int) -> Any:
-    return _orders_cached(impl)
-
-
-@ONE_F_ONE_B.case("at most num_stages − stage activations in flight",
-                  compare=_for_each_order(_in_flight))
-def _(impl: Any, seed: int) -> Any:
-    return _orders_cached(impl)
-
-
-@ONE_F_ONE_B.case("played on real ranks (2 stages x 4, 4 stages x 6): no deadlock, the whole "
-                  "batch's gradients", compare=_compare_played,
-                  expect=lambda seed: [_pipe_expected(seed, p, m) for p, m in ONE_F_ONE_B_PLAYED])
-def _(impl: Any, seed: int) -> Any:
-    return _play(impl, seed)
+ONE_F_ONE_B.case("every micro-batch goes forward, then backward, exactly once, in order",
+                 uses=_ORDERS, pick="orders", compare=_for_each_order(_each_once))
+ONE_F_ONE_B.case("warm-up: num_stages − stage − 1 forwards (at most m)",
+                 uses=_ORDERS, pick="orders", compare=_for_each_order(_warmup))
+ONE_F_ONE_B.case("steady state: forwards and backwards alternate, then the cool-down",
+                 uses=_ORDERS, pick="orders", compare=_for_each_order(_alternates))
+ONE_F_ONE_B.case("at most num_stages − stage activations in flight",
+                 uses=_ORDERS, pick="orders", compare=_for_each_order(_in_flight))
+ONE_F_ONE_B.case("played on real ranks (2 stages x 4, 4 stages x 6): no deadlock, the whole "
+                 "batch's gradients", compare=_compare_played,
+                 expect="one_f_one_b_played")(_play)
+# What 1F1B saves over GPipe, in bytes: the 25% margin covers the autograd bookkeeping a step
+# leaves behind; one micro-batch too many on the last stage is already 1.6x the bound.
+ONE_F_ONE_B.bound("activation bytes a stage holds, per micro-batch 1F1B lets it keep "
+                  "(num_stages − stage of them), while its order is played (4 stages, 8 "
+                  "micro-batches)",
+                  formula="1.25 · one micro-batch's stage input and output (2 · b · h · 4 bytes)",
+                  lost="the order keeps more micro-batches' activations alive than "
+                       "num_stages − stage: 1F1B's memory bound over GPipe is lost",
+                  hint="1F1B's point is memory: a backward frees a micro-batch's activations "
+                       "before the next forward makes more, so stage s never holds more than "
+                       "num_stages − s of them, measured here in bytes while the order runs.",
+                  recipe="Start backwards as soon as the warm-up has filled the pipe below this "
+                         "stage (num_stages − stage − 1 forwards), then alternate.",
+                  expect="held_activations_bound", uses=_ORDERS, pick="held")

@@ -19,21 +19,24 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining  # noqa: F401 - imported before the ranks fork (slow import)
-import torch.distributed.tensor.parallel  # noqa: F401
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
+from autograder.checking import run_checks
 from autograder.loading import load_tasks
-from autograder.registry import lesson_tasks
+from autograder.registry import fresh_runs, get_task, lesson_tasks
 from kit.launcher import run_ranks
 from kit.lessons import costmodel
 from kit.lessons.parallelism import Model, Network, layout_costs, layout_table, simulate_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "08_model_parallel.py"
+LESSON = 8
+# Imported before the ranks fork: each rank would otherwise pay the slow first import.
+DTENSOR = ("torch.distributed.tensor.parallel",)
+PIPELINING = ("torch.distributed.pipelining", "torch.fx.experimental.symbolic_shapes")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def _ours_and_torchs_mlp(column_cls, row_cls, hidden=8):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_layers_equal_torch_colwise_and_rowwise_parallel(solution, world_size):
     results = run_ranks(_ours_and_torchs_mlp, (solution.ColumnParallelLinear, solution.RowParallelLinear),
-                        world_size=world_size, echo=False)
+                        world_size=world_size, echo=False, preload=DTENSOR)
     for outputs, grads in results:
         torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
         for name, (ours, theirs) in grads.items():
@@ -124,7 +127,7 @@ def _ours_and_torchs_sequence_parallel(impl, hidden=8, seq=8):
 def test_sequence_parallel_block_equals_torch_sequence_parallel_plan(solution, world_size):
     for y_ours, y_theirs, g_ours, g_theirs in run_ranks(
             _ours_and_torchs_sequence_parallel, (solution.SequenceParallelMLP,),
-            world_size=world_size, echo=False):
+            world_size=world_size, echo=False, preload=DTENSOR):
         torch.testing.assert_close(y_ours, y_theirs, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g_ours, g_theirs, rtol=1e-4, atol=1e-5)
 
@@ -159,7 +162,8 @@ def _gpipe_vs_schedule_gpipe(gpipe, m, hidden=6):
 @pytest.mark.parametrize("p,m", [(2, 2), (3, 5), (4, 4)])
 def test_gpipe_equals_torch_schedule_gpipe(solution, p, m):
     for rank, (grads, loss, their_loss) in enumerate(
-            run_ranks(_gpipe_vs_schedule_gpipe, (solution.gpipe, m), world_size=p, echo=False)):
+            run_ranks(_gpipe_vs_schedule_gpipe, (solution.gpipe, m), world_size=p, echo=False,
+                      preload=PIPELINING)):
         for ours, theirs in grads:
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
         if rank == p - 1:
@@ -199,7 +203,7 @@ def _torch_1f1b_order(m, hidden=4):
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 7)])
 def test_one_f_one_b_is_the_order_torch_schedule_1f1b_runs(solution, p, m):
-    orders = run_ranks(_torch_1f1b_order, (m,), world_size=p, echo=False)
+    orders = run_ranks(_torch_1f1b_order, (m,), world_size=p, echo=False, preload=PIPELINING)
     for stage, order in enumerate(orders):
         assert solution.one_f_one_b(stage, p, m) == order
 
@@ -298,13 +302,39 @@ def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
 @pytest.mark.slow
 def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
     import kit.launcher
-    from autograder import lesson08
-    from autograder.registry import get_task
 
     monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
-    lesson08._CACHE.clear()  # launches made with forked ranks must not answer for spawned ones
+    fresh_runs()  # launches made with forked ranks must not answer for spawned ones
     for task_id in ("8.1", "8.2", "8.3", "8.4"):
         task = get_task(task_id)
         case = task.cases[-1]
         case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
-    lesson08._CACHE.clear()
+    fresh_runs()
+
+
+# --------------------------------------------------------------------------- the meter's bounds
+
+# Each mistake gives the right values and the right collectives, so only the meter sees it.
+FULL_WEIGHTS = [("8.1", "keeps the whole weights and multiplies by them on every rank",
+                 ("tensor parallelism's 1/t of the weights per rank is lost",
+                  "tensor parallelism's 1/t of the compute per rank is lost")),
+                ("8.2", "keeps the whole weights and runs the full-width MLP on every rank",
+                 ("the 1/t of the weights per rank is lost", "the 1/t of the compute per rank is lost"))]
+
+
+@pytest.mark.parametrize("task_id,bug,lost", FULL_WEIGHTS, ids=["8.1", "8.2"])
+def test_a_layer_keeping_the_whole_weights_fails_only_the_bounds_naming_the_lost_share(bugs, task_id,
+                                                                                      bug, lost):
+    import re
+
+    task = get_task(task_id)
+    report = run_checks(task_id, dict(bugs[task_id])[bug])
+    bounds = [c for c in report.cases if " is within " in c.name]
+    values = [c for c in report.cases if " is within " not in c.name]
+    assert len(bounds) == 2 and all(c.status == "passed" for c in values), report.to_text()
+    for case, saving in zip(bounds, lost):
+        assert case.status == "failed" and case.points == 0, report.to_text()
+        assert saving in case.message, case.message
+        assert float(re.search(r"holds ([\d.]+)x the bound", case.message)[1]) >= 3.0, case.message
+    value_share = sum(task.case_points(c) for c in task.cases if " is within " not in c.name)
+    assert report.score == pytest.approx(value_share) and report.score < task.points

@@ -14,12 +14,13 @@ import html
 from dataclasses import dataclass
 from typing import Any
 
-# ``tensor.backward(grad)``, which every pipeline stage but the last calls, imports sympy (through
-# torch.fx's symbolic shapes) the first time, 1-4 s per process: the lesson imports it once, before
-# its ranks fork, instead of each rank paying for it.
-import torch.fx.experimental.symbolic_shapes  # noqa: E402, F401
-
+from kit.launcher import preload_modules
 from kit.lessons import costmodel
+
+# ``tensor.backward(grad)``, which every pipeline stage but the last calls, imports sympy (through
+# torch.fx's symbolic shapes) the first time, 1-4 s per process: the lesson, which imports this
+# module in its setup cell, loads it once before its ranks fork instead of each rank paying.
+preload_modules(("torch.fx.experimental.symbolic_shapes",))
 
 __all__ = ["LayoutCost", "Model", "Network", "ScheduleRun", "layout_costs", "layout_table",
            "layout_widget", "plot_pipeline_run", "plot_schedule", "simulate_schedule"]
