@@ -445,11 +445,11 @@ class Unit:
         self.compute_dtype = compute_dtype or torch.float32
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.names = [n for n, _ in module.named_parameters(recurse=False)]
-        self.originals = [getattr(module, n) for n in self.names]
-        self.shapes = [p.shape for p in self.originals]
+        originals = [getattr(module, n) for n in self.names]  # local: kept, they stay in memory
+        self.shapes = [p.shape for p in originals]
         self.for_backward = None  # the buffer gathered again when backward reaches the unit
         ### BEGIN SOLUTION
-        flat = torch.cat([p.detach().reshape(-1).float() for p in self.originals])  # (N,)
+        flat = torch.cat([p.detach().reshape(-1).float() for p in originals])  # (N,)
         self.padded = math.ceil(flat.numel() / self.world_size) * self.world_size
         flat = F.pad(flat, (0, self.padded - flat.numel()))  # (padded,) zeros at the end
         self.shard = nn.Parameter(flat.chunk(self.world_size)[self.rank].clone())  # (padded/W,)

@@ -26,19 +26,22 @@ from torch import nn
 from torch.nn import functional as F
 
 from autograder import lesson05
+from autograder.checking import run_checks
 from autograder.loading import load_tasks
-from autograder.registry import lesson_tasks
-from kit.launcher import run_ranks
+from autograder.references import lesson05 as references
+from autograder.registry import fresh_runs, get_task, lesson_tasks
+from kit.launcher import preload_modules, run_ranks
 from kit.lessons.models import TinyTransformer, token_batch
 from kit.lessons.sharding import STAGES, stage_bytes, stage_traffic
 
+LESSON = 5
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "05_sharding.py"
 
 
 @pytest.fixture(scope="module")
 def solution():
-    lesson05._warm()
+    preload_modules(lesson05.PRELOAD)
     return load_tasks(SOURCE)
 
 
@@ -158,14 +161,14 @@ def _ddp_losses(seed: int) -> list[float]:
 
 
 def test_task_5_4_reference_gives_torch_ddp_losses():
-    expected = lesson05._fsdp2_reference(3)["losses"]
+    expected = references.fsdp2_expected(3)["losses"]
     ddp = run_ranks(_ddp_losses, (3,), world_size=lesson05.FSDP2_RANKS, echo=False)
     for rank in range(lesson05.FSDP2_RANKS):
         assert ddp[rank] == pytest.approx(expected[rank], rel=1e-5, abs=1e-6)
 
 
 def test_task_5_3_reference_in_fp32_is_one_process_on_the_whole_batch():
-    expected = lesson05._fsdp_reference(5)["float32"]
+    expected = references.fsdp_expected(5)["float32"]
     model = lesson05._fsdp_model(5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=lesson05.EPS)
     for step in range(lesson05.FSDP_STEPS):
@@ -179,6 +182,46 @@ def test_task_5_3_reference_in_fp32_is_one_process_on_the_whole_batch():
         optimizer.zero_grad()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), expected["final"][name], rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the bounds, measured
+
+# A seeded bug with right values that keeps memory the technique saves: (task, bug) -> the bound
+# cases it fails (by what they bound) and words of the saving each failure must name.
+MEMORY_BUGS = {
+    ("5.2", "keeps every parameter's state on every rank, shows only its own in self.state"):
+        {"optimizer state per rank": "optimizer state for parameters it does not own"},
+    ("5.3", "keeps a reference to each unit's gathered buffer after forward"):
+        {"bytes alive after the forward": "gathered units stay alive after their forward",
+         "peak bytes during the forward": "several units are whole at once"},
+    ("5.3", "keeps the original full parameters after wrapping"):
+        {"parameter bytes per rank after wrapping": "full parameters next to its shards"},
+    ("5.4", "keeps every block gathered until backward (reshard_after_forward=False)"):
+        {"bytes alive after the forward": "every block stays gathered"},
+}
+
+
+@pytest.mark.parametrize(("task_id", "bug"), list(MEMORY_BUGS), ids=[f"{t}: {b}" for t, b in MEMORY_BUGS])
+def test_a_bug_that_keeps_the_memory_fails_only_its_bound_naming_the_saving_lost(bugs, task_id, bug):
+    task = get_task(task_id)
+    bounds = MEMORY_BUGS[(task_id, bug)]
+    names = {f"{b.what} is within {b.formula}": b.what for b in task.bounds}
+    report = run_checks(task_id, dict(bugs[task_id])[bug])
+    failed = {c.name: c for c in report.cases if c.status != "passed"}
+    assert sorted(names.get(n, n) for n in failed) == sorted(bounds), report.to_text()
+    for name, case in failed.items():
+        assert case.status == "failed" and bounds[names[name]] in case.message, case.message
+        assert "x the bound" in case.message, case.message
+    # the bound cases score 0, every value case its full share
+    assert report.score == pytest.approx(sum(c.max_points for c in report.cases if c.name not in failed))
+
+
+def test_every_task_of_lesson05_but_the_meter_states_a_bound_with_a_formula():
+    for t in lesson_tasks(5):
+        if t.id == "5.1":  # state_bytes is itself a meter: it bounds nothing
+            assert not t.bounds
+            continue
+        assert t.bounds and all(b.formula and b.lost for b in t.bounds), t.id
 
 
 # --------------------------------------------------------------------------- formulas, balance
@@ -268,7 +311,7 @@ def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
     from autograder.registry import get_task
 
     monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
-    monkeypatch.setattr(lesson05, "_LAUNCHES", {})
+    fresh_runs()  # the shared runs forked earlier are not reused
     for task_id in ("5.1", "5.2", "5.3", "5.4"):
         task = get_task(task_id)
         case = task.cases[-1]

@@ -162,6 +162,16 @@ class ShardedOptimizerStepsEverything(_Sharded):
             p.grad /= self.world_size
 
 
+class ShardedOptimizerKeepsAllState(ShardedOptimizerStepsEverything):
+    """Every rank steps every parameter (its state for all of them stays in self.optim) but
+    shows only the state of the parameters it owns in self.state: right values, W copies."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.state = {p: s for p, s in self.optim.state.items() if self.owner[p] == self.rank}
+        return loss
+
+
 class ShardedOptimizerNoBroadcast(_Sharded):
     """Owners step their parameters but never send them: the other ranks fall behind."""
 
@@ -339,6 +349,30 @@ class FSDPKeepsFullParameters(_FSDP):
     unit = _KeptUnit
 
 
+class _KeptBufferUnit(_Unit):
+    def before_forward(self, module, args):
+        super().before_forward(module, args)
+        self.gathered = getattr(module, self.names[0])._base  # "for later": the whole buffer
+
+
+class FSDPKeepsGatheredBuffer(_FSDP):
+    """Frees the views and saves notes, but each unit keeps a reference to its gathered buffer."""
+
+    unit = _KeptBufferUnit
+
+
+class _OriginalsUnit(_Unit):
+    def __init__(self, module, prefix, dtype):
+        self.originals = [getattr(module, n) for n, _ in module.named_parameters(recurse=False)]
+        super().__init__(module, prefix, dtype)
+
+
+class FSDPKeepsOriginalParameters(_FSDP):
+    """Registers only the shards, but each unit keeps the original full parameters alive."""
+
+    unit = _OriginalsUnit
+
+
 class _SavedUnit(_Unit):
     save_full = True
 
@@ -476,6 +510,17 @@ def apply_fsdp2_flattens_the_mesh(model, mesh, param_dtype=None, reduce_dtype=No
     return model
 
 
+def apply_fsdp2_keeps_blocks_gathered(model, mesh, param_dtype=None, reduce_dtype=None):
+    """reshard_after_forward=False on every block: right values, every block whole until backward."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
 def apply_fsdp2_borrows_lesson06(model, mesh, param_dtype=None, reduce_dtype=None):
     from kit.lessons.resume import (
         shard_model,  # Lesson 06's helper: the same wrapping, without the mesh
@@ -497,12 +542,16 @@ BUGS = {
         ("every rank steps every parameter", ShardedOptimizerStepsEverything),
         ("skips the broadcast after the step", ShardedOptimizerNoBroadcast),
         ("keeps the state off self.state", ShardedOptimizerLocalState),
+        ("keeps every parameter's state on every rank, shows only its own in self.state",
+         ShardedOptimizerKeepsAllState),
         ("wraps torch's ZeroRedundancyOptimizer", sharded_optimizer_wraps_zero),
     ],
     "5.3": [
         ("all-reduces the gradients instead of reduce-scattering", FSDPAllReducesGradients),
         ("keeps the full parameters after forward", FSDPKeepsFullParameters),
         ("deletes the attributes but lets autograd keep the full weights", FSDPLetsAutogradKeepThem),
+        ("keeps a reference to each unit's gathered buffer after forward", FSDPKeepsGatheredBuffer),
+        ("keeps the original full parameters after wrapping", FSDPKeepsOriginalParameters),
         ("drops the remainder when W does not divide a unit", FSDPDropsTheRemainder),
         ("does not average the replicated parameters", FSDPReplicatedNotAveraged),
         ("reduce-scatters in the compute dtype", FSDPReducesInComputeDtype),
@@ -514,6 +563,8 @@ BUGS = {
         ("ignores param_dtype and reduce_dtype", apply_fsdp2_ignores_dtypes),
         ("wraps the root only, not each block", apply_fsdp2_root_only),
         ("shards over the whole 2-D mesh", apply_fsdp2_flattens_the_mesh),
+        ("keeps every block gathered until backward (reshard_after_forward=False)",
+         apply_fsdp2_keeps_blocks_gathered),
         ("calls Lesson 06's kit.lessons.resume.shard_model", apply_fsdp2_borrows_lesson06),
     ],
 }

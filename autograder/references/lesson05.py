@@ -1,0 +1,233 @@
+"""The grader's answers for Lesson 05 (trusted only): task 5.1's count of the bytes a rank holds
+(storages once, a DTensor by its local shard), the one-process runs the sharded trainers of 5.2,
+5.3 and 5.4 must equal (each computed once per seed while a check runs, on one thread as the
+ranks run), and the bounds each technique promises, computed from the sizes of the models the
+memory runs use (the activations measured on the unwrapped model, in this process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from autograder import lesson05 as L
+from autograder.registry import shared
+from kit import meter
+
+# --------------------------------------------------------------------------- shared
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Some CPU kernels (layer norm's bf16 backward) split their sums by thread count and so round
+    differently: the expectations run on one thread, as each rank does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _once_per_seed(compute: Callable[[int], Any]) -> Callable[[int], Any]:
+    """``compute(seed)`` as a trusted shared run: every case of a task that reads it while a check
+    runs gets the same result (the registry keeps each case's expectation afterwards)."""
+    run = shared(lambda _compute, seed: _single_threaded(_compute, seed))
+    return lambda seed: run(compute, seed)
+
+
+def _single_threaded(compute: Callable[[int], Any], seed: int) -> Any:
+    with _one_thread():
+        return compute(seed)
+
+
+def _held(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _activations(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes the unwrapped ``model`` keeps alive after a forward on ``x`` (what autograd saves and
+    the output), measured by the meter in this process, where no collective runs."""
+    with meter.track() as usage:
+        out = model(x)
+        usage.mark("after forward")
+    del out
+    return usage.marks["after forward"]
+
+
+# --------------------------------------------------------------------------- task 5.1
+
+
+def state_bytes(module: nn.Module, optimizer: Any = None) -> dict[str, int]:
+    """Task 5.1's reference: params, grads and optimizer state held by this rank, storages once."""
+    params = list(module.parameters())
+    state = []
+    if optimizer is not None:
+        for owner in (optimizer, getattr(optimizer, "optim", None)):
+            if owner is not None:
+                state += [v for s in owner.state.values() for v in s.values()
+                          if isinstance(v, torch.Tensor)]
+    return {"params": _held(params), "grads": _held(p.grad for p in params if p.grad is not None),
+            "optimizer": _held(state)}
+
+
+# --------------------------------------------------------------------------- task 5.2
+
+
+def _unsharded(params: Any, optimizer_cls: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    return optimizer_cls(params, **kwargs)
+
+
+def _zero_compute(seed: int) -> dict[str, Any]:
+    """One process on the whole batch with the unsharded optimizer, for AdamW and SGD."""
+    out = {}
+    for kind in ("adamw", "sgd"):
+        losses: list[float] = []
+        model, optimizer = L._zero_train(_unsharded, seed, kind, None, L.ZERO_RANKS, losses)
+        sizes = [p.numel() for p in model.parameters()]
+        per_param = [L._storage_bytes(v for v in optimizer.state[p].values()
+                                      if isinstance(v, torch.Tensor))
+                     for p in model.parameters()]
+        out[kind] = {"final": {n: t.detach().clone() for n, t in model.state_dict().items()},
+                     "state bytes per parameter": per_param, "sizes": sizes,
+                     "closure losses": losses}
+    return out
+
+
+zero_expected = _once_per_seed(_zero_compute)
+
+
+def zero_state_bound(seed: int) -> dict[str, int]:
+    """ZeRO-1's promise for the memory run: each rank keeps the state of 1/W of the tensors, plus
+    at most one tensor more (ownership goes by whole parameters)."""
+    # AdamW keeps exp_avg and exp_avg_sq (fp32, the parameter's size) and a 0-d fp32 step.
+    per_tensor = 2 * L.ZERO_MEMORY_NUMEL * 4 + 4
+    total = L.ZERO_MEMORY_TENSORS * per_tensor
+    return {"bound": total // L.ZERO_RANKS + per_tensor}
+
+
+# --------------------------------------------------------------------------- task 5.3
+
+
+def _fsdp_compute(seed: int) -> dict[str, Any]:
+    """One process, AdamW on the mean of the per-slice gradients, each slice's forward with the
+    units' parameters cast to the compute dtype (fp32 gradients, as FSDP reduces)."""
+    from torch.func import functional_call
+
+    out = {}
+    for label, dtype in L.DTYPES.items():
+        model = L._fsdp_model(seed)
+        units = L._units(model)
+        unit_names = {f"{prefix}.{n}" for prefix, params in units.items() for n, _ in params}
+        params = dict(model.named_parameters())
+        optimizer = torch.optim.AdamW(params.values(), lr=1e-2, weight_decay=0.1, eps=L.EPS)
+        run: dict[str, Any] = {"units": {p: [(n, tuple(s)) for n, s in v] for p, v in units.items()}}
+        for step in range(L.FSDP_STEPS):
+            total = {n: torch.zeros_like(p) for n, p in params.items()}
+            for rank in range(L.FSDP_RANKS):
+                x, y = L._slice(seed, step, rank, L.FSDP_RANKS, L.FSDP_PER_RANK, L.FSDP_LENGTH,
+                                L.FSDP_VOCAB)
+                cast = {n: p.to(dtype) if dtype is not None and n in unit_names else p
+                        for n, p in params.items()}
+                loss = L._loss(functional_call(model, cast, (x,)), y)
+                for n, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
+                    total[n] += g
+            for n, p in params.items():
+                p.grad = total[n] / L.FSDP_RANKS
+            if step == 0:
+                run["grads"] = {n: p.grad.clone() for n, p in params.items()}
+            optimizer.step()
+            optimizer.zero_grad()
+        run["final"] = {n: p.detach().clone() for n, p in params.items()}
+        run["replicated bytes"] = sum(p.numel() * 4 for n, p in params.items()
+                                      if n not in unit_names)
+        out[label] = run
+    return out
+
+
+fsdp_expected = _once_per_seed(_fsdp_compute)
+
+
+def _unit_bytes() -> tuple[int, int]:
+    """(one unit's gathered fp32 buffer, one unit's shard) of the memory run's model, padded."""
+    numel = L.FSDP_MEMORY_DIM * L.FSDP_MEMORY_DIM + L.FSDP_MEMORY_DIM  # weight and bias
+    padded = math.ceil(numel / L.FSDP_RANKS) * L.FSDP_RANKS
+    return padded * 4, padded // L.FSDP_RANKS * 4
+
+
+def _memory_activations(seed: int) -> int:
+    model = L._memory_model(seed)
+    return _activations(model, L._memory_input(seed))
+
+
+def fsdp_parameter_bound(seed: int) -> dict[str, int]:
+    """ZeRO-3's promise after wrapping: 1/W of every unit (padded), one shard of slack."""
+    _, shard = _unit_bytes()
+    return {"bound": (L.FSDP_MEMORY_UNITS + 1) * shard}
+
+
+def fsdp_after_forward_bound(seed: int) -> dict[str, int]:
+    """After forward: what the unwrapped model keeps (activations, output), one unit of slack."""
+    full, _ = _unit_bytes()
+    return {"bound": _memory_activations(seed) + full}
+
+
+def fsdp_forward_peak_bound(seed: int) -> dict[str, int]:
+    """During forward: the activations, the unit computing, the all-gather's staging copy of it
+    (gloo's), and one unit of slack."""
+    full, _ = _unit_bytes()
+    return {"bound": _memory_activations(seed) + 3 * full}
+
+
+# --------------------------------------------------------------------------- task 5.4
+
+
+def _fsdp2_compute(seed: int) -> dict[str, Any]:
+    """Data parallelism in one process: each rank's slice loss, AdamW on their mean."""
+    model = L._fsdp2_model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = [[] for _ in range(L.FSDP2_RANKS)]
+    for step in range(L.FSDP2_STEPS):
+        for rank in range(L.FSDP2_RANKS):
+            x, y = L._slice(seed, step, rank, L.FSDP2_RANKS, L.FSDP2_PER_RANK, L.FSDP2_LENGTH,
+                            L.FSDP2_VOCAB)
+            loss = L._loss(model(x), y) / L.FSDP2_RANKS
+            loss.backward()
+            losses[rank].append(loss.item() * L.FSDP2_RANKS)
+        optimizer.step()
+        optimizer.zero_grad()
+    sizes = {n: (p.shape[0], p[0].numel()) for n, p in model.named_parameters()}
+    return {"losses": losses, "sizes": sizes,
+            "names": [n for n, _ in model.named_parameters()],
+            "blocks": [f"blocks.{i}" for i in range(len(model.blocks))]}
+
+
+fsdp2_expected = _once_per_seed(_fsdp2_compute)
+
+
+def fsdp2_after_forward_bound(seed: int) -> dict[str, int]:
+    """After forward: the activations, the root's parameters (FSDP2 keeps the root gathered for
+    backward) and one block of slack; every other block is resharded."""
+    model = L._fsdp2_memory_model(seed)
+    x, _ = L._fsdp2_memory_batch(seed)
+    blocks = {id(p) for p in model.blocks.parameters()}
+    root = sum(p.numel() * 4 for p in model.parameters() if id(p) not in blocks)
+    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    return {"bound": _activations(model, x) + root + block}
