@@ -1,0 +1,487 @@
+"""Seeded bugs for Lesson 11: the typical mistakes (and cheats) each check of tasks 11.1-11.3
+must catch.
+
+``BUGS[task_id]`` lists ``(what is wrong, implementation)``. Each bug is a correct
+implementation with one step replaced, written as a student would write it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kit.lessons.graphs import HaloPlan, SampledSubgraph
+
+# --------------------------------------------------------------------------- task 11.1
+
+
+class _Sampler:
+    """A correct loop sampler; each bug overrides one step."""
+
+    def draws(self, deg, take, generator):
+        return sorted(torch.randperm(deg, generator=generator)[:take].tolist())
+
+    def graph(self, rowptr, col):
+        return rowptr, col
+
+    def expand(self, new, seen_here):
+        return new
+
+    def edge(self, u_local, v_local, u, v):
+        return u_local, v_local
+
+    def finish(self, n_id, rows, cols, nodes, edges):
+        return SampledSubgraph(torch.tensor(n_id, dtype=torch.long),
+                               torch.tensor([rows, cols], dtype=torch.long).view(2, -1), nodes, edges)
+
+    def __call__(self, rowptr, col, seeds, fanouts, generator):
+        rowptr, col = self.graph(rowptr, col)
+        local = {int(v): i for i, v in enumerate(seeds.tolist())}
+        n_id = [int(v) for v in seeds.tolist()]
+        frontier = list(n_id)
+        rows, cols, nodes, edges = [], [], [len(n_id)], []
+        for fanout in fanouts:
+            new, count = [], 0
+            for v in frontier:
+                start, deg = int(rowptr[v]), int(rowptr[v + 1] - rowptr[v])
+                for p in self.draws(deg, min(fanout, deg), generator):
+                    u = int(col[start + p])
+                    if u not in local:
+                        local[u] = len(n_id)
+                        n_id.append(u)
+                        new.append(u)
+                    a, b = self.edge(local[u], local[v], u, v)
+                    rows.append(a)
+                    cols.append(b)
+                    count += 1
+            nodes.append(len(new))
+            edges.append(count)
+            frontier = self.expand(new, frontier)
+        return self.finish(n_id, rows, cols, nodes, edges)
+
+
+class WithReplacement(_Sampler):
+    def draws(self, deg, take, generator):
+        return sorted(torch.randint(0, deg, (take,), generator=generator).tolist()) if deg else []
+
+
+class OutNeighbours(_Sampler):
+    def graph(self, rowptr, col):  # the transposed CSR: v's list holds the nodes v points to
+        n = rowptr.numel() - 1
+        dst = torch.arange(n).repeat_interleave(rowptr[1:] - rowptr[:-1])
+        order = torch.argsort(col, stable=True)
+        out_ptr = torch.zeros(n + 1, dtype=torch.long)
+        out_ptr[1:] = torch.cumsum(torch.bincount(col, minlength=n), 0)
+        return out_ptr, dst[order]
+
+
+class GlobalIds(_Sampler):
+    def edge(self, u_local, v_local, u, v):
+        return u, v
+
+
+class RowsSwapped(_Sampler):
+    def edge(self, u_local, v_local, u, v):
+        return v_local, u_local
+
+
+class FirstNeighbours(_Sampler):
+    def draws(self, deg, take, generator):
+        return list(range(take))
+
+
+class RandomWindow(_Sampler):
+    """A random start, then the next neighbours: every neighbour is equally likely, every
+    subset is not."""
+
+    def draws(self, deg, take, generator):
+        if not deg:
+            return []
+        start = int(torch.randint(0, deg, (1,), generator=generator))
+        return sorted((start + i) % deg for i in range(take))
+
+
+class GlobalRng(_Sampler):
+    def draws(self, deg, take, generator):
+        return sorted(torch.randperm(deg)[:take].tolist())
+
+
+class ReExpands(_Sampler):
+    """Expands every node drawn at a hop, including ones seen before."""
+
+    def __call__(self, rowptr, col, seeds, fanouts, generator):
+        local = {int(v): i for i, v in enumerate(seeds.tolist())}
+        n_id = [int(v) for v in seeds.tolist()]
+        frontier = list(n_id)
+        rows, cols, nodes, edges = [], [], [len(n_id)], []
+        for fanout in fanouts:
+            drawn, count, new = [], 0, 0
+            for v in frontier:
+                start, deg = int(rowptr[v]), int(rowptr[v + 1] - rowptr[v])
+                for p in self.draws(deg, min(fanout, deg), generator):
+                    u = int(col[start + p])
+                    if u not in local:
+                        local[u] = len(n_id)
+                        n_id.append(u)
+                        new += 1
+                    if u not in drawn:
+                        drawn.append(u)
+                    rows.append(local[u])
+                    cols.append(local[v])
+                    count += 1
+            nodes.append(new)
+            edges.append(count)
+            frontier = drawn
+        return self.finish(n_id, rows, cols, nodes, edges)
+
+
+class NoSeedCount(_Sampler):
+    def finish(self, n_id, rows, cols, nodes, edges):
+        return super().finish(n_id, rows, cols, nodes[1:], edges)
+
+
+class SortedNodes(_Sampler):
+    """n_id with the seeds first, then the new nodes sorted by id (edges remapped to match)."""
+
+    def finish(self, n_id, rows, cols, nodes, edges):
+        b = nodes[0]
+        rest = sorted(n_id[b:])
+        new_local = {u: i for i, u in enumerate(n_id[:b] + rest)}
+        remap = [new_local[u] for u in n_id]
+        return super().finish(n_id[:b] + rest, [remap[r] for r in rows], [remap[c] for c in cols],
+                              nodes, edges)
+
+
+class DrawOrder(_Sampler):
+    """Each node's draws in the order drawn, not in col order."""
+
+    def draws(self, deg, take, generator):
+        return torch.randperm(deg, generator=generator)[:take].tolist()
+
+
+def pyg_neighbor_sampler(rowptr, col, seeds, fanouts, generator):
+    """Uses PyG's own sampler (what the task re-implements)."""
+    from torch_geometric.data import Data
+    from torch_geometric.sampler import NeighborSampler, NodeSamplerInput
+
+    n = rowptr.numel() - 1
+    dst = torch.arange(n).repeat_interleave(rowptr[1:] - rowptr[:-1])
+    sampler = NeighborSampler(Data(edge_index=torch.stack([col, dst]), num_nodes=n), fanouts)
+    out = sampler.sample_from_nodes(NodeSamplerInput(None, seeds))
+    return SampledSubgraph(out.node, torch.stack([out.row, out.col]), out.num_sampled_nodes,
+                           out.num_sampled_edges)
+
+
+# --------------------------------------------------------------------------- task 11.2
+
+
+def _exchange(recv, world_size):
+    """Ask every rank for the ids in recv: counts, then ids (two all_to_all_single)."""
+    asking = torch.tensor([len(t) for t in recv])
+    asked = torch.empty_like(asking)
+    dist.all_to_all_single(asked, asking)
+    wanted = torch.empty(int(asked.sum()), dtype=torch.long)
+    flat = torch.cat(recv) if recv else torch.empty(0, dtype=torch.long)
+    dist.all_to_all_single(wanted, flat, output_split_sizes=asked.tolist(),
+                           input_split_sizes=asking.tolist())
+    return list(wanted.split(asked.tolist()))
+
+
+def _grouped(ids, part, world_size):
+    return [ids[part[ids] == s].sort().values for s in range(world_size)]
+
+
+def halo_of_boundary_nodes(part, edge_index, rank):
+    """The halo is the boundary nodes themselves, not their remote neighbours."""
+    world_size = dist.get_world_size()
+    src, dst = edge_index
+    boundary = torch.unique(dst[part[src] != rank])
+    recv = [boundary[part[boundary] == s] if s != rank else boundary[:0] for s in range(world_size)]
+    return HaloPlan(recv, _exchange(recv, world_size))
+
+
+def first_remote_neighbour_only(part, edge_index, rank):
+    """Keeps one remote neighbour per boundary node (the first edge into it)."""
+    world_size = dist.get_world_size()
+    src, dst = edge_index
+    remote = part[src] != rank
+    chosen = {}
+    for s, t in zip(src[remote].tolist(), dst[remote].tolist()):
+        chosen.setdefault(t, s)
+    ids = torch.tensor(sorted(set(chosen.values())), dtype=torch.long)
+    recv = _grouped(ids, part, world_size)
+    return HaloPlan(recv, _exchange(recv, world_size))
+
+
+def send_and_recv_swapped(part, edge_index, rank):
+    world_size = dist.get_world_size()
+    src = edge_index[0]
+    recv = _grouped(torch.unique(src[part[src] != rank]), part, world_size)
+    return HaloPlan(_exchange(recv, world_size), recv)
+
+
+def infers_send_from_own_edges(part, edge_index, rank):
+    """Asks nothing: assumes every edge has its reverse, so rank s needs the own targets of
+    edges from s (wrong on a directed graph, and no rank learns what the others need)."""
+    world_size = dist.get_world_size()
+    src, dst = edge_index
+    recv = _grouped(torch.unique(src[part[src] != rank]), part, world_size)
+    send = [torch.unique(dst[part[src] == s]) if s != rank else dst[:0] for s in range(world_size)]
+    return HaloPlan(recv, send)
+
+
+def gathers_every_rank_edges(part, edge_index, rank):
+    """all_gather_object of every rank's edges, then the plan read off the whole graph."""
+    world_size = dist.get_world_size()
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, edge_index)
+    full = torch.cat(everyone, 1)
+
+    def needs(r, s):
+        into = (part[full[1]] == r) & (part[full[0]] == s)
+        return torch.unique(full[0][into]) if r != s else full[0][:0]
+
+    return HaloPlan([needs(rank, s) for s in range(world_size)],
+                    [needs(s, rank) for s in range(world_size)])
+
+
+def ids_in_edge_order(part, edge_index, rank):
+    """Distinct remote sources in the order the edges list them, not sorted."""
+    world_size = dist.get_world_size()
+    src = edge_index[0]
+    seen = []
+    for u in src[part[src] != rank].tolist():
+        if u not in seen:
+            seen.append(u)
+    ids = torch.tensor(seen, dtype=torch.long)
+    recv = [ids[part[ids] == s] for s in range(world_size)]
+    return HaloPlan(recv, _exchange(recv, world_size))
+
+
+# --------------------------------------------------------------------------- task 11.3
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, recv_sizes, send_sizes):
+        ctx.sizes = (recv_sizes, send_sizes)
+        out = rows.new_empty(sum(recv_sizes), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_sizes, send_sizes = ctx.sizes
+        home = grad.new_empty(sum(send_sizes), *grad.shape[1:])
+        dist.all_to_all_single(home, grad.contiguous(), send_sizes, recv_sizes)
+        return home, None, None
+
+
+class _Conv(nn.Module):
+    """A correct HaloGCNConv; each bug overrides one step."""
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        self.lin = nn.Linear(in_channels, out_channels, bias=False)
+        self.bias = nn.Parameter(torch.zeros(out_channels))
+
+    def loops(self, n_own):
+        return torch.arange(n_own)
+
+    def own_degree(self, dst_row, n_own, dtype):
+        return torch.bincount(dst_row, minlength=n_own).to(dtype) + 1
+
+    def halo(self, h, dinv, plan, own, local_graph):
+        """(features, inverse sqrt degrees) of the halo rows, in plan.recv order."""
+        send_rows = torch.searchsorted(own, torch.cat(plan.send))
+        payload = torch.cat([h[send_rows], dinv[send_rows, None]], dim=1)
+        received = _Exchange.apply(payload, [len(t) for t in plan.recv], [len(t) for t in plan.send])
+        return received[:, :-1], received[:, -1].detach()
+
+    def transform_first(self, x):
+        return self.lin(x)
+
+    def aggregate(self, table, ids, src, dst_row, norm_src, dinv, n_own):
+        order = torch.argsort(ids)
+        src_row = order[torch.searchsorted(ids[order], src)]
+        loops = self.loops(n_own)
+        rows_src = torch.cat([src_row, loops])
+        rows_dst = torch.cat([dst_row, torch.arange(n_own)[:loops.numel()]])
+        norm = norm_src[rows_src] * dinv[rows_dst]
+        return table.new_zeros(n_own, table.shape[1]).index_add(0, rows_dst, table[rows_src] * norm[:, None])
+
+    def add_bias(self, out):
+        return out + self.bias
+
+    def forward(self, x_local, plan, local_graph):
+        own, edge_index = local_graph
+        src, dst = edge_index
+        n_own = own.numel()
+        dst_row = torch.searchsorted(own, dst)
+        dinv = self.own_degree(dst_row, n_own, x_local.dtype).rsqrt()
+        h = self.transform_first(x_local)
+        h_halo, dinv_halo = self.halo(h, dinv, plan, own, local_graph)
+        table = torch.cat([h, h_halo])
+        ids = torch.cat([own, *plan.recv])
+        out = self.aggregate(table, ids, src, dst_row, torch.cat([dinv, dinv_halo]), dinv, n_own)
+        return self.add_bias(out)
+
+
+class LocalDegrees(_Conv):
+    """A halo node's degree counted from this rank's edges only."""
+
+    def halo(self, h, dinv, plan, own, local_graph):
+        features, _ = super().halo(h, dinv, plan, own, local_graph)
+        src = local_graph.edge_index[0]
+        ids = torch.cat(plan.recv)
+        partial = (src[None, :] == ids[:, None]).sum(1).to(h.dtype) + 1
+        return features, partial.rsqrt()
+
+
+class AllGathersTheHalo(_Conv):
+    """Every rank's transformed rows all-gathered, then the halo rows picked out."""
+
+    def halo(self, h, dinv, plan, own, local_graph):
+        world_size = dist.get_world_size()
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+        dist.all_gather(sizes, torch.tensor([own.numel()]))
+        width = h.shape[1] + 1
+        most = int(max(s.item() for s in sizes))
+        mine = torch.cat([h, dinv[:, None]], 1)
+        padded = torch.cat([mine, mine.new_zeros(most - own.numel(), width)])
+        rows = [torch.empty_like(padded) for _ in range(world_size)]
+        ids = [torch.empty(most, dtype=torch.long) for _ in range(world_size)]
+        dist.all_gather(rows, padded.detach())
+        dist.all_gather(ids, torch.cat([own, own.new_zeros(most - own.numel())]))
+        table = torch.cat([r[:int(s)] for r, s in zip(rows, sizes)])
+        gids = torch.cat([i[:int(s)] for i, s in zip(ids, sizes)])
+        where = torch.argsort(gids)[torch.searchsorted(gids.sort().values, torch.cat(plan.recv))]
+        return table[where, :-1], table[where, -1]
+
+
+class NoSelfLoops(_Conv):
+    def loops(self, n_own):
+        return torch.arange(0)
+
+    def own_degree(self, dst_row, n_own, dtype):
+        return torch.bincount(dst_row, minlength=n_own).to(dtype).clamp_min(1)
+
+
+class ExchangesInputs(_Conv):
+    """Sends the in_channels-wide inputs and applies lin after the exchange."""
+
+    def transform_first(self, x):
+        return x
+
+    def forward(self, x_local, plan, local_graph):
+        own, edge_index = local_graph
+        src, dst = edge_index
+        n_own = own.numel()
+        dst_row = torch.searchsorted(own, dst)
+        dinv = self.own_degree(dst_row, n_own, x_local.dtype).rsqrt()
+        x_halo, dinv_halo = self.halo(x_local, dinv, plan, own, local_graph)
+        table = self.lin(torch.cat([x_local, x_halo]))
+        ids = torch.cat([own, *plan.recv])
+        out = self.aggregate(table, ids, src, dst_row, torch.cat([dinv, dinv_halo]), dinv, n_own)
+        return self.add_bias(out)
+
+
+class GlobalTable(_Conv):
+    """Scatters own and halo rows into a table over all global ids, indexed by global id."""
+
+    def aggregate(self, table, ids, src, dst_row, norm_src, dinv, n_own):
+        n = int(torch.cat([ids, src]).max()) + 1  # every global id seen: about N
+        full = table.new_zeros(n, table.shape[1]).index_copy(0, ids, table)
+        full_norm = norm_src.new_zeros(n).index_copy(0, ids, norm_src)
+        own_ids = ids[:n_own]
+        srcs = torch.cat([src, own_ids])
+        rows_dst = torch.cat([dst_row, torch.arange(n_own)])
+        norm = full_norm[srcs] * dinv[rows_dst]
+        return table.new_zeros(n_own, table.shape[1]).index_add(0, rows_dst, full[srcs] * norm[:, None])
+
+
+class DetachedHalo(_Conv):
+    """The received rows are detached: no gradient goes back to their owners."""
+
+    def halo(self, h, dinv, plan, own, local_graph):
+        features, degrees = super().halo(h, dinv, plan, own, local_graph)
+        return features.detach(), degrees
+
+
+class NoBias(_Conv):
+    def add_bias(self, out):
+        return out
+
+
+class EveryRowToEveryRank(_Conv):
+    """An all-gather in disguise: all_to_all_single sends every own row to every rank."""
+
+    def halo(self, h, dinv, plan, own, local_graph):
+        world_size = dist.get_world_size()
+        counts = torch.tensor([own.numel()] * world_size)
+        theirs = torch.empty_like(counts)
+        dist.all_to_all_single(theirs, counts)
+        payload = torch.cat([torch.cat([h, dinv[:, None], own[:, None].to(h.dtype)], 1)] * world_size)
+        rows = _Exchange.apply(payload, theirs.tolist(), counts.tolist())
+        gids = rows[:, -1].detach().long()
+        where = torch.argsort(gids)[torch.searchsorted(gids.sort().values, torch.cat(plan.recv))]
+        return rows[where, :-2], rows[where, -2].detach()
+
+
+class LocalGCNConv(nn.Module):
+    """Exchanges the halo inputs, then runs PyG's GCNConv on the local subgraph."""
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        from torch_geometric.nn import GCNConv
+
+        self.inner = GCNConv(in_channels, out_channels)
+        self.lin, self.bias = self.inner.lin, self.inner.bias
+
+    def forward(self, x_local, plan, local_graph):
+        own, edge_index = local_graph
+        send_rows = torch.searchsorted(own, torch.cat(plan.send))
+        halo = _Exchange.apply(x_local[send_rows], [len(t) for t in plan.recv],
+                               [len(t) for t in plan.send])
+        ids = torch.cat([own, *plan.recv])
+        order = torch.argsort(ids)
+        local = order[torch.searchsorted(ids[order], edge_index)]
+        return self.inner(torch.cat([x_local, halo]), local)[:own.numel()]
+
+
+BUGS = {
+    "11.1": [
+        ("samples with replacement", WithReplacement()),
+        ("draws out-neighbours instead of in-neighbours", OutNeighbours()),
+        ("global ids in edge_index", GlobalIds()),
+        ("edge_index rows swapped: (node, neighbour)", RowsSwapped()),
+        ("takes the first min(fanout, degree) neighbours", FirstNeighbours()),
+        ("a random window of consecutive neighbours", RandomWindow()),
+        ("draws from torch's global RNG, not the generator", GlobalRng()),
+        ("expands nodes seen before again", ReExpands()),
+        ("num_sampled_nodes without the seeds' entry", NoSeedCount()),
+        ("new nodes sorted by id, not in draw order", SortedNodes()),
+        ("each node's draws in draw order, not col order", DrawOrder()),
+        ("uses PyG's NeighborSampler", pyg_neighbor_sampler),
+    ],
+    "11.2": [
+        ("the halo holds the boundary nodes, not their remote neighbours", halo_of_boundary_nodes),
+        ("only the first remote neighbour of each boundary node", first_remote_neighbour_only),
+        ("send and recv swapped", send_and_recv_swapped),
+        ("infers send from its own edges, asks nothing", infers_send_from_own_edges),
+        ("all_gather_object of every rank's edges", gathers_every_rank_edges),
+        ("ids in edge order, not sorted", ids_in_edge_order),
+    ],
+    "11.3": [
+        ("degrees computed on the local part only", LocalDegrees),
+        ("the halo all-gathered", AllGathersTheHalo),
+        ("self-loops forgotten", NoSelfLoops),
+        ("exchanges the inputs before lin", ExchangesInputs),
+        ("a table over all N global ids", GlobalTable),
+        ("received rows detached: no gradient goes home", DetachedHalo),
+        ("bias forgotten", NoBias),
+        ("all_to_all_single of every row to every rank", EveryRowToEveryRank),
+        ("PyG's GCNConv on the local subgraph", LocalGCNConv),
+    ],
+}
