@@ -22,8 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
+from autograder.checking import run_checks
 from autograder.loading import load_tasks
-from autograder.registry import lesson_tasks
+from autograder.registry import get_task, lesson_tasks
 from kit.launcher import run_ranks
 from kit.lessons.proteins import (
     ESM2_FAMILY,
@@ -39,6 +40,7 @@ from kit.lessons.proteins import (
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "09_proteins.py"
+LESSON = 9
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +218,29 @@ def test_chunked_equals_the_whole_module(solution, length, chunk_size):
     with torch.no_grad():
         torch.testing.assert_close(solution.chunked(module, z, chunk_size), module(z), rtol=0, atol=1e-12)
     assert max(module.rows_seen[:-1]) <= chunk_size  # the last call is module(z) itself
+
+
+# --------------------------------------------------------------------------- the meter's bounds
+
+# Each mistake gives the right values (and, for the ring, the right traffic): only the meter sees it.
+BOUND_ONLY = [("9.3", "keeps every block it received (right values and traffic)",
+               "its memory grows with the whole sequence L"),
+              ("9.4", "computes the whole logits itself, the chunked calls only for show",
+               "chunking's heads·chunk·L² in place of heads·L³ is lost")]
+
+
+@pytest.mark.parametrize("task_id,bug,lost", BOUND_ONLY, ids=["9.3", "9.4"])
+def test_a_mistake_that_keeps_what_the_technique_frees_fails_only_its_bound(bugs, task_id, bug, lost):
+    task = get_task(task_id)
+    report = run_checks(task_id, dict(bugs[task_id])[bug])
+    (bound,) = [c for c in report.cases if " is within " in c.name]
+    values = [c for c in report.cases if c is not bound]
+    assert all(c.status == "passed" for c in values), report.to_text()
+    assert bound.status == "failed" and bound.points == 0, report.to_text()
+    assert lost in bound.message, bound.message
+    assert float(re.search(r"holds ([\d.]+)x the bound", bound.message)[1]) >= 2.0, bound.message
+    value_share = sum(task.case_points(c) for c in task.cases if " is within " not in c.name)
+    assert report.score == pytest.approx(value_share) and report.score < task.points
 
 
 # --------------------------------------------------------------------------- the lesson

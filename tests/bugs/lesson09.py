@@ -146,7 +146,7 @@ def fixed_size_random_batches(lengths, max_tokens, rank, world_size, seed=0, epo
 
 
 def _ring(q, k, v, key_padding_mask=None, group=None, *, rescale=True, mask_direction=1,
-          use_mask=True, steps=None, keep_blocks=False):
+          use_mask=True, steps=None, keep_blocks=False, hoard=False):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     mask_to, mask_from = (right, left) if mask_direction == 1 else (left, right)
@@ -183,7 +183,7 @@ def _ring(q, k, v, key_padding_mask=None, group=None, *, rescale=True, mask_dire
             kv = incoming
             if mask is not None:
                 mask = next_mask
-            if keep_blocks:
+            if keep_blocks or hoard:  # hoard: kept, though the online softmax never looks again
                 kept_k.append(kv[0])
                 kept_v.append(kv[1])
                 kept_mask.append(mask)
@@ -220,6 +220,12 @@ def one_step_too_many(q, k, v, key_padding_mask=None, group=None):
 def keeps_every_block_then_concatenates(q, k, v, key_padding_mask=None, group=None):
     """Right values and the right traffic, but all of K and V end up on every rank."""
     return _ring(q, k, v, key_padding_mask, group, keep_blocks=True)
+
+
+def keeps_every_block_it_received(q, k, v, key_padding_mask=None, group=None):
+    """The right ring and the right online softmax, but every block received stays in a list:
+    right values and traffic, and memory that grows with the whole sequence."""
+    return _ring(q, k, v, key_padding_mask, group, hoard=True)
 
 
 def all_gather_then_sdpa(q, k, v, key_padding_mask=None, group=None):
@@ -280,6 +286,22 @@ def one_row_too_many(module, z, chunk_size):
     return torch.cat([module(z[a:a + chunk_size + 1], bias)[:chunk_size] for a in range(0, z.shape[0], chunk_size)])
 
 
+def full_logits_outside(module, z, chunk_size):
+    """Calls the module on blocks of rows for show, then computes the whole attention itself
+    with the module's weights: right values and rows, and heads·L³ logits alive at once."""
+    bias = module.pair_bias(z)
+    for a in range(0, z.shape[0], chunk_size):
+        module(z[a:a + chunk_size], bias)
+    rows, length, _ = z.shape
+    h, c = module.heads, module.c
+    x = module.norm(z)
+    q, k, v = module.qkv(x).view(rows, length, 3, h, c).permute(2, 0, 3, 1, 4)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(c) + bias  # (L, h, L, L): every row at once
+    o = logits.softmax(dim=-1) @ v
+    g = torch.sigmoid(module.gate(x)).view(rows, length, h, c).transpose(1, 2)
+    return module.out((g * o).transpose(1, 2).reshape(rows, length, h * c))
+
+
 def bias_left_out(module, z, chunk_size):
     """A zero bias in place of the bias of the whole z (b_jk^h carries the third edge)."""
     zero = torch.zeros(module.heads, z.shape[0], z.shape[0], dtype=z.dtype)
@@ -313,11 +335,13 @@ BUGS = {
         ("keeps every block and attends over their concatenation", keeps_every_block_then_concatenates),
         ("all-gathers K/V and calls scaled_dot_product_attention (the forbidden route)", all_gather_then_sdpa),
         ("sends its block straight to every rank", ring_by_direct_sends),
+        ("keeps every block it received (right values and traffic)", keeps_every_block_it_received),
     ],
     "9.4": [
         ("chunks along the wrong axis (columns)", chunks_along_the_wrong_axis),
         ("runs the whole module, then slices its output", whole_then_sliced),
         ("blocks of chunk_size + 1 rows", one_row_too_many),
         ("a zero bias instead of the bias of the whole z", bias_left_out),
+        ("computes the whole logits itself, the chunked calls only for show", full_logits_outside),
     ],
 }
