@@ -8,8 +8,9 @@ same random inputs (1.2) or with the source rank's data (1.1). Task 1.3 ``store_
 property check: with one rank arriving late in every round, no rank may leave before the last
 one arrived. Task 1.4 compares with a least-squares fit and with
 :func:`kit.lessons.costmodel.ring_all_reduce_time`. The answers live in
-:mod:`autograder.references.lesson01` (trusted only), named here by string; the ranks of
-1.1 and 1.2 run as shared runs, the reference's through the very same ones.
+:mod:`autograder.references.lesson01` (trusted only), named here by string. The ranks of
+1.1 and 1.2 run as shared runs; 1.2's reference, torch's all_reduce, runs through the very same
+ones, so both sides see the same inputs and the same tracer.
 """
 
 from __future__ import annotations
