@@ -173,6 +173,32 @@ def check_mpi() -> Finding:
                    "then pip install -e '.[mpi]'")
 
 
+def check_pyg_lib() -> Finding:
+    """Lesson 11's sampler: PyG's ``NeighborLoader`` needs ``pyg-lib`` (optional: without it the
+    lesson runs your sampler through PyG's ``NodeLoader``)."""
+    import importlib.util
+
+    import torch
+
+    build = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    index = f"https://data.pyg.org/whl/torch-{torch.__version__.split('+')[0]}+{build}.html"
+    if importlib.util.find_spec("pyg_lib") is None:
+        return Finding("pyg-lib (optional)", WARN,
+                       "not installed: Lesson 11 runs your sampler through PyG's NodeLoader, and "
+                       "its NeighborLoader comparisons skip",
+                       f"pip install pyg-lib -f {index} (not on PyPI; wheels exist only for "
+                       "released torch and CUDA builds)")
+    try:
+        import pyg_lib
+    except (ImportError, OSError) as e:  # a wheel built for another torch fails to load
+        return Finding("pyg-lib (optional)", WARN, f"installed but does not load: {e}",
+                       f"reinstall pyg-lib for this torch: pip install --force-reinstall pyg-lib -f {index}")
+    return Finding("pyg-lib (optional)", OK,
+                   f"{getattr(pyg_lib, '__version__', 'installed')}: NeighborLoader samples in C++; "
+                   "Lesson 11's neighbor_loader is NeighborLoader and its tests compare your "
+                   "sampler with it")
+
+
 def run_checks(world_size: int = 4, extra: Sequence[Callable[[], Finding]] = ()) -> list[Finding]:
     """Every check's finding; ``extra`` adds rows of other packages (the grader's isolation)."""
     findings = [check_python(), check_torch()]
@@ -180,7 +206,7 @@ def run_checks(world_size: int = 4, extra: Sequence[Callable[[], Finding]] = ())
         return findings
     findings += check_backends()
     findings += [check_fork(), check_loopback(), check_shm(), check_cores(world_size), check_widgets(),
-                 *(check() for check in extra), check_mpi()]
+                 *(check() for check in extra), check_pyg_lib(), check_mpi()]
     if not any(f.status == FAIL for f in findings):
         findings.append(check_launch(world_size))
     return findings

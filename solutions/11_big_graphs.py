@@ -296,8 +296,8 @@ plt.show()
 print({f: c for f, c in touched.items()}, "full:", full)
 
 # %% [markdown]
-# Fan-out f over L hops touches at most B · f^L nodes, however big the graph; the full
-# neighbourhood reaches most of it. The price: each batch's estimate of the aggregation is
+# Fan-out f over L hops touches at most B · (1 + f + ... + f^L) nodes, however big the
+# graph; the full neighbourhood reaches most of it. The price: each batch's estimate of the aggregation is
 # noisy, and hubs are seen far more often than their share.
 #
 # ## 3. Data-parallel training on sampled mini-batches
@@ -419,10 +419,11 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# On the peptide graph, whose similar peptides cluster, METIS cuts a few times fewer edges than a
-# random split. On the power-law graph the gain is smaller: a hub's thousands of neighbours
-# lie everywhere, whatever the partition. Either way the halo of a random partition grows
-# towards every other node as the number of parts grows.
+# On both graphs METIS cuts four to six times fewer edges than a random split: both have
+# communities (similar peptides; the planted classes), and METIS finds them. The halo shrinks
+# less than the cut: a hub's thousands of neighbours lie on every rank whatever the
+# partition, so it is in every rank's halo. And the halo of a random partition grows towards
+# every other node as the number of parts grows: each rank needs most of the graph.
 #
 # What rank r holds is a `LocalGraph`: `own`, the sorted global ids of its nodes, and
 # `edge_index`, every edge whose **target** it owns (so each of its nodes sees all its
@@ -732,7 +733,8 @@ plt.show()
 # - **bytes.** The partitioned GCN sends halo rows, twice per layer (forward, and the mirror in
 #   backward), so its traffic follows the halo: zero on one rank, growing with the cut. The
 #   sampled model sends only DDP's gradient all-reduces, the model's size per step, many
-#   steps per epoch.
+#   steps per epoch (DDP all-reduces even on one rank; its share of steps halves with each
+#   doubling of ranks).
 # - **memory.** A partition holds its own rows, its halo and its edges: it shrinks as ranks
 #   are added. A sampled batch is bounded by fan-out, whatever the graph, but every rank keeps
 #   the whole graph (not counted here: it was allocated before the meter started).
@@ -771,7 +773,8 @@ plt.show()
 #
 # - Full-batch training of one big graph needs activations for every node in every layer;
 #   k-hop mini-batches explode on power-law graphs.
-# - Neighbour sampling (NeighborLoader, `replace=False`) caps a batch at B · f^L nodes: seeds
+# - Neighbour sampling (NeighborLoader, `replace=False`) caps a batch at B · (1 + f + ... +
+#   f^L) nodes: seeds
 #   first, new nodes in draw order, local `edge_index` of (neighbour, node).
 # - Data-parallel GNN training replicates the graph, splits the seeds with equal step counts
 #   on every rank, and all-reduces gradients with DDP.
