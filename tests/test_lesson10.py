@@ -17,13 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autograder.lesson10 import (
+from autograder.loading import load_tasks
+from autograder.references.lesson10 import (
     reference_bedroc,
     reference_enrichment_factor,
     reference_scaffold_split,
     reference_screen,
 )
-from autograder.loading import load_tasks
 from autograder.registry import lesson_tasks
 from kit.launcher import run_ranks
 
