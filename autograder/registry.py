@@ -10,11 +10,17 @@ A *task* (id ``"L.N"``) is the student's function or class with a fixed name. It
   (with expected vs got and a hint) when the data is wrong. ``expected`` is ``run`` applied
   to the task's trusted ``reference`` (torch's own implementation where one exists) with the
   same seed, or ``None`` when the task has no reference (property checks). A case may instead
-  compute it itself with a trusted ``expect(seed)`` (see :meth:`Task.expected`).
+  compute it itself with a trusted ``expect(seed)`` (see :meth:`Task.expected`). References
+  and ``expect`` code live in ``autograder/references/lessonNN.py``, named here by string:
+  the batch grader's sandboxed worker never sees that folder.
 
-Lessons use it like this (``autograder/lesson00.py``)::
+A run several cases judge is a :class:`SharedRun` (``@T.shared``, or ``@T.shared(world_size=4)``
+for a function each rank runs): once per implementation and seed, its exception kept too. A
+technique's saving is a :meth:`Task.bound`, a case that holds a measured resource (``kit.meter``,
+the recorder) to the formula the technique promises. Lessons use it like this
+(``autograder/lesson00.py``)::
 
-    T = task("0.1", "shard_range", points=2, reference=_reference_shard_range,
+    T = task("0.1", "shard_range", points=2, reference="shard_range",
              hint="Balanced and contiguous: shard sizes differ by at most one.",
              recipe="Each rank gets n // world_size items; the first n % world_size get one more.")
 

@@ -4,7 +4,7 @@ Sending ``n`` bytes costs ``alpha + beta * n`` seconds: ``alpha`` is the latency
 ``beta`` the seconds per byte (1 / bandwidth). Lesson 01 fits it to measured times and predicts a
 ring all-reduce with it; Lessons 03-08 reuse it to reason about DDP buckets, FSDP all-gathers and
 parallelism plans. Fitting alpha and beta is Task 1.4: its reference lives in the grader
-(``autograder/lesson01.py``), not here, since Lesson 01's setup cell imports this module.
+(``autograder/references/lesson01.py``), not here, since Lesson 01's setup cell imports this module.
 """
 
 from __future__ import annotations
