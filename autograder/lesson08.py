@@ -136,6 +136,7 @@ def _metered(key: str) -> Any:
     return pick
 # --------------------------------------------------------------------------- task 8.1
 
+
 HIDDEN, FFN = 8, 16  # the MLP: Linear(8, 16), GELU, Linear(16, 8)
 TP_SHAPE = (3, 5, HIDDEN)  # (batch, seq, hidden) input
 
@@ -225,6 +226,8 @@ def _tp_run(world_size: int) -> Any:
 
     run.__name__ = f"tp_mlp_on_{world_size}_ranks"
     return TP.shared(run)
+
+
 TP_VALUE_KEYS = ("output", "input grad", "column weight", "column weight grad", "column bias grad",
                  "row weight", "row weight grad", "row bias grad")
 TP_HINTS = {
@@ -449,6 +452,8 @@ def _sp_on_rank(impl: Any, seed: int) -> dict[str, Any]:
                     for m in ("norm", "linear1", "linear2") for p in ("weight", "bias")}
     out["metered"] = _metered_block(impl, seed)
     return out
+
+
 _NORM_HINT = ("Each rank's LayerNorm saw only its shard of the sequence: its gradient is part "
               "of the whole, and the parts must be summed over the group in every backward pass.")
 _NORM_RECIPE = ("Sum the LayerNorm gradients over the group once per backward pass (a gradient "

@@ -267,7 +267,6 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
                for k in ("inputs", "labels"))
 
 
-
 # --------------------------------------------------------------------------- task 9.2
 
 # bounds nothing beyond its value checks: each batch's padded size (longest length x size) stays
@@ -417,7 +416,6 @@ def _(token_budget_batches: Any, seed: int) -> dict[str, bool]:
             "not in length order": any(
                 [max(lengths[i] for i in b) for b in r] != sorted(max(lengths[i] for i in b) for b in r)
                 for r in first)}
-
 
 
 def _compare_padding(got: Any, expected: dict[str, Any]) -> None:
