@@ -1,28 +1,46 @@
 """Hard gates: a task whose code uses what it re-implements, or the grader's own code, scores 0.
 
-A task names what it re-implements in ``Task.forbidden`` (dotted names such as
-``"torch.distributed.all_reduce"`` or ``"torch.nn.parallel.DistributedDataParallel"``). Every
+A task names what it re-implements in ``Task.forbidden``: dotted names of functions, classes,
+C++ builtins (``"torch._amp_update_scale_"``) or whole modules (``"torch.distributed.pipelining"``,
+which forbids everything defined in it and its submodules, private helpers included). Every
 runner wraps a case's ``run`` in :func:`guard`; a use raises :class:`ForbiddenUse`, which
 :func:`autograder.results.raised` turns into the status ``forbidden`` and
 :func:`autograder.results.settle` into 0 points for the whole task. The message names what was
 used and where (``file:line``).
 
-Four nets, because code reaches a library by many routes:
+The nets, because code reaches a library by many routes:
 
 * the source (:func:`check_source`): the task's function or class and the module-level helpers
   it calls, read as an AST with the module's imports resolved (``from torch.distributed import
   all_reduce``, ``dist.all_reduce``, ``getattr(dist, "all_reduce")``, ``import autograder``);
-* the class (a task class that subclasses a forbidden class, ``class S(DistributedSampler)``);
-* calls at run time: each forbidden Python function (and ``__init__`` of a forbidden class) and
-  every function of ``autograder`` gets a trampoline in place (same function object, so names
-  imported earlier are caught) that refuses a call made by the student's code;
+  a name under a forbidden module counts, and so does anything whose ``__module__`` is there;
+* the class: a task class (or a class it uses) with a forbidden base, or a base defined in
+  ``autograder`` (``class EGNNLayer(ReferenceEGNNLayer): pass``);
+* code identity: a function of the student's module (the task itself, its methods, every
+  function and class the module defines, copies made at load time with
+  ``types.FunctionType(ref.__code__, ...)`` or ``f.__code__ = ref.__code__``) whose code is the
+  grader's (its file is in ``autograder/``, or its bytecode and constants are those of one of the
+  grader's references) or a forbidden library function's (its file or definition, or its
+  bytecode and constants);
+* calls at run time: each forbidden Python function (every method of a forbidden class, every
+  function of a forbidden module) and every function of ``autograder`` gets a trampoline in place
+  (same function object and signature, so names imported earlier are caught) that refuses a call
+  made by the student's code;
+* C++ builtins at run time: a :class:`torch.overrides.TorchFunctionMode`, active only while a case
+  of a task that forbids builtins runs, sees every route to them (``torch._amp_update_scale_``,
+  ``getattr(torch, "_amp_" + "update_scale_")``, ``torch.ops.aten._amp_update_scale_``);
+* imports at run time: a finder first on ``sys.meta_path`` refuses the student's import of a
+  forbidden module not yet loaded, or of the grader's (``importlib.import_module`` of a computed
+  name);
 * the recorder (:mod:`kit.recorder`): a collective the task forbids, whatever the route
   (``ProcessGroup`` methods, functional collectives), and an all-reduce issued by torch's C++
   DDP reducer when the task forbids ``DistributedDataParallel``.
 
-The run-time nets are set in the process that runs the case and inherited by the ranks it
-forks. A use found anywhere (a rank, a DataLoader worker, a caught exception) is appended to a
-file the guard reads when the case ends, so swallowing the exception does not hide it.
+What a task forbids is resolved once per process (again when modules it names are imported
+later); the grader's own fingerprints are computed once per loaded ``autograder`` module. The
+run-time nets are set in the process that runs the case and inherited by the ranks it forks. A
+use found anywhere (a rank, a DataLoader worker, a caught exception) is appended to a file the
+guard reads when the case ends, so swallowing the exception does not hide it.
 """
 
 from __future__ import annotations
@@ -41,16 +59,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ForbiddenUse", "check_source", "guard"]
+__all__ = ["ForbiddenUse", "check_source", "guard", "resolve"]
 
 _HERE = Path(__file__).resolve().parent  # autograder/
 _KIT = _HERE.parent / "kit"
-_GRADER = (str(_HERE) + os.sep, str(_KIT) + os.sep)
+_AUTOGRADER = str(_HERE) + os.sep
+_GRADER = (_AUTOGRADER, str(_KIT) + os.sep)
 _LIBRARIES = tuple({str(Path(p).resolve()) + os.sep for key in ("stdlib", "platstdlib", "purelib",
                                                                  "platlib")
                     if (p := sysconfig.get_paths().get(key))})
 _TORCH = str(Path(importlib.import_module("torch").__file__).resolve().parent) + os.sep
 _GRADER_NAME = "the grader's own code (autograder)"
+# The runners themselves: the student's code never gets to call them, so they get no trampoline.
+_RUNNERS = ("autograder.gates", "autograder.registry", "autograder.results", "autograder.checking",
+            "autograder.loading")
+# A copy of code smaller than this (bytes of bytecode, about 40 instructions) counts only when
+# its file or definition gives it away: bytecode alone is shared by too many small functions
+# (``return x``, ``[x for x in y]``, a one-line ``__inc__``, the formula 1.4 asks for, which
+# kit.lessons.costmodel.ring_all_reduce_time also is).
+_MIN_COPY_BYTES = 128
 
 # Collectives by the name the recorder gives them; a task forbidding one of these dotted names
 # forbids that operation on every route.
@@ -90,34 +117,335 @@ def _kind(filename: str) -> str:
     return kind
 
 
+def _in_autograder(filename: str) -> bool:
+    return filename.startswith(os.sep) and str(Path(filename).resolve()).startswith(_AUTOGRADER)
+
+
 def _where(frame: Any) -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _student_caller(frame: Any) -> Any | None:
     """The student's frame that (through library code) made this call, or None if the grader
-    did. A stack with neither (a thread the student started) counts as the student's."""
+    did, or a library module's body did while being imported. A stack with neither (a thread
+    the student started) counts as the student's."""
     f, last = frame, frame
     while f is not None:
         kind = _kind(f.f_code.co_filename)
         if kind == "student":
             return f
-        if kind == "grader":
-            return None
+        if kind == "grader" or (kind == "library" and f.f_code.co_name == "<module>"):
+            return None  # the grader's call, or an import's side effect (a library's top level)
         last, f = f, f.f_back
     return last
+
+
+# --------------------------------------------------------------------------- resolving names
+
+
+def resolve(dotted: str, *, load: bool = False) -> Any:
+    """The object a dotted name stands for, or None.
+
+    Without ``load`` nothing is imported whose top-level package is not imported already (the
+    student's code cannot use a library nobody imported); with it, everything needed is.
+    """
+    parts = dotted.split(".")
+    if parts[0] not in sys.modules and not load:
+        return None
+    for i in range(len(parts), 0, -1):
+        module = sys.modules.get(".".join(parts[:i]))
+        if module is None:
+            try:
+                module = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+        obj: Any = module
+        try:
+            for part in parts[i:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def _module_name(obj: Any) -> str | None:
+    try:
+        name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+    except Exception:  # noqa: BLE001 - a proxy whose attributes raise
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _is_builtin(obj: Any) -> bool:
+    if isinstance(obj, (types.BuiltinFunctionType, types.MethodDescriptorType,
+                        types.WrapperDescriptorType, types.ClassMethodDescriptorType)):
+        return True
+    ops = sys.modules.get("torch._ops")
+    return ops is not None and isinstance(obj, (ops.OpOverload, ops.OpOverloadPacket))
+
+
+def _op_name(obj: Any) -> str | None:
+    """The dispatcher's name of a C++ builtin (``"aten::_amp_update_scale_"``), or None."""
+    ops = sys.modules.get("torch._ops")
+    if ops is not None and isinstance(obj, ops.OpOverload):
+        return obj._schema.name
+    if ops is not None and isinstance(obj, ops.OpOverloadPacket):
+        return obj._qualified_op_name
+    name = getattr(obj, "__name__", None)
+    if not isinstance(name, str):
+        return None
+    import torch
+
+    try:
+        getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+    return f"aten::{name}"
+
+
+def _functions(value: Any) -> list[types.FunctionType]:
+    """The Python functions a function or class stands for: itself and what it wraps
+    (``functools.wraps``, NumPy's dispatchers), or every function in the class's own body."""
+    if isinstance(value, type):
+        found = []
+        for member in list(vars(value).values()):
+            if isinstance(member, (staticmethod, classmethod)):
+                member = member.__func__
+            if isinstance(member, property):
+                found += [f for f in (member.fget, member.fset, member.fdel) if f is not None]
+            elif isinstance(member, types.FunctionType):
+                found += _functions(member)
+        return found
+    found, seen = [], set()
+    while value is not None and id(value) not in seen:
+        seen.add(id(value))
+        if isinstance(value, types.FunctionType):
+            found.append(value)
+        value = getattr(value, "__wrapped__", None) if not isinstance(value, type) else None
+    return found
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code objects nested in it (functions, classes, comprehensions)."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+_prints: dict[types.CodeType, int] = {}
+
+
+def _print(code: types.CodeType) -> int:
+    """A fingerprint of what ``code`` does: its bytecode, names and constants (nested code by its
+    own fingerprint; the docstring left out), not its file, lines or local variable names."""
+    found = _prints.get(code)
+    if found is None:
+        consts = tuple(("<code>", _print(c)) if isinstance(c, types.CodeType)
+                       else None if i == 0 and isinstance(c, str) else (type(c).__name__, c)
+                       for i, c in enumerate(code.co_consts))
+        found = _prints[code] = hash((code.co_code, consts, code.co_names))
+    return found
+
+
+def _code_of(fn: types.FunctionType) -> types.CodeType:
+    """``fn``'s own code, also while a guard has put a trampoline in its place."""
+    swapped = _swapped.get(id(fn))
+    return swapped[3] if swapped is not None and swapped[0] is fn else fn.__code__
+
+
+def _place(code: types.CodeType) -> tuple[str, int, str]:
+    return code.co_filename, code.co_firstlineno, code.co_name
+
+
+# --------------------------------------------------------------------------- what a task forbids
+
+
+class _Forbidden:
+    """What a task's forbidden names stand for in this process (objects, module prefixes, C++
+    builtins, and the Python functions, files and fingerprints under them)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.objects: dict[int, str] = {}  # id -> the forbidden name it resolves to
+        self.prefixes: dict[str, str] = {}  # module name -> the forbidden name
+        self.builtins: dict[int, str] = {}  # C++ builtins: the TorchFunctionMode's net
+        self.op_names: dict[str, str] = {}  # "aten::..." -> the forbidden name
+        self.missing: set[str] = set()  # top-level packages not imported yet
+        self._resolved: list[tuple[Any, str]] = []  # also keeps their ids theirs
+        for name in names:
+            obj = resolve(name)
+            if obj is None:
+                if name.split(".")[0] not in sys.modules:
+                    self.missing.add(name.split(".")[0])
+                continue
+            self._resolved.append((obj, name))
+            self.objects[id(obj)] = name
+            if isinstance(obj, types.ModuleType):
+                self.prefixes[name] = self.prefixes[obj.__name__] = name
+            elif _is_builtin(obj):
+                self.builtins[id(obj)] = name
+                if (op := _op_name(obj)) is not None:
+                    self.op_names[op] = name
+        self.dist_ops = {name.rsplit(".", 1)[1] for name in names
+                         if name.rsplit(".", 1)[0] + "." in _DIST_PREFIXES and name not in self.prefixes}
+        self.no_ddp = any(name.endswith("DistributedDataParallel") for name in names)
+        self._indexed_at = -1
+
+    def stale(self) -> bool:
+        """A package it names was imported since: resolve again."""
+        return any(head in sys.modules for head in self.missing)
+
+    def module_of(self, module_name: str) -> str | None:
+        for prefix, name in self.prefixes.items():
+            if module_name == prefix or module_name.startswith(prefix + "."):
+                return name
+        return None
+
+    def named(self, dotted: str) -> str | None:
+        """The forbidden name ``dotted`` is, or is reached through (``torch.amp.grad_scaler.X``)."""
+        for name in self.names:
+            if dotted == name or dotted.startswith(name + "."):
+                return name
+        return None
+
+    def of(self, obj: Any) -> str | None:
+        """The forbidden name ``obj`` is, or is defined under (a module prefix), else None."""
+        name = self.objects.get(id(obj))
+        if name is None and self.prefixes and (module := _module_name(obj)) is not None:
+            name = self.module_of(module)
+        return name
+
+    def index(self) -> None:
+        """The Python functions under the forbidden names, their files, definitions and
+        fingerprints; computed again when modules were imported since."""
+        if self._indexed_at == len(sys.modules):
+            return
+        self._indexed_at = len(sys.modules)
+        functions: dict[int, tuple[types.FunctionType, str]] = {}
+        for obj, name in self._resolved:
+            if not isinstance(obj, types.ModuleType):
+                for fn in _functions(obj):
+                    functions.setdefault(id(fn), (fn, name))
+        self.files: dict[str, str] = {}
+        if self.prefixes:
+            for module_name, module in list(sys.modules.items()):
+                name = self.module_of(module_name)
+                if name is None or module is None:
+                    continue
+                if isinstance(getattr(module, "__file__", None), str):
+                    self.files[module.__file__] = name
+                for value in list(vars(module).values()):
+                    if (isinstance(value, (types.FunctionType, type))
+                            and getattr(value, "__module__", None) == module_name):
+                        for fn in _functions(value):
+                            functions.setdefault(id(fn), (fn, name))
+        self.functions = list(functions.values())
+        self.originals = set(functions)
+        self.places: dict[tuple[str, int, str], str] = {}
+        self.prints: dict[int, str] = {}
+        for fn, name in self.functions:
+            code = _code_of(fn)
+            module = sys.modules.get(getattr(fn, "__module__", None) or "")
+            if getattr(fn, "__wrapped__", None) is not None and \
+                    getattr(module, "__file__", None) != code.co_filename:
+                continue  # a decorator's wrapper, shared by every function it decorates
+            self.places[_place(code)] = name
+            if len(code.co_code) >= _MIN_COPY_BYTES:
+                self.prints.setdefault(_print(code), f"{name} ({fn.__module__}.{fn.__qualname__})")
+
+
+_specs: dict[tuple[str, ...], _Forbidden] = {}
+
+
+def _spec(names: tuple[str, ...]) -> _Forbidden:
+    spec = _specs.get(names)
+    if spec is None or spec.stale():
+        spec = _specs[names] = _Forbidden(names)
+    return spec
+
+
+# --------------------------------------------------------------------------- the grader's own code
+
+
+class _GraderCode:
+    """Every function and class ``autograder`` defines (its originals), where each is defined,
+    and the fingerprints of its references (each task's ``reference``, in
+    ``autograder.references`` or given as an object, and ``_reference_*``/``Reference*``): what a
+    copy of the grader's code matches. Not the rest: the trusted helpers re-state the lessons'
+    setup code (Lesson 02's ``make_model``), which the student's module holds too."""
+
+    def __init__(self) -> None:
+        self.modules: set[str] = set()
+        self.originals: set[int] = set()
+        self.places: dict[tuple[str, int, str], str] = {}
+        self.prints: dict[int, str] = {}
+        self.functions: list[tuple[types.FunctionType, str]] = []  # what gets a trampoline
+        self._keep: list[Any] = []
+        self._references: set[int] = set()
+        self._seen_at = -1
+
+    def update(self) -> None:
+        if self._seen_at == len(sys.modules):
+            return
+        self._seen_at = len(sys.modules)
+        for module_name, module in list(sys.modules.items()):
+            if module is None or module_name in self.modules or not (
+                    module_name == "autograder" or module_name.startswith("autograder.")):
+                continue
+            self.modules.add(module_name)
+            for key, value in list(vars(module).items()):
+                if not (isinstance(value, (types.FunctionType, type))
+                        and getattr(value, "__module__", None) == module_name):
+                    continue
+                self._keep.append(value)
+                self.originals.add(id(value))
+                if isinstance(value, types.FunctionType) and module_name not in _RUNNERS:
+                    self.functions.append((value, f"{_GRADER_NAME}: {module_name}.{value.__name__}"))
+                for fn in _functions(value):
+                    self.originals.add(id(fn))
+                    for inner in _codes(_code_of(fn)):
+                        self.places.setdefault(_place(inner), f"{module_name}.{inner.co_qualname}")
+                if "reference" in key.lower():
+                    self._reference(value)
+        from autograder.registry import TASKS
+
+        for t in list(TASKS.values()):
+            ref = t.reference
+            if isinstance(ref, str):
+                ref = getattr(sys.modules.get(f"autograder.references.lesson{t.lesson:02d}"), ref, None)
+            if ref is not None and _is_grader(ref):
+                self._reference(ref)
+
+    def _reference(self, value: Any) -> None:
+        if id(value) in self._references:
+            return
+        self._references.add(id(value))
+        self._keep.append(value)
+        for fn in _functions(value):
+            code = _code_of(fn)
+            # A reference's constructor is the task's scaffolding: the stub hands it out;
+            # generated code (a dataclass's __repr__) is the same for every dataclass.
+            if fn.__name__ != "__init__" and _in_autograder(code.co_filename) \
+                    and len(code.co_code) >= _MIN_COPY_BYTES:
+                self.prints.setdefault(_print(code), f"{fn.__module__}.{fn.__qualname__}")
+
+
+_grader = _GraderCode()
 
 
 # --------------------------------------------------------------------------- state of a guard
 
 
 class _Gate:
-    def __init__(self, task: Any, log: str) -> None:
+    def __init__(self, task: Any, log: str, spec: _Forbidden) -> None:
         self.task_id = task.id
         self.log = log
         self.forbidden = tuple(task.forbidden)
-        self.ops = {name.rsplit(".", 1)[1] for name in self.forbidden if name.startswith(_DIST_PREFIXES)}
-        self.no_ddp = any(name.endswith("DistributedDataParallel") for name in self.forbidden)
+        self.spec = spec
+        self.ops = spec.dist_ops
+        self.no_ddp = spec.no_ddp
 
     def found(self, what: str, where: str) -> ForbiddenUse:
         try:  # O_APPEND: ranks and workers may write at once
@@ -158,40 +486,110 @@ def _observe(record: Any) -> None:
                              _where(caller))
 
 
+_IMPORTING = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>",
+              importlib.__file__)
+
+
+class _ImportNet:
+    """A finder first on ``sys.meta_path`` while a case runs: it refuses the student's own import
+    of a forbidden module (or of the grader's) not loaded yet, by any route, computed names
+    included (``importlib.import_module("autograder." + "references.lesson01")``), and finds
+    nothing itself."""
+
+    @staticmethod
+    def find_spec(fullname: str, path: Any = None, target: Any = None) -> None:
+        gate = _gate
+        if gate is None:
+            return None
+        if fullname == "autograder" or fullname.startswith("autograder."):
+            what = f"{_GRADER_NAME}: {fullname}"
+        elif (what := gate.spec.module_of(fullname)) is None:
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename in _IMPORTING:
+            frame = frame.f_back
+        if frame is not None and _kind(frame.f_code.co_filename) == "student":
+            raise gate.found(f"{what} (imported at run time: {fullname})", _where(frame))
+        return None
+
+
+def _builtin_net(gate: _Gate) -> Any:
+    """A TorchFunctionMode that refuses the student's calls of the task's forbidden builtins."""
+    from torch._ops import OpOverload, OpOverloadPacket
+    from torch.overrides import TorchFunctionMode
+
+    spec = gate.spec
+
+    class _BuiltinNet(TorchFunctionMode):
+        def __torch_function__(self, func: Any, _types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            what = spec.builtins.get(id(func))
+            if what is None and spec.op_names and isinstance(func, (OpOverload, OpOverloadPacket)):
+                what = spec.op_names.get(_op_name(func) or "")
+            if what is not None:
+                caller = _student_caller(sys._getframe(1))
+                if caller is not None:
+                    raise gate.found(f"{what} (a C++ builtin, called at run time)", _where(caller))
+            return func(*args, **(kwargs or {}))
+
+    return _BuiltinNet()
+
+
 # --------------------------------------------------------------------------- trampolines
 
 # id -> (function, the original's copy, the dotted name, the original code)
 _swapped: dict[int, tuple[Any, Any, str, Any]] = {}
+# id -> (function, its trampoline's code): compiled once per function and process
+_trampolines: dict[int, tuple[Any, types.CodeType]] = {}
 
 
 def _trampoline(fn: types.FunctionType, key: int) -> types.CodeType:
-    """Code for ``fn`` that calls ``_on_call(key, args, kwargs)``, with ``fn``'s free variables
-    (so it can replace ``fn.__code__`` in place)."""
-    free = fn.__code__.co_freevars
+    """Code for ``fn`` with ``fn``'s parameters (so its signature and defaults stay) and free
+    variables (so it can replace ``fn.__code__`` in place) that calls ``_on_call(key, args,
+    kwargs)`` with the arguments as bound."""
+    code = fn.__code__
+    names = code.co_varnames
+    n_pos, n_kw = code.co_argcount, code.co_kwonlyargcount
+    positional, keyword = list(names[:n_pos]), list(names[n_pos:n_pos + n_kw])
+    at = n_pos + n_kw
+    star = names[at] if code.co_flags & inspect.CO_VARARGS else None
+    at += bool(star)
+    starstar = names[at] if code.co_flags & inspect.CO_VARKEYWORDS else None
+    params = positional[:code.co_posonlyargcount] + (["/"] if code.co_posonlyargcount else [])
+    params += positional[code.co_posonlyargcount:]
+    params += [f"*{star}"] if star else (["*"] if keyword else [])
+    params += keyword + ([f"**{starstar}"] if starstar else [])
+    args = "(" + "".join(f"{p}, " for p in positional + ([f"*{star}"] if star else [])) + ")"
+    kwargs = "{" + ", ".join([f"{k!r}: {k}" for k in keyword] + ([f"**{starstar}"] if starstar else [])) + "}"
+    free = code.co_freevars
     body = "".join(f"    {v} = None\n" for v in free)
     uses = f"        ({', '.join(free)},)\n" if free else ""
-    source = (f"def _outer():\n{body}    def _t(*__a, **__k):\n{uses}"
-              f"        return __kit_gate_call__({key}, __a, __k)\n    return _t\n")
+    source = (f"def _outer():\n{body}    def _t({', '.join(params)}):\n{uses}"
+              f"        return __kit_gate_call__({key}, {args}, {kwargs})\n    return _t\n")
     scope: dict[str, Any] = {}
-    exec(compile(source, fn.__code__.co_filename, "exec"), scope)  # noqa: S102 - our own code
-    code = scope["_outer"]().__code__
-    return code.replace(co_name=fn.__code__.co_name, co_qualname=fn.__code__.co_qualname,
-                        co_firstlineno=fn.__code__.co_firstlineno)
+    exec(compile(source, code.co_filename, "exec"), scope)  # noqa: S102 - our own code
+    return scope["_outer"]().__code__.replace(co_name=code.co_name, co_qualname=code.co_qualname,
+                                              co_firstlineno=code.co_firstlineno)
 
 
-def _swap(fn: Any, what: str) -> None:
-    while isinstance(fn, types.FunctionType):
-        if id(fn) not in _swapped:
-            copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
-                                      fn.__closure__)
-            copy.__kwdefaults__ = fn.__kwdefaults__
-            fn.__globals__.setdefault("__kit_gate_call__", _on_call)
-            _swapped[id(fn)] = (fn, copy, what, fn.__code__)
+def _swap(obj: Any, what: str) -> None:
+    for fn in _functions(obj):
+        if id(fn) in _swapped:
+            continue
+        cached = _trampolines.get(id(fn))
+        if cached is None or cached[0] is not fn:
             try:
-                fn.__code__ = _trampoline(fn, id(fn))
+                cached = _trampolines[id(fn)] = (fn, _trampoline(fn, id(fn)))
             except (ValueError, TypeError, SyntaxError):
-                del _swapped[id(fn)]
-        fn = getattr(fn, "__wrapped__", None)
+                continue
+        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        fn.__globals__.setdefault("__kit_gate_call__", _on_call)
+        _swapped[id(fn)] = (fn, copy, what, fn.__code__)
+        try:
+            fn.__code__ = cached[1]
+        except (ValueError, TypeError):
+            del _swapped[id(fn)]
 
 
 def _restore() -> None:
@@ -200,55 +598,11 @@ def _restore() -> None:
     _swapped.clear()
 
 
-def resolve(dotted: str) -> Any:
-    """The object a dotted name stands for, or None (nothing is imported that is not already)."""
-    parts = dotted.split(".")
-    if parts[0] not in sys.modules:  # the student's code cannot use a library nobody imported
-        return None
-    for i in range(len(parts), 0, -1):
-        module = sys.modules.get(".".join(parts[:i]))
-        if module is None:
-            try:
-                module = importlib.import_module(".".join(parts[:i]))
-            except ImportError:
-                continue
-        obj: Any = module
-        try:
-            for part in parts[i:]:
-                obj = getattr(obj, part)
-        except AttributeError:
-            return None
-        return obj
-    return None
-
-
-def _forbidden_objects(names: tuple[str, ...]) -> dict[int, str]:
-    found = {}
-    for name in names:
-        obj = resolve(name)
-        if obj is not None:
-            found[id(obj)] = name
-    return found
-
-
-def _watch(names: tuple[str, ...]) -> None:
-    for name in names:
-        obj = resolve(name)
-        if isinstance(obj, type):
-            for attr in ("__init__", "__iter__", "forward", "__call__"):
-                member = obj.__dict__.get(attr)
-                if isinstance(member, types.FunctionType):
-                    _swap(member, name)
-        elif obj is not None:
-            _swap(obj, name)
-    for module_name, module in list(sys.modules.items()):
-        if module_name == "autograder" or module_name.startswith("autograder."):
-            if module_name in ("autograder.gates", "autograder.registry", "autograder.results",
-                               "autograder.checking", "autograder.loading"):
-                continue  # the runners themselves: the student's code never gets to call them
-            for value in list(vars(module).values()):
-                if isinstance(value, types.FunctionType) and value.__module__ == module_name:
-                    _swap(value, f"{_GRADER_NAME}: {module_name}.{value.__name__}")
+def _watch(spec: _Forbidden) -> None:
+    spec.index()
+    _grader.update()
+    for fn, name in spec.functions + _grader.functions:
+        _swap(fn, name)
 
 
 # --------------------------------------------------------------------------- the source
@@ -291,42 +645,194 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
-def _module_tree(impl: Any) -> tuple[ast.Module | None, dict[str, Any]]:
+_parses: dict[int, tuple[Any, Any, Any]] = {}  # id(obj) -> (obj, its code, its parse)
+
+
+def _parsed(obj: Any) -> tuple[ast.Module, int, str, dict[str, str]] | None:
+    """``obj``'s source as an AST, its first line, its file and its imports; read once per
+    object (and again once a function's code was replaced)."""
+    code = getattr(obj, "__code__", None)
+    hit = _parses.get(id(obj))
+    if hit is not None and hit[0] is obj and hit[1] is code:
+        return hit[2]
+    parsed = None
+    if (found := _source_of(obj)) is not None:
+        text, start, path = found
+        try:
+            body = ast.parse(text)
+            parsed = (body, start, path, _aliases(body))
+        except SyntaxError:
+            pass
+    _parses[id(obj)] = (obj, code, parsed)
+    return parsed
+
+
+_trees: dict[int, tuple[Any, Any, Any]] = {}  # id(module) -> (module, its file's stat, its parse)
+
+
+def _module_tree(impl: Any) -> tuple[types.ModuleType | None, ast.Module | None, dict[str, Any]]:
     module = sys.modules.get(getattr(impl, "__module__", "") or "")
     if module is None:
-        return None, {}
+        return None, None, {}
     try:
-        return ast.parse(inspect.getsource(module)), vars(module)
-    except (OSError, TypeError, SyntaxError):
-        return None, vars(module)
+        stat = os.stat(module.__file__)
+        stamp: Any = (stat.st_mtime_ns, stat.st_size)
+    except (AttributeError, TypeError, OSError):
+        stamp = None
+    hit = _trees.get(id(module))
+    if hit is None or hit[0] is not module or hit[1] != stamp:
+        try:
+            tree = ast.parse(inspect.getsource(module))
+        except (OSError, TypeError, SyntaxError):
+            tree = None
+        hit = _trees[id(module)] = (module, stamp, tree)
+    return module, hit[2], vars(module)
+
+
+def _is_grader(obj: Any) -> bool:
+    module = _module_name(obj)
+    return module is not None and (module == "autograder" or module.startswith("autograder."))
+
+
+def _base_class_use(task: Any, spec: _Forbidden, cls: type) -> ForbiddenUse | None:
+    for base in cls.__mro__[1:]:
+        what = spec.of(base)
+        if what is None and _is_grader(base):
+            what = f"{_GRADER_NAME}: {base.__module__}.{base.__qualname__}"
+        if what is not None:
+            line = _source_of(cls)
+            where = f"{line[2]}:{line[1]}" if line else cls.__qualname__
+            return ForbiddenUse(task.id, f"{what} (as a base class of {cls.__name__})", where)
+    return None
+
+
+def _binding(module: types.ModuleType | None, tree: ast.Module | None, fn: Any) -> str:
+    """Where the student's module makes ``fn`` (a function whose code came from elsewhere):
+    the line binding its name, or the first line that touches a ``__code__``."""
+    path = getattr(module, "__file__", None) or "<unknown>"
+    if tree is None:
+        return f"{path}:1"
+    names = {fn.__name__} | {k for k, v in vars(module).items() if v is fn}
+    fallback = None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in names:
+            return f"{path}:{node.lineno}"
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id in names:
+                    return f"{path}:{node.lineno}"
+                if isinstance(t, ast.Attribute) and t.attr == "__code__" and _dotted(t.value) in names:
+                    return f"{path}:{node.lineno}"
+        if isinstance(node, ast.Attribute) and node.attr == "__code__":
+            fallback = node.lineno if fallback is None else min(fallback, node.lineno)
+    return f"{path}:{fallback or 1}"
+
+
+def _is_original(fn: types.FunctionType) -> bool:
+    """``fn`` is the function its module defines under its name (not a copy made elsewhere)."""
+    obj: Any = sys.modules.get(fn.__module__ or "")
+    for part in fn.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return False
+    return any(f is fn for f in _functions(obj))
+
+
+def _copy_use(task: Any, spec: _Forbidden, impl: Any, module: types.ModuleType | None,
+              tree: ast.Module | None, reached: list[Any]) -> ForbiddenUse | None:
+    """A function of the student's whose code is the grader's or a forbidden function's."""
+    candidates: list[Any] = [impl, *reached]
+    if isinstance(impl, type):
+        candidates += [b for b in impl.__mro__[1:] if b.__module__ == impl.__module__]
+    if module is not None:
+        candidates += [v for v in list(vars(module).values())
+                       if isinstance(v, (types.FunctionType, type))
+                       and getattr(v, "__module__", None) == module.__name__]
+    seen: set[int] = set()
+    for candidate in candidates:
+        for fn in _functions(candidate):
+            if id(fn) in seen or id(fn) in _grader.originals or id(fn) in spec.originals:
+                continue
+            seen.add(id(fn))
+            code = _code_of(fn)
+            kind = _kind(code.co_filename)
+            if kind == "library" and _is_original(fn):
+                continue  # the library's own function: the other nets judge a use of it
+            for inner in _codes(code):
+                what, own_file = None, False
+                if _in_autograder(inner.co_filename):
+                    what = f"{_GRADER_NAME}: a copy of " + _grader.places.get(
+                        _place(inner), f"code from {inner.co_filename}")
+                elif kind == "library":
+                    name = spec.files.get(inner.co_filename) or spec.places.get(_place(inner))
+                    if name is not None:
+                        what = f"{name} (a copy of {inner.co_qualname} from {inner.co_filename})"
+                elif kind == "student" and len(inner.co_code) >= _MIN_COPY_BYTES \
+                        and inner.co_filename != "<string>":  # not generated (a dataclass's)
+                    own_file = True
+                    fp = _print(inner)
+                    if fp in _grader.prints:
+                        what = f"{_GRADER_NAME}: a copy of {_grader.prints[fp]}"
+                    elif fp in spec.prints:
+                        what = f"a copy of {spec.prints[fp]}"
+                if what is not None:
+                    where = (f"{inner.co_filename}:{inner.co_firstlineno}" if own_file
+                             else _binding(module, tree, fn))
+                    return ForbiddenUse(task.id, what, where)
+    return None
+
+
+_verdicts: dict[tuple, tuple[Any, tuple[str, str] | None]] = {}
 
 
 def check_source(task: Any, impl: Any) -> ForbiddenUse | None:
-    """The first forbidden name (or grader import) the task's source uses, else None.
+    """The first forbidden name (or grader import), forbidden or grader base class, or copy of
+    the grader's or a forbidden function's code the task's code uses, else None.
 
     Reads ``impl``'s source and the source of the module-level functions and classes of its
-    module that it names (helpers), resolving names through the module's imports.
+    module that it names (helpers), resolving names through the module's imports; then compares
+    the code of every function the student's module defines with the grader's and the
+    forbidden ones'. The verdict is kept until the module's names, what the task forbids or the
+    grader's loaded code change.
     """
     if impl is None:
         return None
-    forbidden = _forbidden_objects(tuple(task.forbidden))
-    tree, namespace = _module_tree(impl)
+    spec = _spec(tuple(task.forbidden))
+    spec.index()
+    _grader.update()
+    module = sys.modules.get(getattr(impl, "__module__", "") or "")
+    names = tuple((k, id(v)) for k, v in list(vars(module).items())) if module is not None else ()
+    key = (task.id, id(impl), id(getattr(impl, "__code__", None)), hash(names), id(spec),
+           spec._indexed_at, _grader._seen_at)
+    hit = _verdicts.get(key)
+    if hit is None or hit[0] is not impl:
+        found = _check(task, spec, impl)
+        hit = _verdicts[key] = (impl, None if found is None else (found.what, found.where))
+    return None if hit[1] is None else ForbiddenUse(task.id, *hit[1])
+
+
+def _check(task: Any, spec: _Forbidden, impl: Any) -> ForbiddenUse | None:
+    # The task's name bound to the grader's object or to a forbidden one (an import at load time)
+    what = spec.of(impl) or (f"{_GRADER_NAME}: {impl.__module__}.{getattr(impl, '__qualname__', '')}"
+                             if _is_grader(impl) and id(impl) in _grader.originals else None)
+    if what is not None:
+        return ForbiddenUse(task.id, what, f"{task.name} itself (it is that object)")
+    module, tree, namespace = _module_tree(impl)
     aliases = _aliases(tree) if tree is not None else {}
-    todo, seen = [impl], set()
+    todo, seen, reached = [impl], set(), []
     while todo:
         obj = todo.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        found = _source_of(obj)
-        if found is None:
+        if isinstance(obj, type) and (found := _base_class_use(task, spec, obj)) is not None:
+            return found
+        parsed = _parsed(obj)
+        if parsed is None:
             continue
-        text, start, path = found
-        try:
-            body = ast.parse(text)
-        except SyntaxError:
-            continue
-        local = {**aliases, **_aliases(body)}
+        body, start, path, own = parsed
+        local = {**aliases, **own}
         for node in ast.walk(body):
             dotted = _dotted(node)
             if dotted is None:
@@ -337,26 +843,30 @@ def check_source(task: Any, impl: Any) -> ForbiddenUse | None:
             if full == "autograder" or full.startswith("autograder."):
                 return ForbiddenUse(task.id, f"{_GRADER_NAME}: {full}", where)
             if head in local or head in ("torch",):
-                obj_ = resolve(full)
-                if obj_ is not None and id(obj_) in forbidden:
-                    return ForbiddenUse(task.id, forbidden[id(obj_)], where)
-                if obj_ is not None and getattr(obj_, "__module__", "").startswith("autograder"):
+                what = spec.named(full)
+                obj_ = resolve(full) if what is None else None
+                if obj_ is not None:
+                    what = spec.of(obj_)
+                if what is not None:
+                    return ForbiddenUse(task.id, what, where)
+                if obj_ is not None and _is_grader(obj_):
                     return ForbiddenUse(task.id, f"{_GRADER_NAME}: {full}", where)
             elif isinstance(node, ast.Name) and head in namespace and head not in local:
                 helper = namespace[head]  # a module-level helper of the student's: read it too
                 if isinstance(helper, (types.FunctionType, type)) and \
                         getattr(helper, "__module__", None) == getattr(impl, "__module__", None):
                     todo.append(helper)
-                elif id(helper) in forbidden:
-                    return ForbiddenUse(task.id, forbidden[id(helper)], where)
-    if isinstance(impl, type):
-        for base in impl.__mro__[1:]:
-            if id(base) in forbidden:
-                line = _source_of(impl)
-                where = f"{line[2]}:{line[1]}" if line else impl.__qualname__
-                return ForbiddenUse(task.id, f"{forbidden[id(base)]} (as a base class of "
-                                    f"{impl.__name__})", where)
-    return None
+                elif (what := spec.of(helper)) is not None:
+                    return ForbiddenUse(task.id, what, where)
+                elif isinstance(helper, (types.FunctionType, type)):
+                    if _is_grader(helper) and id(helper) in _grader.originals:
+                        return ForbiddenUse(task.id, f"{_GRADER_NAME}: {helper.__module__}."
+                                            f"{helper.__qualname__}", where)
+                    reached.append(helper)  # another module's: maybe a copy made at load time
+                    if isinstance(helper, type) and (
+                            found := _base_class_use(task, spec, helper)) is not None:
+                        return found
+    return _copy_use(task, spec, impl, module, tree, reached)
 
 
 # --------------------------------------------------------------------------- the guard
@@ -380,21 +890,32 @@ def guard(task: Any, impl: Any = None) -> Iterator[None]:
     fd, log = tempfile.mkstemp(prefix="kit-gate-")
     os.close(fd)
     outer = _gate
-    _gate = _Gate(task, log)
-    _watch(tuple(task.forbidden))
+    spec = _spec(tuple(task.forbidden))
+    _gate = _Gate(task, log, spec)
+    _watch(spec)
     recorder.observers.insert(0, _observe)
+    sys.meta_path.insert(0, _ImportNet)
+    mode = _builtin_net(_gate) if spec.builtins or spec.op_names else None
     error: BaseException | None = None
     try:
-        yield
+        if mode is not None:
+            mode.__enter__()
+        try:
+            yield
+        finally:
+            if mode is not None:
+                mode.__exit__(None, None, None)
     except BaseException as e:  # noqa: BLE001 - re-raised below unless a gate explains it
         error = e
     finally:
         if _observe in recorder.observers:
             recorder.observers.remove(_observe)
+        if _ImportNet in sys.meta_path:
+            sys.meta_path.remove(_ImportNet)
         _restore()
         _gate = outer
         if outer is not None:
-            _watch(outer.forbidden)
+            _watch(outer.spec)
         try:
             text = Path(log).read_text()
         except OSError:

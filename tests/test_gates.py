@@ -9,7 +9,10 @@ A failure here means a student can get the points of a task without doing it.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
+import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -90,3 +93,172 @@ def test_guard_restores_every_function_it_watched():
         assert dist.all_reduce.__code__ is not code
     assert dist.all_reduce.__code__ is code
     assert not gates._swapped
+
+
+# --------------------------------------------------------------------------- the nets, one by one
+# A task here is only what the gates read (an id and its forbidden names); the student's module
+# is written to a file and imported, as load_tasks does with a notebook.
+
+
+def _task(*forbidden: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(id="99.1", forbidden=forbidden)
+
+
+@pytest.fixture
+def student_module(tmp_path, monkeypatch):
+    """``make(source)`` -> a module imported from a file holding ``source``."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    made = []
+
+    def make(source: str) -> types.ModuleType:
+        name = f"student_{len(made)}_{tmp_path.name}".replace("-", "_")
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        made.append(name)
+        return importlib.import_module(name)
+
+    yield make
+    for name in made:
+        sys.modules.pop(name, None)
+
+
+def test_a_module_prefix_forbids_its_private_helpers_in_the_source(student_module):
+    module = student_module("""
+        from torch.distributed.pipelining import schedules
+
+        def order(stages):
+            return schedules._format_pipeline_order({})
+        """)
+    found = gates.check_source(_task("torch.distributed.pipelining"), module.order)
+    assert found is not None and found.what == "torch.distributed.pipelining"
+    assert found.where.endswith(".py:5")
+
+
+def test_a_module_prefix_forbids_its_functions_reached_by_computed_names(student_module):
+    module = student_module("""
+        import importlib
+
+        def order(stages):
+            schedules = importlib.import_module("torch.distributed." + "pipelining.schedules")
+            return getattr(schedules, "_format_" + "pipeline_order")({})
+        """)
+    task = _task("torch.distributed.pipelining")
+    assert gates.check_source(task, module.order) is None  # nothing to see in the source
+    with pytest.raises(gates.ForbiddenUse, match="torch.distributed.pipelining"):
+        with gates.guard(task, module.order):
+            module.order(2)
+
+
+def test_a_builtin_op_is_caught_on_every_route_while_a_case_runs(student_module):
+    module = student_module("""
+        import torch
+
+        def update(scale, growth, found):
+            getattr(torch, "_amp_" + "update_scale_")(scale, growth, found, 2.0, 0.5, 100)
+
+        def update_by_op(scale, growth, found):
+            torch.ops.aten._amp_update_scale_.default(scale, growth, found, 2.0, 0.5, 100)
+        """)
+    import torch
+
+    args = torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.zeros(1)
+    task = _task("torch._amp_update_scale_")
+    for fn in (module.update, module.update_by_op):
+        with pytest.raises(gates.ForbiddenUse, match="_amp_update_scale_"):
+            with gates.guard(task, fn):
+                fn(*args)
+    fn(*args)  # outside a case the op is nobody's business
+
+
+def test_a_forbidden_module_imported_at_run_time_is_caught(student_module, tmp_path):
+    (tmp_path / "gate_library").mkdir()
+    (tmp_path / "gate_library" / "__init__.py").write_text("")
+    (tmp_path / "gate_library" / "helpers.py").write_text("def answer():\n    return 42\n")
+    import gate_library  # noqa: F401 - the package is loaded, its submodule is not
+
+    module = student_module("""
+        import importlib
+
+        def solve():
+            return importlib.import_module("gate_library." + "helpers").answer()
+        """)
+    with pytest.raises(gates.ForbiddenUse, match="imported at run time: gate_library.helpers"):
+        with gates.guard(_task("gate_library"), module.solve):
+            module.solve()
+    sys.modules.pop("gate_library.helpers", None)
+    sys.modules.pop("gate_library", None)
+
+
+def test_a_copy_of_the_graders_code_made_at_load_time_is_caught_anywhere_in_the_module(student_module):
+    module = student_module("""
+        import importlib
+        import types
+
+        _reference = importlib.import_module("autograder.gates")._trampoline
+        _helper = types.FunctionType(_reference.__code__, globals())
+
+        def solve(x):
+            return globals()["_hel" + "per"](x)  # no name of the helper in the source
+        """)
+    found = gates.check_source(_task(), module.solve)
+    assert found is not None and "a copy of autograder.gates._trampoline" in found.what
+    assert found.where.endswith(".py:6")  # the line that made the copy
+
+
+_REFERENCE = """
+def reference_balanced_split(n, rank, world_size):
+    sizes = [n // world_size + (1 if r < n % world_size else 0) for r in range(world_size)]
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"cannot split {n} items over {world_size} ranks")
+    start = sum(sizes[:rank])
+    return range(start, start + sizes[rank])
+"""
+
+
+def test_a_pasted_copy_of_a_reference_is_caught_by_its_bytecode(student_module, monkeypatch):
+    # A reference of the grader's, compiled from autograder/ as a lesson's are.
+    grader = types.ModuleType("autograder.references.lesson99")
+    grader.__file__ = str(Path(gates.__file__).parent / "references" / "lesson99.py")
+    exec(compile(_REFERENCE, grader.__file__, "exec"), vars(grader))
+    monkeypatch.setitem(sys.modules, grader.__name__, grader)
+    pasted = _REFERENCE.replace("reference_balanced_split", "shard_range")
+    module = student_module(pasted)
+    found = gates.check_source(_task(), module.shard_range)
+    assert found is not None
+    assert "a copy of autograder.references.lesson99.reference_balanced_split" in found.what
+    assert found.where.endswith(".py:2")
+    renamed = pasted.replace("sizes", "counts").replace("size", "count")  # other local names
+    assert gates.check_source(_task(), student_module(renamed).shard_range) is not None
+    edited = pasted.replace("cannot split", "can not split")  # a constant changed: not a copy
+    assert gates.check_source(_task(), student_module(edited).shard_range) is None
+
+
+def test_small_functions_alike_are_not_copies(student_module):
+    # The bytecode of `return x` or a one-line formula is everyone's: only its file gives a copy away.
+    module = student_module("""
+        def ring_all_reduce_time(nbytes, world_size, alpha, beta):
+            return 2 * (world_size - 1) * alpha + 2 * (world_size - 1) / world_size * nbytes * beta
+        """)
+    assert gates.check_source(_task("kit.lessons.costmodel.ring_all_reduce_time"),
+                              module.ring_all_reduce_time) is None
+
+
+def test_a_subclass_of_a_graders_class_reached_by_a_computed_name_is_caught(student_module):
+    module = student_module("""
+        import importlib
+
+        _Base = getattr(importlib.import_module("autograder." + "registry"), "Ca" + "se")
+
+        class Case(_Base):
+            pass
+        """)
+    found = gates.check_source(_task(), module.Case)
+    assert found is not None and "autograder.registry.Case (as a base class of Case)" in found.what
+
+
+def test_trampolines_keep_each_functions_signature():
+    import torch.distributed as dist
+
+    before = inspect.signature(dist.all_reduce)
+    with gates.guard(get_task("1.2"), None):
+        assert dist.all_reduce.__code__ is not gates._swapped[id(dist.all_reduce)][3]
+        assert inspect.signature(dist.all_reduce) == before
