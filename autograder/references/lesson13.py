@@ -1,7 +1,8 @@
 """The grader's answers for Lesson 13 (trusted only).
 
 13.1's ``route`` orders each token's experts with Python's own sort on the key (-probability,
-expert index), so ties go to the lower index whatever ``torch.topk`` does on this machine, and
+expert index) over ``torch.softmax``'s probabilities, so ties go to the lower index whatever
+``torch.topk`` does on this machine, and
 hands out slots with one counter per expert, walking the choices in priority order (every
 token's first choice, then every second choice, ...). 13.2's ``load_balancing_loss`` counts the
 choices in Python and takes the probabilities from ``exp`` and a sum, not from
@@ -33,8 +34,7 @@ from kit.lessons.moe import Routing, expert_range, make_experts, make_router
 
 def route(logits: torch.Tensor, k: int, capacity: int) -> Routing:
     """Task 13.1's reference: softmax, top-k by (-p, index), slots in priority order."""
-    probs = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
-    probs = probs / probs.sum(dim=-1, keepdim=True)  # (T, E)
+    probs = torch.softmax(logits, dim=-1)  # (T, E), torch's own: the values a tie is judged on
     num_tokens, num_experts = probs.shape
     table = probs.detach().tolist()
     chosen = [sorted(range(num_experts), key=lambda e, row=row: (-row[e], e))[:k] for row in table]
