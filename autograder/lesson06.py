@@ -7,15 +7,20 @@ more bytes than those pieces (``/proc/self/io``). Task 6.2 ``TrainingState`` mus
 ``dcp.save``, a fresh launch, ``dcp.load`` and N - k steps bit-identical to N straight steps of a
 trusted loop, for DDP (with a GradScaler) and FSDP2, with dropout, three RNGs and a shuffling
 sampler; an FSDP2 checkpoint of 4 ranks must load on 2. Task 6.3 ``train_with_checkpoints``
-runs with the trusted TrainingState in place of the student's (so 6.3 grades the checkpoint
-logic alone): under ``kit.launch`` with a half-written newest checkpoint and lying mtimes, then
-under real ``torchrun --max-restarts=2`` with one rank SIGKILLed mid-save and one at a step
-picked from the seed; it must end bit-identical to an uninterrupted trusted run.
+runs with the notebook's own TrainingState (Task 6.2's, its companion): under ``kit.launch``
+with a half-written newest checkpoint and lying mtimes, then under real ``torchrun
+--max-restarts=2`` with one rank SIGKILLed mid-save and one at a step picked from the seed; it
+must end bit-identical to an uninterrupted trusted run.
+
+Each task's cases judge shared runs (the saves and loads of 6.1, the saves and resumes of 6.2,
+6.3's launch and its torchrun run), each made once per implementation and seed; the trusted
+answers (the values, the byte budgets, a reference TrainingState and the uninterrupted runs)
+live in :mod:`autograder.references.lesson06`. 6.1 bounds the bytes each rank writes (the
+kernel's count, ``/proc/self/io``): a sharded save writes each piece once, where it lies.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
@@ -33,8 +38,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import kit.lessons.resume  # noqa: F401 - imports DDP's, FSDP2's and DCP's modules once, before ranks fork
-from autograder.registry import CheckFailed, assert_same, pickle_for_worker, task
+from autograder.compare import CheckFailed, assert_same
+from autograder.registry import pickle_for_worker, task
+
+# DDP's Dynamo, FSDP2's, DCP's and the lesson's modules, imported once before ranks fork (and
+# before torchrun's workers are started: they import them themselves).
+PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+           "torch.distributed.fsdp", "kit.lessons.resume")
 
 # --------------------------------------------------------------------------- task 6.1
 
@@ -56,9 +66,14 @@ LOAD_SPLITS = {
 }
 STEPS_LOAD_SPLITS = {1: [777], 2: [301, 476], 3: [0, 600, 177], 4: [1, 299, 200, 277]}
 BYTES_SLACK = 32 * 1024  # per piece file and for the metadata: headers, buffers (torch.load: ~20 KB)
+# What a rank may write beyond its own pieces: each piece file's zip header and directory
+# (torch.save: ~1.5 KiB), on rank 0 the metadata of the two tensors, and what the collectives
+# send through gloo's sockets (the kernel counts those writes too): 16 KiB. The correct save
+# writes at most 9 KiB beyond its pieces here (56% of the bound); rank 0 writing every piece
+# writes 25x the bound (the 3-rank layout gives it 28 bytes of its own and 400 KB of others').
+WRITE_SLACK = 16 * 1024
 
 
-@functools.lru_cache(maxsize=2)
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"weight": torch.randn(WEIGHT_NUMEL, generator=g),
@@ -106,22 +121,34 @@ def _install_audit_hook() -> None:
     _HOOK_INSTALLED = True
 
 
-def _bytes_read() -> int:
-    """Bytes this process has read with read()/pread() so far (Linux), or -1."""
+def _io_count(field: str) -> int:
+    """Bytes this process has passed to read() (``rchar``) or write() (``wchar``) so far, as the
+    kernel counts them (Linux's /proc/self/io), or -1 where there is no such count."""
     try:
         with open("/proc/self/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+            return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
     except (OSError, StopIteration, ValueError):
         return -1
 
 
-def _save_on_rank(save_shards: Any, root: str, seed: int) -> None:
+def _bytes_read() -> int:
+    return _io_count("rchar")
+
+
+def _save_on_rank(save_shards: Any, root: str, seed: int) -> dict[str, int]:
+    """Save this rank's pieces of both tensors; the bytes they hold and the bytes written meanwhile."""
     w, rank = dist.get_world_size(), dist.get_rank()
     tensors = _tensors(seed)
+    pieces = {}
     for name, sizes in zip(("weight", "steps"), SAVE_SPLITS[w]):
         o, n = _offsets(sizes)[rank], sizes[rank]
-        save_shards(os.path.join(root, f"saved-on-{w}"), name, tensors[name][o:o + n].clone(), o,
-                    tensors[name].numel())
+        pieces[name] = (tensors[name][o:o + n].clone(), o, tensors[name].numel())
+    own = sum(t.numel() * t.element_size() for t, _, _ in pieces.values())
+    before = _io_count("wchar")
+    for name, (piece, o, total) in pieces.items():
+        save_shards(os.path.join(root, f"saved-on-{w}"), name, piece, o, total)
+    after = _io_count("wchar")
+    return {"own": own, "written": after - before if before >= 0 and after >= 0 else -1}
 
 
 def _load_on_rank(load_shards: Any, root: str, jobs: list[tuple]) -> list[dict[str, Any]]:
@@ -150,39 +177,42 @@ def _load_on_rank(load_shards: Any, root: str, jobs: list[tuple]) -> list[dict[s
     return out
 
 
-_SHARDS_CACHE: dict[tuple[int, int], tuple[Any, list[dict[str, Any]]]] = {}
-
-
-def _shards_run(save_shards: Any, seed: int) -> list[dict[str, Any]]:
-    """Save on 1, 2, 3 and 4 ranks, then every load of :func:`_load_jobs` on 4 ranks; one set
-    of launches serves all cases of task 6.1."""
+def _shards_run(save_shards: Any, seed: int) -> dict[str, Any]:
+    """Save on 1, 2, 3 and 4 ranks, then every load of :func:`_load_jobs` on 4 ranks: the loads
+    in job order, and per layout each rank's bytes held and written by its save."""
     from kit.launcher import run_ranks
 
-    key = (id(save_shards), seed)
-    if key in _SHARDS_CACHE and _SHARDS_CACHE[key][0] is save_shards:
-        return _SHARDS_CACHE[key][1]
-    load_shards = getattr(save_shards, "__globals__", {}).get("load_shards")
+    load_shards = SHARDS.companion(save_shards, "load_shards")
     if load_shards is None:
         raise CheckFailed("no load_shards function was found next to save_shards",
                           hint="Define load_shards(ckpt_dir, name, offset, numel) in the task's cell.")
     jobs = _load_jobs()
+    writes = {}
     with tempfile.TemporaryDirectory(prefix="kit-shards-") as root:
         for w in SAVE_SPLITS:
-            run_ranks(_save_on_rank, (save_shards, root, seed), world_size=w, timeout=30.0, echo=False)
+            writes[w] = list(run_ranks(_save_on_rank, (save_shards, root, seed), world_size=w,
+                                       timeout=30.0, echo=False, preload=SHARDS.preload))
         per_rank = run_ranks(_load_on_rank, (load_shards, root, jobs), world_size=4, timeout=30.0,
-                             echo=False)
-    got = sorted((r for rank in per_rank for r in rank), key=lambda r: r["job"])
-    _SHARDS_CACHE.clear()  # only the latest implementation is worth keeping
-    _SHARDS_CACHE[key] = (save_shards, got)
-    return got
+                             echo=False, preload=SHARDS.preload)
+    loads = sorted((r for rank in per_rank for r in rank), key=lambda r: r["job"])
+    return {"loads": loads, "writes": writes}
 
 
-def _reference_slice(seed: int, name: str, offset: int, numel: int) -> torch.Tensor:
-    return _tensors(seed)[name][offset:offset + numel].clone()
+def _written_beyond_own(run: dict[str, Any]) -> dict[str, Any]:
+    """The write bound's ``pick``: per rank, the most it wrote beyond its own pieces in any layout
+    (ranks without the kernel's count report nothing)."""
+    beyond: dict[int, int] = {}
+    for per_rank in run["writes"].values():
+        for rank, save in enumerate(per_rank):
+            if save["written"] >= 0:
+                beyond[rank] = max(beyond.get(rank, 0), save["written"] - save["own"])
+    return {"measured": beyond}
 
 
+# bounds: the bytes each rank writes (/proc/self/io: the kernel's count, below Python); the
+# bytes each load reads is bounded by a case of its own, against the pieces it overlaps.
 SHARDS = task(
-    "6.1", "save_shards", points=4,
+    "6.1", "save_shards", points=4, companions=("load_shards",), preload=PRELOAD,
     forbidden=("torch.distributed.checkpoint.save", "torch.distributed.checkpoint.load",
                "torch.distributed.checkpoint.state_dict_saver.save",
                "torch.distributed.checkpoint.state_dict_loader.load"),
@@ -201,17 +231,20 @@ SHARDS = task(
 )
 
 
+# One set of launches (saves on 1 to 4 ranks, the loads on 4) serves every case of the task.
+SHARDS_RUN = SHARDS.shared(_shards_run)
+
+
 def _value_case(name: str, select: Callable[[tuple], bool], hint: str = "",
                 recipe: str = "") -> None:
     jobs = _load_jobs()
     chosen = [i for i, job in enumerate(jobs) if select(job)]
 
-    def run(save_shards: Any, seed: int) -> list[Any]:
-        got = _shards_run(save_shards, seed)
-        return [got[i]["value"] for i in chosen]
+    def values(run: dict[str, Any]) -> list[Any]:
+        return [run["loads"][i]["value"] for i in chosen]
 
     def expect(seed: int) -> list[torch.Tensor]:
-        return [_reference_slice(seed, jobs[i][1], jobs[i][2], jobs[i][3]) for i in chosen]
+        return SHARDS.trusted("saved_slices")(seed, chosen)
 
     def compare(got: Any, expected: list[torch.Tensor]) -> None:
         for i, g, e in zip(chosen, got, expected):
@@ -221,7 +254,8 @@ def _value_case(name: str, select: Callable[[tuple], bool], hint: str = "",
                 raise CheckFailed(f"{where} returned {g}", expected="a 1-D tensor", got=g)
             assert_same(g, e, rtol=0.0, atol=0.0, path=where)
 
-    SHARDS.case(name, compare=compare, expect=expect, hint=hint, recipe=recipe)(run)
+    SHARDS.case(name, uses=SHARDS_RUN, pick=values, compare=compare, expect=expect, hint=hint,
+                recipe=recipe)
 
 
 _value_case("saved on 2 ranks, loaded on 2 ranks with another split: exact values",
@@ -301,18 +335,9 @@ def _compare_opened(got: Any, expected: Any) -> None:
                            "and skip the piece when the overlap is empty.")
 
 
-@SHARDS.case("a load opens only the metadata and the files of the pieces it overlaps (an audit "
-             "hook sees every open)", compare=_compare_opened, weight=2)
-def _(save_shards: Any, seed: int) -> list[dict[str, Any]]:
-    return [{"opened": r["opened"]} for r in _shards_run(save_shards, seed)]
-
-
-def _allowed_bytes(job: tuple) -> int:
-    w, name, offset, numel, _ = job
-    sizes = SAVE_SPLITS[w][0 if name == "weight" else 1]
-    itemsize = 4 if name == "weight" else 8
-    overlap = [n for o, n in zip(_offsets(sizes), sizes) if max(offset, o) < min(offset + numel, o + n)]
-    return sum(overlap) * itemsize + BYTES_SLACK * (len(overlap) + 1)
+SHARDS.case("a load opens only the metadata and the files of the pieces it overlaps (an audit "
+            "hook sees every open)", uses=SHARDS_RUN, compare=_compare_opened, weight=2,
+            pick=lambda run: [{"opened": r["opened"]} for r in run["loads"]])
 
 
 def _compare_bytes(got: Any, expected: list[int]) -> None:
@@ -333,56 +358,22 @@ def _compare_bytes(got: Any, expected: list[int]) -> None:
                        "its own elements, and read only the pieces that overlap the range.")
 
 
-@SHARDS.case("no load reads more bytes than the pieces it overlaps (plus 32 KiB per file for "
-             "headers and metadata; /proc/self/io)",
-             compare=_compare_bytes, expect=lambda seed: [_allowed_bytes(j) for j in _load_jobs()])
-def _(save_shards: Any, seed: int) -> list[int]:
-    return [r["bytes"] for r in _shards_run(save_shards, seed)]
+SHARDS.case("no load reads more bytes than the pieces it overlaps (plus 32 KiB per file for "
+            "headers and metadata; /proc/self/io)", uses=SHARDS_RUN, compare=_compare_bytes,
+            expect="allowed_read_bytes", pick=lambda run: [r["bytes"] for r in run["loads"]])
+SHARDS.bound(
+    "bytes a rank writes beyond its own pieces",
+    formula="16 KiB (each piece file's header, rank 0's metadata)",
+    lost="a rank writes other ranks' pieces: a sharded save writes each piece once, on the rank "
+         "that holds it, so that no rank writes (or holds) the whole tensor",
+    hint="A sharded checkpoint scales because every rank writes only what it holds, in "
+         "parallel; gathering the pieces to one rank makes that rank hold and write everything.",
+    recipe="Let every rank torch.save its own piece to its own file; send to rank 0 only what "
+           "the metadata needs (each piece's file name, offset and size), never the data.",
+    expect="write_bound", uses=SHARDS_RUN, pick=_written_beyond_own)
 
 
 # --------------------------------------------------------------------------- task 6.2
-# A trusted TrainingState: the reference of 6.2, and what 6.3's checks give the student's loop.
-
-
-class ReferenceTrainingState:
-    """Trusted Stateful: model and optimizer via get_state_dict, step, per-rank RNGs and sampler."""
-
-    def __init__(self, model: Any, optimizer: Any, sampler: Any, scaler: Any = None):
-        self.model, self.optimizer, self.sampler, self.scaler = model, optimizer, sampler, scaler
-        self.step = 0
-
-    @staticmethod
-    def _rank_key() -> str:
-        return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optim_state, "step": self.step,
-                 self._rank_key(): {
-                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": np.random.get_state()},
-                     "sampler": {"epoch": self.sampler.epoch, "position": self.sampler.position}}}
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        self.step = int(state["step"])
-        mine = state[self._rank_key()]
-        torch.set_rng_state(mine["rng"]["torch"])
-        random.setstate(mine["rng"]["python"])
-        np.random.set_state(mine["rng"]["numpy"])
-        self.sampler.set_epoch(int(mine["sampler"]["epoch"]))
-        self.sampler.position = int(mine["sampler"]["position"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
-
 
 SAVE_AT, TOTAL = 8, 11  # 6 batches per epoch on 2 ranks: the save lands mid-epoch 1
 SAVE_AT_4 = 3  # FSDP2 on 4 ranks, then loaded on 2
@@ -427,19 +418,6 @@ def _snapshot(state: Any) -> dict[str, Any]:
     }
 
 
-def _straight_on_rank(kind: str, seed: int, total: int, at: int) -> dict[str, Any]:
-    from kit.lessons.resume import full_parameters, seed_everything, train_step
-
-    seed_everything(seed)
-    state = _build(kind, ReferenceTrainingState)
-    losses, snap = [], None
-    for _ in range(total):
-        if state.step == at:
-            snap = _snapshot(state)
-        losses.append(train_step(state))
-    return {"snapshot": snap, "losses": losses[at:], "final": full_parameters(state.model)}
-
-
 def _save_on_rank_62(impl: Any, kind: str, seed: int, steps: int, ckpt: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -477,43 +455,23 @@ def _resume_all(impl: Any, seed: int, root: str) -> dict[str, Any]:
     return out
 
 
-_RESUME_CACHE: dict[tuple[int, int], tuple[Any, Any]] = {}
-
-
 def _resume_run(impl: Any, seed: int) -> list[dict[str, Any]]:
     """Save DDP and FSDP2 after SAVE_AT steps on 2 ranks and FSDP2 after SAVE_AT_4 on 4 ranks,
     then resume all three in one fresh 2-rank launch."""
     from kit.launcher import run_ranks
 
-    key = (id(impl), seed)
-    if key in _RESUME_CACHE and _RESUME_CACHE[key][0] is impl:
-        return _RESUME_CACHE[key][1]
+    options = {"timeout": 60.0, "echo": False, "preload": STATE.preload}
     with tempfile.TemporaryDirectory(prefix="kit-resume-") as root:
-        run_ranks(_save_both, (impl, seed, root), world_size=2, timeout=60.0, echo=False)
+        run_ranks(_save_both, (impl, seed, root), world_size=2, **options)
         run_ranks(_save_on_rank_62, (impl, "fsdp", seed, SAVE_AT_4, os.path.join(root, "fsdp4")),
-                  world_size=4, timeout=60.0, echo=False)
-        got = list(run_ranks(_resume_all, (impl, seed, root), world_size=2, timeout=60.0, echo=False))
-    _RESUME_CACHE.clear()
-    _RESUME_CACHE[key] = (impl, got)
-    return got
+                  world_size=4, **options)
+        return list(run_ranks(_resume_all, (impl, seed, root), world_size=2, **options))
 
 
-def _straight_both(seed: int) -> dict[str, Any]:
-    return {kind: _straight_on_rank(kind, seed, TOTAL, SAVE_AT) for kind in ("ddp", "fsdp")}
-
-
-@functools.lru_cache(maxsize=4)
-def _expected_straight(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    from kit.launcher import run_ranks
-
-    two = list(run_ranks(_straight_both, (seed,), world_size=2, timeout=60.0, echo=False))
-    four = list(run_ranks(_straight_on_rank, ("fsdp", seed, SAVE_AT_4, SAVE_AT_4), world_size=4,
-                          timeout=60.0, echo=False))
-    return two, four
-
-
+# bounds nothing: an exact resume is about what is saved, not how much; what each rank writes
+# is dcp.save's own business (each rank writes its own shards), and 6.1 bounds it by hand.
 STATE = task(
-    "6.2", "TrainingState", points=4,
+    "6.2", "TrainingState", points=4, preload=PRELOAD,
     hint="An exact resume needs everything the next step reads: the weights and the optimizer's "
          "moments, the step, every random generator this rank draws from, and where the "
          "sampler is in its epoch. Random state differs per rank, so it must be saved per rank.",
@@ -568,31 +526,27 @@ def _compare_resume(kind: str) -> Callable[[Any, Any], None]:
     return compare
 
 
+# Three launches (saves on 2 and on 4 ranks, the resumes on 2) serve the task's three cases.
+RESUME_RUN = STATE.shared(_resume_run)
+
+
 def _resume_case(kind: str, label: str) -> None:
-    def run(impl: Any, seed: int) -> list[dict[str, Any]]:
-        return [r[kind] for r in _resume_run(impl, seed)]
-
-    def expect(seed: int) -> list[dict[str, Any]]:
-        return [r[kind] for r in _expected_straight(seed)[0]]
-
     STATE.case(f"{label}: {SAVE_AT} steps, dcp.save, a fresh launch, dcp.load and "
                f"{TOTAL - SAVE_AT} more steps equal {TOTAL} straight steps bit for bit (dropout, "
-               "3 RNGs, a shuffling sampler)", compare=_compare_resume(kind), expect=expect,
-               weight=2)(run)
+               "3 RNGs, a shuffling sampler)", uses=RESUME_RUN, pick=kind,
+               compare=_compare_resume(kind), weight=2,
+               expect=lambda seed: [r[kind] for r in STATE.trusted("straight_runs")(seed)[0]])
 
 
 _resume_case("ddp", "DDP with a GradScaler on 2 ranks")
 _resume_case("fsdp", "FSDP2 on 2 ranks")
-
-
-@STATE.case(f"FSDP2 saved on 4 ranks after {SAVE_AT_4} steps, loaded on 2: equal full parameters",
-            expect=lambda seed: [_expected_straight(seed)[1][0]["final"]] * 2,
-            compare=lambda got, expected: assert_same(got, expected, rtol=0.0, atol=0.0,
-                                                      path="full parameters after loading on 2 ranks"),
-            hint="get_state_dict gives FSDP2's DTensors, and DCP reshards them at load time: save "
-                 "those, not each rank's local shard.")
-def _(impl: Any, seed: int) -> list[Any]:
-    return [r["reshard"] for r in _resume_run(impl, seed)]
+STATE.case(f"FSDP2 saved on 4 ranks after {SAVE_AT_4} steps, loaded on 2: equal full parameters",
+           uses=RESUME_RUN, pick="reshard",
+           expect=lambda seed: [STATE.trusted("straight_runs")(seed)[1][0]["final"]] * 2,
+           compare=lambda got, expected: assert_same(got, expected, rtol=0.0, atol=0.0,
+                                                     path="full parameters after loading on 2 ranks"),
+           hint="get_state_dict gives FSDP2's DTensors, and DCP reshards them at load time: save "
+                "those, not each rank's local shard.")
 
 
 # --------------------------------------------------------------------------- task 6.3
@@ -719,12 +673,12 @@ def _checkpoint_name(args: tuple, kwargs: dict, full: bool = False) -> str:
 
 
 def _prepared(impl: Any, watch: _Watch, before: Callable[[Any], None] = lambda s: None) -> Any:
-    """Inside a rank: the trusted TrainingState and a watched train_step in place of the
-    lesson's, in the namespace of ``impl`` (so its helpers see them too) and in kit.lessons.resume."""
+    """Inside a rank: a watched train_step in place of the lesson's, in the namespace of ``impl``
+    (so its helpers see it too) and in kit.lessons.resume. The loop keeps its own TrainingState."""
     from kit.lessons import resume
 
     step = watch.train_step(resume.train_step, before)
-    impl.__globals__.update(TrainingState=ReferenceTrainingState, train_step=step)
+    impl.__globals__.update(train_step=step)
     resume.train_step = step
     return impl
 
@@ -772,74 +726,46 @@ def _plain_state(params: Any) -> Any:
     return f"<a {type(params).__name__}, not a dict of tensors>"
 
 
-_QUICK_CACHE: dict[tuple[int, int], tuple[Any, Any]] = {}
-
-
 def _quick_run(impl: Any, seed: int) -> list[dict[str, Any]]:
+    """The loop on 2 ranks under kit.launch: a run, a half-written checkpoint, a resumed run."""
     from kit.launcher import run_ranks
 
-    key = (id(impl), seed)
-    if key in _QUICK_CACHE and _QUICK_CACHE[key][0] is impl:
-        outcome = _QUICK_CACHE[key][1]
-    else:
-        if not _is_function(impl):
-            raise CheckFailed(_NOT_A_FUNCTION)
-        with tempfile.TemporaryDirectory(prefix="kit-ckpts-") as root:
-            try:
-                outcome = ("ok", list(run_ranks(_quick_on_rank, (impl, root), world_size=2,
-                                                timeout=60.0, echo=False)))
-            except Exception as e:  # noqa: BLE001 - kept, so every case reports the same error
-                outcome = ("error", e)
-        _QUICK_CACHE.clear()
-        _QUICK_CACHE[key] = (impl, outcome)
-    if outcome[0] == "error":
-        raise outcome[1]
-    return outcome[1]
+    if not _is_function(impl):
+        raise CheckFailed(_NOT_A_FUNCTION)
+    if LOOP.companion(impl, "TrainingState") is None:
+        raise CheckFailed(_NO_TRAINING_STATE)
+    with tempfile.TemporaryDirectory(prefix="kit-ckpts-") as root:
+        return list(run_ranks(_quick_on_rank, (impl, root), world_size=2, timeout=60.0,
+                              echo=False, preload=LOOP.preload))
 
 
-def _reference_run_on_rank(totals: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
-    from kit.lessons.resume import (
-        full_parameters,
-        make_model,
-        make_optimizer,
-        make_sampler,
-        seed_everything,
-        shard_model,
-        train_step,
-    )
-
-    seed_everything(0)
-    model = shard_model(make_model())
-    state = ReferenceTrainingState(model, make_optimizer(model), make_sampler())
-    out = []
-    for total in totals:
-        while state.step < total:
-            train_step(state)
-        out.append(full_parameters(model))
-    return out
+_NO_TRAINING_STATE = ("train_with_checkpoints runs with the notebook's own TrainingState (Task "
+                      "6.2): define it in its cell first")
 
 
-@functools.lru_cache(maxsize=1)
-def _reference_params() -> dict[int, dict[str, torch.Tensor]]:
-    """An uninterrupted trusted run on 2 ranks (the same for every seed: the loop seeds 0)."""
-    from kit.launcher import run_ranks
-
-    totals = tuple(sorted({QUICK_FIRST, QUICK_TOTAL, RUN_TOTAL}))
-    got = run_ranks(_reference_run_on_rank, (totals,), world_size=2, timeout=60.0, echo=False)
-    return dict(zip(totals, got[0]))
-
-
+# bounds nothing beyond what its cases count: each async save in flight holds a staged CPU copy
+# of the state, and "at most one in flight" is counted on dcp.async_save itself (the copies live
+# on DCP's background thread, where the meter does not look).
 LOOP = task(
-    "6.3", "train_with_checkpoints", points=5,
+    "6.3", "train_with_checkpoints", points=5, companions=("TrainingState",), preload=PRELOAD,
     hint="A checkpoint counts only once it is complete, and DCP writes its metadata last; the "
          "newest is the one with the highest step in its name, not the newest file on disk. At "
-         "most one asynchronous save may be in flight.",
+         "most one asynchronous save may be in flight. (The loop runs with your own "
+         "TrainingState of Task 6.2: a resume can be exact only if it is.)",
     recipe="On start, look through ckpt_root's step folders, keep those whose metadata file "
            "exists, and load the one with the highest step number. In the loop, after every "
            "every-th step, wait for the previous save to finish, then start an asynchronous "
            "save (on a gloo group of its own) into the folder named after the step. Wait for the "
            "last save before returning.",
 )
+
+# One launch under kit.launch (three of the cases) and one torchrun run of three attempts (two).
+QUICK_RUN = LOOP.shared(_quick_run)
+
+
+def _uninterrupted(steps: int) -> Callable[[int], Any]:
+    """The expectation: the trusted uninterrupted run's full parameters after ``steps`` steps."""
+    return lambda seed: LOOP.trusted("uninterrupted_params")(seed)[steps]
 
 
 def _compare_quick_first(got: Any, expected: Any) -> None:
@@ -859,11 +785,10 @@ def _compare_quick_first(got: Any, expected: Any) -> None:
                                    "that step (six digits), and wait for the last save.")
 
 
-@LOOP.case(f"an uninterrupted run on 2 ranks (launch) ends with the reference parameters and "
-           f"complete checkpoints step-000002 .. step-{QUICK_FIRST:06d}",
-           compare=_compare_quick_first, expect=lambda seed: _reference_params()[QUICK_FIRST])
-def _(impl: Any, seed: int) -> Any:
-    return [{"first": r["first"], "complete": r["complete"]} for r in _quick_run(impl, seed)]
+LOOP.case(f"an uninterrupted run on 2 ranks (launch) ends with the reference parameters and "
+          f"complete checkpoints step-000002 .. step-{QUICK_FIRST:06d}", uses=QUICK_RUN,
+          pick=lambda runs: [{"first": r["first"], "complete": r["complete"]} for r in runs],
+          compare=_compare_quick_first, expect=_uninterrupted(QUICK_FIRST))
 
 
 def _compare_async(got: Any, expected: Any) -> None:
@@ -883,10 +808,10 @@ def _compare_async(got: Any, expected: Any) -> None:
                               hint="A process that exits mid-save leaves an incomplete checkpoint.")
 
 
-@LOOP.case("saves with dcp.async_save, at most one in flight, the last one finished on return",
-           compare=_compare_async)
-def _(impl: Any, seed: int) -> Any:
-    return [{k: r[k] for k in ("saves", "overlapping", "done_at_return")} for r in _quick_run(impl, seed)]
+LOOP.case("saves with dcp.async_save, at most one in flight, the last one finished on return",
+          uses=QUICK_RUN, compare=_compare_async,
+          pick=lambda runs: [{k: r[k] for k in ("saves", "overlapping", "done_at_return")}
+                             for r in runs])
 
 
 def _compare_quick_resume(got: Any, expected: Any) -> None:
@@ -912,12 +837,11 @@ def _compare_quick_resume(got: Any, expected: Any) -> None:
                     path=f"rank {rank}: parameters after resuming and training to {QUICK_TOTAL}")
 
 
-@LOOP.case(f"with step-{QUICK_FIRST:06d} half-written and mtimes that lie, a rerun to "
-           f"{QUICK_TOTAL} resumes from step-{QUICK_FIRST - EVERY:06d} and ends exactly as the "
-           "reference", compare=_compare_quick_resume,
-           expect=lambda seed: _reference_params()[QUICK_TOTAL], weight=2)
-def _(impl: Any, seed: int) -> Any:
-    return [{k: r[k] for k in ("loads", "resumed_steps", "second")} for r in _quick_run(impl, seed)]
+LOOP.case(f"with step-{QUICK_FIRST:06d} half-written and mtimes that lie, a rerun to "
+          f"{QUICK_TOTAL} resumes from step-{QUICK_FIRST - EVERY:06d} and ends exactly as the "
+          "reference", uses=QUICK_RUN, compare=_compare_quick_resume,
+          pick=lambda runs: [{k: r[k] for k in ("loads", "resumed_steps", "second")} for r in runs],
+          expect=_uninterrupted(QUICK_TOTAL), weight=2)
 
 
 # ---- under real torchrun: two kills, three attempts
@@ -994,16 +918,12 @@ def _log(work: Path, rank: int, attempt: int, watch: _Watch) -> None:
         json.dumps({"steps": watch.steps, "loads": watch.loads}))
 
 
-_TORCHRUN_CACHE: dict[tuple[int, int], tuple[Any, Any]] = {}
-
-
 def _torchrun_run(impl: Any, seed: int) -> dict[str, Any]:
+    """The loop under torchrun --max-restarts=2 with the seed's two kills: each attempt's log and
+    the final parameters of both ranks."""
     from kit.torchrun import TorchrunError, torchrun
 
-    key = (id(impl), seed)
-    if key in _TORCHRUN_CACHE and _TORCHRUN_CACHE[key][0] is impl:
-        return _TORCHRUN_CACHE[key][1]
-    _quick_run(impl, seed)  # a stub or a crash is reported from there, without torchrun
+    QUICK_RUN(impl, seed)  # a stub or a crash is reported from there, without torchrun
     plan = _kill_plan(seed)
     with tempfile.TemporaryDirectory(prefix="kit-torchrun-") as tmp:
         work = Path(tmp)
@@ -1031,9 +951,10 @@ def _torchrun_run(impl: Any, seed: int) -> dict[str, Any]:
         params = [work / f"params-rank{r}.pt" for r in range(2)]
         result["params"] = ([torch.load(p, weights_only=True) for p in params]
                             if result["error"] is None and all(p.exists() for p in params) else None)
-    _TORCHRUN_CACHE.clear()
-    _TORCHRUN_CACHE[key] = (impl, result)
     return result
+
+
+TORCHRUN_RUN = LOOP.shared(_torchrun_run)
 
 
 def _compare_torchrun_params(got: Any, expected: Any) -> None:
@@ -1049,13 +970,10 @@ def _compare_torchrun_params(got: Any, expected: Any) -> None:
                     path=f"rank {rank}: final parameters after two kills")
 
 
-@LOOP.case("under torchrun --nproc-per-node=2 --max-restarts=2: a rank SIGKILLed in the middle "
-           "of a save, then one at a secret step; the final parameters equal an uninterrupted "
-           "run's bit for bit", compare=_compare_torchrun_params,
-           expect=lambda seed: _reference_params()[RUN_TOTAL], weight=2)
-def _(impl: Any, seed: int) -> Any:
-    got = _torchrun_run(impl, seed)
-    return {"error": got["error"], "attempts": got["attempts"], "params": got["params"]}
+LOOP.case("under torchrun --nproc-per-node=2 --max-restarts=2: a rank SIGKILLed in the middle "
+          "of a save, then one at a secret step; the final parameters equal an uninterrupted "
+          "run's bit for bit", uses=TORCHRUN_RUN, compare=_compare_torchrun_params,
+          expect=_uninterrupted(RUN_TOTAL), weight=2)
 
 
 def _compare_torchrun_resumes(got: Any, expected: Any) -> None:
@@ -1081,8 +999,6 @@ def _compare_torchrun_resumes(got: Any, expected: Any) -> None:
         raise CheckFailed(got["error"])
 
 
-@LOOP.case("under torchrun: every attempt resumed from the newest complete checkpoint and "
-           "never loaded an incomplete one", compare=_compare_torchrun_resumes)
-def _(impl: Any, seed: int) -> Any:
-    got = _torchrun_run(impl, seed)
-    return {"error": got["error"], "attempts": got["attempts"]}
+LOOP.case("under torchrun: every attempt resumed from the newest complete checkpoint and "
+          "never loaded an incomplete one", uses=TORCHRUN_RUN, compare=_compare_torchrun_resumes,
+          pick=lambda run: {"error": run["error"], "attempts": run["attempts"]})

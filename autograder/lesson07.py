@@ -12,7 +12,11 @@ compile with ``fullgraph=True`` (``backend="eager"``: Dynamo's capture without I
 code generation) in one graph across lengths, and match :class:`kit.lessons.precision.GraphBreakNet`.
 
 The untrusted ``run`` halves also notice when torch's own scaler or checkpoint is called
-(the registry's ``forbidden`` gate names them for the batch grader).
+(the registry's ``forbidden`` gate names them for the batch grader). The trusted answers
+(torch's GradScaler runs, the saved-bytes count and formula, a reference checkpoint, the eager
+GraphBreakNet) live in :mod:`autograder.references.lesson07`. Two tasks state what they bound,
+measured below Python: 7.3 the bytes a checkpointed model keeps after its forward
+(:mod:`kit.meter`), 7.4 the model FLOPs its captured graph does not show (``FlopCounterMode``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autograder.registry import CheckFailed, assert_same, task
+from autograder.compare import CheckFailed, assert_same, per_rank
+from autograder.registry import task
 from kit.lessons.models import TinyTransformer, token_batch
 from kit.lessons.precision import GraphBreakNet, padded_batch
 
@@ -79,6 +84,8 @@ def _no_torch_helper(got: dict[str, Any], what: str) -> None:
 
 # --------------------------------------------------------------------------- task 7.1
 
+# bounds nothing: loss scaling keeps small fp16 gradients from flushing to zero; it saves
+# neither memory nor time (its cases compare its scales and steps with torch's GradScaler).
 SCALER = task(
     "7.1", "DynamicLossScaler", points=4,
     forbidden=("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.cpu.amp.GradScaler",
@@ -113,10 +120,6 @@ def _mlp(seed: int) -> nn.Module:
 def _batch(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 100 + step)
     return torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
-
-
-def _torch_scaler(**kwargs: Any) -> Any:
-    return torch.amp.GradScaler("cpu", **kwargs)
 
 
 def _train_scaled(make: Callable[..., Any], seed: int, *, shard: tuple[int, int] | None = None,
@@ -213,7 +216,7 @@ def _compare_scaled(got: Any, expected: dict[str, Any], where: str = "") -> None
 @SCALER.case(f"12 steps with growth_interval=3, inf gradients at steps {list(INF_STEPS)} and a NaN "
              f"at step {NAN_STEPS[0]}: the scales, skipped steps and parameters of "
              "torch.amp.GradScaler('cpu')", compare=_compare_scaled, weight=2,
-             expect=lambda seed: _train_scaled(_torch_scaler, seed))
+             expect="scaled_with_torch")
 def _(impl: Any, seed: int) -> dict[str, Any]:
     return _watched_training(impl, seed)
 
@@ -230,8 +233,7 @@ def _compare_clipped(got: Any, expected: dict[str, Any]) -> None:
 
 
 @SCALER.case("unscale_(), clip_grad_norm_ to 0.5, then step(): gradients unscaled once, as "
-             "with GradScaler", compare=_compare_clipped,
-             expect=lambda seed: _train_scaled(_torch_scaler, seed, clip=0.5))
+             "with GradScaler", compare=_compare_clipped, expect="clipped_with_torch")
 def _(impl: Any, seed: int) -> dict[str, Any]:
     return _watched_training(impl, seed, clip=0.5)
 
@@ -246,39 +248,8 @@ def _sharded_on_rank(impl: Any, seed: int) -> dict[str, Any]:
                              inf_steps=SHARD_INF_STEPS, nan_steps=())
 
 
-def _expected_sharded(seed: int) -> list[dict[str, Any]]:
-    """Trusted: GradScaler in one process over the whole model, inf where rank 2 injects it;
-    each rank must end with that run's values of the parameters it owns."""
-    names = [n for n, _ in _mlp(seed).named_parameters()]
-    full = _train_with_inf_in(_torch_scaler, seed, names[2::WORLD][-1])
-    return [{**full, "params": {n: full["params"][n] for n in names[rank::WORLD]}}
-            for rank in range(WORLD)]
-
-
-def _train_with_inf_in(make: Callable[..., Any], seed: int, name: str) -> dict[str, Any]:
-    model = _mlp(seed)
-    params = dict(model.named_parameters())
-    optimizer = torch.optim.SGD(params.values(), lr=0.05, momentum=0.9)
-    scaler = make(**SCALER_ARGS)
-    scales, stepped = [], []
-    for step in range(STEPS):
-        x, y = _batch(seed, step)
-        optimizer.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y)).backward()
-        if step in SHARD_INF_STEPS:
-            params[name].grad[0] = float("inf")
-        before = [p.detach().clone() for p in params.values()]
-        scaler.step(optimizer)
-        scaler.update()
-        scales.append(float(scaler.get_scale()))
-        stepped.append(any(not torch.equal(b, p) for b, p in zip(before, params.values())))
-    return {"scales": scales, "stepped": stepped, "default scale": float(make().get_scale()),
-            "params": {n: p.detach().clone() for n, p in params.items()}, "uses": []}
-
-
 def _compare_sharded(got: Any, expected: list[dict[str, Any]]) -> None:
-    if not isinstance(got, list) or len(got) != len(expected):
-        raise CheckFailed("expected one result per rank", expected=len(expected), got=repr(got)[:200])
+    got = per_rank(got, len(expected), "training run")
     for step in range(STEPS):
         decisions = [run["stepped"][step] for run in got]
         if len(set(decisions)) > 1:
@@ -295,20 +266,19 @@ def _compare_sharded(got: Any, expected: list[dict[str, Any]]) -> None:
         _compare_scaled(g, e, where=f"rank {rank}: ")
 
 
-@SCALER.case(f"4 ranks, each holding a quarter of the gradients; inf only in rank 2's shard at "
-             f"steps {list(SHARD_INF_STEPS)}: every rank skips and backs off",
-             compare=_compare_sharded, weight=2, expect=_expected_sharded)
-def _(impl: Any, seed: int) -> list[Any]:
-    from kit.launcher import run_ranks
-
-    return list(run_ranks(_sharded_on_rank, (impl, seed), world_size=WORLD, timeout=30.0, echo=False))
+SCALER.case(f"4 ranks, each holding a quarter of the gradients; inf only in rank 2's shard at "
+            f"steps {list(SHARD_INF_STEPS)}: every rank skips and backs off",
+            uses=SCALER.shared(_sharded_on_rank, world_size=WORLD, timeout=30.0),
+            compare=_compare_sharded, weight=2, expect="sharded_with_torch")
 
 
 # --------------------------------------------------------------------------- task 7.2
 
+# bounds nothing: saved_activation_bytes is a meter of what autograd saves; it saves nothing
+# (its cases compare its count with the reference's and with the per-layer formula).
 SAVED = task(
     "7.2", "saved_activation_bytes", points=3,
-    forbidden=("autograder.lesson07._reference_saved_bytes",),
+    forbidden=("autograder.references.lesson07.saved_activation_bytes",),
     hint="Autograd can tell you every tensor it keeps for backward as it keeps it; what costs "
          "memory is the storage behind a tensor, and several saved tensors (views, a weight and "
          "its transpose) can share one storage. Parameters are not activations.",
@@ -317,22 +287,6 @@ SAVED = task(
            "Remember each remaining tensor's storage size keyed by the storage's address, so "
            "that a storage counts once, and add up what you remembered.",
 )
-
-
-def _reference_saved_bytes(module: nn.Module, *args: Any) -> int:
-    """Trusted: bytes of the storages saved for backward that no parameter of ``module`` owns."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*args)
-    return sum(storages.values())
 
 
 class _Attention(nn.Module):
@@ -374,8 +328,7 @@ def _saved_case(name: str) -> None:
         return got if isinstance(got, int) and not isinstance(got, bool) else repr(got)[:100]
 
     def expect(seed: int) -> int:
-        module, x = _modules(seed)[name]
-        return _reference_saved_bytes(module, x)
+        return SAVED.trusted("module_saved_bytes")(seed, name)
 
     def compare(got: Any, expected: int) -> None:
         if not isinstance(got, int):
@@ -392,19 +345,8 @@ for _name in ("linear", "mlp", "attention", "layer norm", "frozen linear, input 
     _saved_case(_name)
 
 
-def block_formula_bytes(s: int, b: int, h: int, a: int, bytes_per_value: int = 4) -> int:
-    """Korthikanti et al. (2022), one transformer layer without dropout, with fused attention.
-
-    Their ``sbh(34 + 5as/h)`` bytes (16-bit, dropout) loses ``5as/h`` (no attention matrix is
-    kept: the fused kernel saves its output and a log-sum-exp instead) and ``2sbh`` (two 1-byte
-    dropout masks): 16 values per token and hidden unit. Add the small per-token terms: each
-    LayerNorm's mean and reciprocal std (fp32) and the attention's log-sum-exp per head.
-    """
-    return 16 * s * b * h * bytes_per_value + 2 * 2 * s * b * 4 + a * s * b * 4
-
-
 @SAVED.case("a TinyTransformer block (T=16, B=2, D=32, 4 heads): the per-layer formula of "
-            "Korthikanti et al. (2022)", expect=lambda seed: block_formula_bytes(T, B, D, HEADS))
+            "Korthikanti et al. (2022)", expect="block_formula")
 def _(impl: Any, seed: int) -> Any:
     torch.manual_seed(seed)
     block = TinyTransformer(vocab=8, dim=D, layers=1, heads=HEADS, context=T).blocks[0]
@@ -419,7 +361,8 @@ CHECKPOINT = task(
     forbidden=("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
                "torch.utils.checkpoint.CheckpointFunction",
                "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
-               "autograder.lesson07._ReferenceCheckpoint", "autograder.lesson07._reference_apply"),
+               "autograder.references.lesson07.Checkpoint",
+               "autograder.references.lesson07.apply_checkpointing"),
     hint="Checkpointing trades compute for memory: forward keeps only the inputs, backward "
          "recomputes the block with grad on and backpropagates through the recomputation. "
          "Dropout must draw the same mask both times, and nothing else may notice.",
@@ -482,12 +425,6 @@ def _checkpointed_grads(impl: Any, seed: int, every: int) -> dict[str, Any]:
     return {**result, "uses": list(used)}
 
 
-def _plain_grads(seed: int) -> dict[str, Any]:
-    with _one_thread():
-        model = _dropout_model(seed)
-        return {**_step_grads(model, list(model.named_parameters()), seed), "uses": []}
-
-
 def _compare_bitwise(got: Any, expected: dict[str, Any]) -> None:
     _no_torch_helper(got, "the task is a checkpoint of your own")
     for name, want in expected["grads"].items():
@@ -517,59 +454,52 @@ def _compare_bitwise(got: Any, expected: dict[str, Any]) -> None:
 for _every in (1, 2):
     CHECKPOINT.case(f"every={_every}, dropout {DROPOUT} after each block: gradients bit for bit "
                     "equal to no checkpointing, RNG left untouched", compare=_compare_bitwise,
-                    weight=1.5, expect=_plain_grads)(
+                    weight=1.5, expect="plain_grads")(
         lambda impl, seed, _every=_every: _checkpointed_grads(impl, seed, _every))
-
-
-class _ReferenceCheckpoint(torch.autograd.Function):
-    """Trusted checkpoint, used only to compute how many bytes checkpointing should save."""
-
-    @staticmethod
-    def forward(ctx: Any, fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        ctx.fn, ctx.rng = fn, torch.get_rng_state()
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return fn(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        (x,) = ctx.saved_tensors
-        x = x.detach().requires_grad_()
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            torch.set_rng_state(ctx.rng)
-            out = ctx.fn(x)
-        out.backward(grad)
-        return None, x.grad
-
-
-class _ReferenceWrapper(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ReferenceCheckpoint.apply(self.block, x)
-
-
-def _reference_apply(model: nn.Module, every: int = 1) -> nn.Module:
-    for i, block in enumerate(model.blocks):
-        if (i + 1) % every == 0:
-            model.blocks[i] = _ReferenceWrapper(block)
-    return model
 
 
 EVERY = (1, 2, 3, 4)
 
 
+def _saved_storages(module: nn.Module, x: torch.Tensor) -> list[list[int]]:
+    """What autograd saves for backward in a forward of ``module`` on ``x``: per saved tensor,
+    ``[its storage's address, the storage's bytes, 1 if a parameter owns it]`` (the trusted side
+    adds them up)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    records: list[list[int]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        records.append([s.data_ptr(), s.nbytes(), int(s.data_ptr() in params)])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return records
+
+
+def _kept_after_forward(model: nn.Module, seed: int) -> int:
+    """Bytes alive after a forward of ``model`` on the check's batch, as the meter sees them:
+    everything kept for backward (wherever it is kept) and the logits."""
+    from kit import meter
+
+    x, _ = token_batch(B, T, VOCAB, seed)
+    with meter.track() as usage:
+        out = model(x)
+        usage.mark("after forward")
+        del out
+    return usage.marks["after forward"]
+
+
 def _bytes_and_calls(impl: Any, seed: int) -> dict[str, Any]:
-    """Per ``every``: bytes saved for backward by a forward, and each block's forward calls in
-    one forward and backward."""
+    """Per ``every``: what a forward saves for backward and each block's forward calls in one
+    forward and backward; with every block checkpointed, the bytes kept after the forward."""
     x, y = token_batch(B, T, VOCAB, seed)
     saved, calls = {}, {}
     with _watch(_torch_checkpoints()) as used:
         for every in EVERY:
             model = _apply(impl, _dropout_model(seed), every)
-            saved[every] = _reference_saved_bytes(model, x)
+            saved[every] = _saved_storages(model, x)
             model = _dropout_model(seed)
             counts = [0] * LAYERS
             for i, block in enumerate(model.blocks):
@@ -578,22 +508,15 @@ def _bytes_and_calls(impl: Any, seed: int) -> dict[str, Any]:
             _apply(impl, model, every)
             F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
             calls[every] = counts
-    return {"saved": saved, "calls": calls, "uses": list(used)}
-
-
-def _expected_bytes_and_calls(seed: int) -> dict[str, Any]:
-    x, _ = token_batch(B, T, VOCAB, seed)
-    plain = _reference_saved_bytes(_dropout_model(seed), x)
-    saved = {every: _reference_saved_bytes(_reference_apply(_dropout_model(seed), every), x)
-             for every in EVERY}
-    calls = {every: [2 if (i + 1) % every == 0 else 1 for i in range(LAYERS)] for every in EVERY}
-    return {"saved": saved, "calls": calls, "uses": [], "plain": plain}
+        kept = _kept_after_forward(_apply(impl, _dropout_model(seed), 1), seed)
+    return {"saved": saved, "calls": calls, "uses": list(used), "kept after forward": kept}
 
 
 def _compare_bytes(got: Any, expected: dict[str, Any]) -> None:
     _no_torch_helper(got, "the task is a checkpoint of your own")
+    count = CHECKPOINT.trusted("saved_bytes")
     for every in EVERY:
-        g, e = got["saved"][every], expected["saved"][every]
+        g, e = count(got["saved"][every]), expected["saved"][every]
         if g != e:
             n = LAYERS // every
             raise CheckFailed(
@@ -606,11 +529,12 @@ def _compare_bytes(got: Any, expected: dict[str, Any]) -> None:
                      "with (i + 1) % every == 0.")
 
 
-@CHECKPOINT.case(f"saved bytes for every={list(EVERY)}: each checkpointed block keeps only its "
-                 "input (measured as in Task 7.2)", compare=_compare_bytes,
-                 expect=_expected_bytes_and_calls)
-def _(impl: Any, seed: int) -> dict[str, Any]:
-    return _bytes_and_calls(impl, seed)
+# One run serves the saved-bytes, forward-calls and kept-after-forward cases.
+BYTES_AND_CALLS = CHECKPOINT.shared(_bytes_and_calls)
+
+CHECKPOINT.case(f"saved bytes for every={list(EVERY)}: each checkpointed block keeps only its "
+                "input (measured as in Task 7.2)", uses=BYTES_AND_CALLS, compare=_compare_bytes,
+                expect="bytes_and_calls_expected")
 
 
 def _compare_calls(got: Any, expected: dict[str, Any]) -> None:
@@ -625,15 +549,33 @@ def _compare_calls(got: Any, expected: dict[str, Any]) -> None:
                      "block counting from 1, and recompute once per backward.")
 
 
-@CHECKPOINT.case(f"each checkpointed block's forward runs exactly twice per step, the others "
-                 f"once (every={list(EVERY)})", compare=_compare_calls,
-                 expect=_expected_bytes_and_calls)
-def _(impl: Any, seed: int) -> dict[str, Any]:
-    return _bytes_and_calls(impl, seed)
+CHECKPOINT.case(f"each checkpointed block's forward runs exactly twice per step, the others "
+                f"once (every={list(EVERY)})", uses=BYTES_AND_CALLS, compare=_compare_calls,
+                expect="bytes_and_calls_expected")
+# What checkpointing saves, seen by the meter (not by saved-tensor hooks): with every block
+# checkpointed, the model keeps 49 KB after the forward, 43% of the bound (what the trusted
+# checkpoint keeps + one block's 67 KB of activations by the formula); keeping every block's
+# activations (295 KB without checkpointing) is 2.6x the bound.
+CHECKPOINT.bound(
+    "bytes kept after the forward with every block checkpointed",
+    formula="what a checkpoint keeps (each block's input) + one block's activations",
+    lost="the blocks' activations are kept although backward recomputes them: checkpointing "
+         "saves memory only if nothing of fn but its inputs outlives the forward",
+    hint="Memory is saved only by what is freed: a block run with grad keeps its whole graph "
+         "(every saved activation) alive for as long as anything refers to its output, on ctx or "
+         "elsewhere.",
+    recipe="In forward, run fn under torch.no_grad() and keep nothing of its result but what "
+           "you return; keep only the inputs (save_for_backward) and the RNG state, and build "
+           "the graph again in backward.",
+    expect="kept_after_forward_bound", uses=BYTES_AND_CALLS,
+    pick=lambda run: {"measured": [run["kept after forward"]]})
 
 
 # --------------------------------------------------------------------------- task 7.4
 
+# bounds: the model FLOPs the captured graph does not show (FlopCounterMode, per node of
+# Dynamo's graph): a graph of the model's real operators shows them all, a forward hidden in one
+# opaque call (a custom op, an allow_in_graph function) shows none.
 READY = task(
     "7.4", "compile_ready",
     points=3,
@@ -675,46 +617,83 @@ def _forward_backward(module: Callable[..., torch.Tensor], model: nn.Module, see
     return {"batches": out}
 
 
+def _forwards(module: Callable[..., torch.Tensor], seed: int) -> None:
+    """The forwards of the checks' batches alone (what the FLOPs are counted on)."""
+    for b, t, s in BATCHES:
+        module(*padded_batch(b, t, 32, seed * 31 + s))
+
+
+def _opaque(node: torch.fx.Node) -> bool:
+    """Whether a node of Dynamo's graph hides its operators: a custom op (an op of a namespace
+    other than aten's or prims'), or a function of the student's code placed in the graph whole
+    (allow_in_graph), or a module that is not torch's."""
+    target = node.target
+    if node.op == "call_function":
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return target.namespace not in ("aten", "prims")
+        module = getattr(target, "__module__", None) or ""
+        return callable(target) and hasattr(target, "__code__") and not module.startswith(
+            ("torch", "_operator", "operator", "math"))
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        sub = owner.get_submodule(target) if owner is not None else None
+        return sub is not None and not type(sub).__module__.startswith("torch.")
+    return False
+
+
+class _ShownFlops(torch.fx.Interpreter):
+    """Runs a captured graph node by node, counting the FLOPs of the nodes that are operators
+    the compiler can see (FlopCounterMode); an opaque node runs uncounted."""
+
+    def __init__(self, gm: torch.fx.GraphModule, shown: list[int]) -> None:
+        super().__init__(gm)
+        self.shown = shown
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op not in ("call_function", "call_method", "call_module") or _opaque(n):
+            return super().run_node(n)
+        from kit import meter
+
+        with meter.count_flops() as flops:
+            out = super().run_node(n)
+        self.shown[0] += flops.total
+        return out
+
+
 def _compiled_run(compile_ready: Any, seed: int) -> dict[str, Any]:
     import torch._dynamo
 
+    from kit import meter
+
+    with meter.count_flops() as eager, contextlib.redirect_stdout(io.StringIO()):
+        _forwards(_graph_break_model(seed), seed)
     model = _graph_break_model(seed)
     ready = compile_ready(model)
     graphs: list[int] = []
+    shown = [0]
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         graphs.append(len(gm.graph.nodes))
-        return gm.forward  # run the captured graph as is: what backend="eager" does
+        return _ShownFlops(gm, shown).run  # the captured graph as is, as backend="eager" runs it
 
     torch._dynamo.reset()
     compiled = torch.compile(ready, fullgraph=True, backend=backend)
+    flops = {"eager flops": eager.total, "flops in the graph": 0}
     try:
         with contextlib.redirect_stdout(io.StringIO()):
+            _forwards(compiled, seed)  # counted: forwards only, as the eager model's
+            flops["flops in the graph"] = shown[0]
             result = _forward_backward(compiled, model, seed)
     except Exception as e:  # Dynamo's Unsupported / UserError: a graph break under fullgraph
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return {"compiled": f"{type(e).__name__}: {first[:300]}", "graphs": len(graphs)}
+        return {"compiled": f"{type(e).__name__}: {first[:300]}", "graphs": len(graphs), **flops}
     finally:
         torch._dynamo.reset()
-    return {"compiled": "yes", "graphs": len(graphs), **result}
+    return {"compiled": "yes", "graphs": len(graphs), **flops, **result}
 
 
-def _expected_eager(seed: int) -> dict[str, Any]:
-    model = _graph_break_model(seed)
-    with contextlib.redirect_stdout(io.StringIO()):
-        result = _forward_backward(model, model, seed)
-    return {"compiled": "yes", "graphs": 1, **result}
-
-
-_CACHE: dict[tuple[int, int], tuple[Any, dict[str, Any]]] = {}
-
-
-def _cached_compiled_run(impl: Any, seed: int) -> dict[str, Any]:
-    key = (id(impl), seed)
-    if key not in _CACHE or _CACHE[key][0] is not impl:
-        _CACHE.clear()
-        _CACHE[key] = (impl, _compiled_run(impl, seed))  # keep impl alive: its id stays unique
-    return _CACHE[key][1]
+# One compile serves the task's cases.
+COMPILED = READY.shared(_compiled_run)
 
 
 def _compare_graph(got: Any, expected: dict[str, Any]) -> None:
@@ -731,10 +710,9 @@ def _compare_graph(got: Any, expected: dict[str, Any]) -> None:
                                "lengths) fails for the next batch; keep lengths a tensor.")
 
 
-@READY.case("torch.compile(fullgraph=True, backend='eager') captures it in one graph, reused "
-            "for 3 batches of different lengths", compare=_compare_graph, expect=_expected_eager)
-def _(impl: Any, seed: int) -> dict[str, Any]:
-    return _cached_compiled_run(impl, seed)
+READY.case("torch.compile(fullgraph=True, backend='eager') captures it in one graph, reused "
+           "for 3 batches of different lengths", uses=COMPILED, compare=_compare_graph,
+           expect="eager_run")
 
 
 def _compare_values(got: Any, expected: dict[str, Any]) -> None:
@@ -744,7 +722,21 @@ def _compare_values(got: Any, expected: dict[str, Any]) -> None:
         assert_same(g["grads"], e["grads"], rtol=1e-4, atol=1e-5, path=f"batch {i}: gradients")
 
 
-@READY.case("compiled outputs and gradients equal GraphBreakNet's in eager mode (pooled norm "
-            "below and above max_norm)", compare=_compare_values, weight=2, expect=_expected_eager)
-def _(impl: Any, seed: int) -> dict[str, Any]:
-    return _cached_compiled_run(impl, seed)
+READY.case("compiled outputs and gradients equal GraphBreakNet's in eager mode (pooled norm "
+           "below and above max_norm)", uses=COMPILED, compare=_compare_values, weight=2,
+           expect="eager_run")
+# A graph of the model's own operators shows all its FLOPs (0 hidden); one opaque call shows
+# none (all 44,160 of the eager forwards hidden: 100x the bound of 1%).
+READY.bound(
+    "model FLOPs the captured graph does not show", unit="FLOPs",
+    formula="1% of the eager model's FLOPs",
+    lost="the graph holds too few of the model's operators to optimize: a forward hidden in "
+         "an opaque call (a custom op, an allow_in_graph function), or one that does not "
+         "compile at all, gives the compiler nothing to fuse or reorder",
+    hint="torch.compile optimizes only what it can see: a forward hidden in one opaque call "
+         "compiles without a graph break, yet the graph holds none of the model's operators.",
+    recipe="Write the forward as the model's own operations on tensors (the embedding, the linear "
+           "layers, tanh, the masked mean, torch.where), so that Dynamo traces each into the "
+           "graph; wrap nothing in a custom op or allow_in_graph.",
+    expect="hidden_flops_bound", uses=COMPILED,
+    pick=lambda run: {"measured": [run["eager flops"] - run["flops in the graph"]]})

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autograder.lesson07 import _reference_saved_bytes
+from autograder.references.lesson07 import saved_activation_bytes as _reference_saved_bytes
 from kit.lessons.models import TinyTransformer, token_batch
 
 try:

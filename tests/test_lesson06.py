@@ -22,12 +22,14 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autograder.checking import run_checks
 from autograder.lesson06 import RUN_TOTAL, _kill_plan
 from autograder.loading import load_tasks
-from autograder.registry import lesson_tasks
+from autograder.registry import get_task, lesson_tasks
 from kit.launcher import run_ranks
 from kit.lessons.resume import ResumableSampler, make_model, make_optimizer, token_dataset
 
+LESSON = 6
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "06_checkpointing.py"
 
@@ -72,6 +74,26 @@ def test_hand_made_shards_round_trip_any_split_onto_any_other(solution, tmp_path
         got = solution.load_shards(folder, "t", offset, n)
         assert got.dtype == torch.float64 and torch.equal(got, tensor[offset:offset + n])
         offset += n
+
+
+def test_a_save_that_writes_other_ranks_pieces_fails_only_the_write_bound(bugs):
+    # Right values, right files opened, right bytes read: only the kernel's count of the bytes
+    # rank 0 writes shows that it wrote every rank's piece.
+    task = get_task("6.1")
+    (bound,) = task.bounds
+    report = run_checks("6.1", dict(bugs["6.1"])["rank 0 gathers every piece and writes them all"])
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name for c in failed] == [f"{bound.what} is within {bound.formula}"], report.to_text()
+    assert failed[0].status == "failed"
+    assert "rank 0 holds" in failed[0].message and "x the bound" in failed[0].message
+    assert "a rank writes other ranks' pieces" in failed[0].message
+    assert report.score == pytest.approx(task.points - failed[0].max_points)
+
+
+def test_lesson06_states_what_each_task_bounds():
+    bounds = {t.id: [b.what for b in t.bounds] for t in lesson_tasks(6)}
+    # 6.2 and 6.3 bound nothing (an exact resume is about what is saved; see autograder/lesson06.py)
+    assert bounds == {"6.1": ["bytes a rank writes beyond its own pieces"], "6.2": [], "6.3": []}
 
 
 # --------------------------------------------------------------------------- what the lesson says about DCP

@@ -22,19 +22,17 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from autograder.lesson07 import (
-    SCALER_ARGS,
-    _dropout_model,
-    _reference_saved_bytes,
-    _torch_scaler,
-    _train_scaled,
-    block_formula_bytes,
-)
+from autograder.checking import run_checks
+from autograder.lesson07 import SCALER_ARGS, _dropout_model, _train_scaled
 from autograder.loading import load_tasks
-from autograder.registry import lesson_tasks
+from autograder.references.lesson07 import block_formula_bytes
+from autograder.references.lesson07 import saved_activation_bytes as _reference_saved_bytes
+from autograder.references.lesson07 import torch_scaler as _torch_scaler
+from autograder.registry import get_task, lesson_tasks
 from kit.lessons.models import TinyTransformer, token_batch
 from kit.lessons.precision import GraphBreakNet, format_table, padded_batch
 
+LESSON = 7
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "solutions" / "07_memory_speed.py"
 
@@ -188,6 +186,43 @@ def test_compile_ready_matches_eager_with_inductor_too(solution):
     got = torch.compile(solution.compile_ready(model), fullgraph=True)(tokens, lengths)
     torch._dynamo.reset()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the bounds, measured
+
+# A seeded bug with right values that loses the technique's saving: (task, bug) -> what its failing
+# bound bounds, words of the saving its message names, and the other resource cases it may fail
+# (7.3's saved-tensor count sees the kept activations too).
+RESOURCE_BUGS = {
+    ("7.3", "forward runs fn with grad and keeps its output on ctx: every activation stays alive"):
+        ("bytes kept after the forward with every block checkpointed",
+         "activations are kept although backward recomputes them", ["saved bytes for every="]),
+    ("7.4", "hides the eager forward in one custom op"):
+        ("model FLOPs the captured graph does not show", "an opaque call", []),
+}
+
+
+@pytest.mark.parametrize(("task_id", "bug"), list(RESOURCE_BUGS), ids=[b for _, b in RESOURCE_BUGS])
+def test_a_bug_that_loses_the_saving_fails_its_bound_and_passes_every_value_case(bugs, task_id, bug):
+    task = get_task(task_id)
+    what, lost, other_resource_cases = RESOURCE_BUGS[(task_id, bug)]
+    (bound,) = [b for b in task.bounds if b.what == what]
+    report = run_checks(task_id, dict(bugs[task_id])[bug])
+    by_name = {c.name: c for c in report.cases}
+    bound_case = by_name[f"{bound.what} is within {bound.formula}"]
+    assert bound_case.status == "failed" and lost in bound_case.message, bound_case.message
+    assert "x the bound" in bound_case.message
+    resource = {bound_case.name} | {n for n in by_name if n.startswith(tuple(other_resource_cases))}
+    for name, case in by_name.items():  # every value case passes
+        assert name in resource or case.status == "passed", (name, case.message)
+    assert report.score <= sum(c.max_points for n, c in by_name.items() if n not in resource) + 1e-9
+
+
+def test_lesson07_states_what_each_task_bounds():
+    bounds = {t.id: [(b.what, b.unit) for b in t.bounds] for t in lesson_tasks(7)}
+    assert bounds == {"7.1": [], "7.2": [],  # a loss scaler and a meter bound nothing
+                      "7.3": [("bytes kept after the forward with every block checkpointed", "bytes")],
+                      "7.4": [("model FLOPs the captured graph does not show", "FLOPs")]}
 
 
 # --------------------------------------------------------------------------- the lesson

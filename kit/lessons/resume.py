@@ -15,12 +15,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch._dynamo  # noqa: F401 - DDP imports it on first use: once here, not in every forked rank
 import torch.distributed as dist
-import torch.distributed.checkpoint  # noqa: F401 - likewise for DCP, FSDP2 and DTensor
-import torch.distributed.checkpoint.state_dict  # noqa: F401
-import torch.distributed.fsdp  # noqa: F401
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
@@ -57,8 +55,6 @@ def make_model(dim: int = 32, layers: int = 2) -> DropoutTransformer:
 
 def shard_model(model: TinyTransformer) -> TinyTransformer:
     """FSDP2: each block is one all-gather unit, the root holds the embeddings and the head."""
-    from torch.distributed.fsdp import fully_shard
-
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -156,7 +152,5 @@ def train_step(state: Any) -> float:
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's full, unsharded state dict on every rank (DDP, FSDP2 or a plain module)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in full.items()}

@@ -28,6 +28,7 @@ from autograder.loading import load_tasks
 
 _lesson = load_tasks(Path(__file__).resolve().parents[2] / "solutions" / "06_checkpointing.py")
 save_shards = _lesson.save_shards  # the correct saver, for the loader bugs
+load_shards = _lesson.load_shards  # the correct loader, for the saver bugs
 TrainingState = _lesson.TrainingState
 make_model, make_optimizer, make_sampler = _lesson.make_model, _lesson.make_optimizer, _lesson.make_sampler
 shard_model, train_step, seed_everything = _lesson.shard_model, _lesson.train_step, _lesson.seed_everything
@@ -78,6 +79,24 @@ def _load_offsets_inside(ckpt_dir, name, offset, numel):
         if lo < hi:
             out[lo - offset:hi - offset] = p["data"][lo - p["offset"]:hi - p["offset"]]
     return out
+
+
+def _save_everything_on_rank_0(ckpt_dir, name, local, offset, global_numel):
+    """Rank 0 gathers every piece and writes them all, in the correct loader's layout."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    folder = Path(ckpt_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    pieces = [None] * world_size if rank == 0 else None
+    dist.gather_object((int(offset), local.detach().clone()), pieces, dst=0)
+    if rank == 0:
+        meta = {"global_numel": int(global_numel), "dtype": str(local.dtype).removeprefix("torch."),
+                "pieces": []}
+        for r, (o, piece) in enumerate(pieces):
+            torch.save(piece.contiguous(), folder / f"{name}.piece{r}.pt")
+            meta["pieces"].append({"file": f"{name}.piece{r}.pt", "offset": o, "numel": piece.numel()})
+        meta["pieces"].sort(key=lambda p: p["offset"])
+        (folder / f"{name}.metadata.json").write_text(json.dumps(meta))
+    dist.barrier()
 
 
 def _save_with_dcp(ckpt_dir, name, local, offset, global_numel):
@@ -312,6 +331,8 @@ BUGS = {
         ("offsets kept inside the piece files: every load opens every file",
          _pair(_save_offsets_inside, _load_offsets_inside)),
         ("wraps dcp.save/dcp.load and loads every piece", _pair(_save_with_dcp, _load_with_dcp)),
+        ("rank 0 gathers every piece and writes them all",
+         _pair(_save_everything_on_rank_0, load_shards)),
     ],
     "6.2": [
         ("the RNG states are not saved", StateWithoutRng),

@@ -150,7 +150,7 @@ def saved_bytes_of_views(fn, *args):
 
 
 def _checkpointing(*, restore_rng=True, fork=True, detach=True, grad_inputs=True, no_grad=True,
-                   first=False, torch_checkpoint=False):
+                   first=False, torch_checkpoint=False, keep_graph=False):
     """An apply_checkpointing whose checkpoint has one of its steps changed."""
 
     class Checkpoint(torch.autograd.Function):
@@ -162,7 +162,10 @@ def _checkpointing(*, restore_rng=True, fork=True, detach=True, grad_inputs=True
                 with torch.no_grad():
                     return fn(x)
             with torch.enable_grad():
-                return fn(x).detach()
+                out = fn(x)
+            if keep_graph:
+                ctx.out = out  # "in case backward needs it": the block's whole graph stays alive
+            return out.detach()
 
         @staticmethod
         def backward(ctx, grad):
@@ -262,6 +265,58 @@ class ReadyAlwaysClips(_Ready):
         return pooled * (self.model.max_norm / pooled.norm())
 
 
+_HIDDEN = {}  # the model the opaque op runs: one per process is enough for the checks
+
+
+@torch.library.custom_op("kitbugs::graph_break_net", mutates_args=())
+def _graph_break_net(tokens: torch.Tensor, lengths: torch.Tensor, embed: torch.Tensor,
+                     mix_w: torch.Tensor, mix_b: torch.Tensor, head_w: torch.Tensor,
+                     head_b: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return _eager(tokens, lengths, embed, mix_w, mix_b, head_w, head_b).clone()
+
+
+def _eager(tokens, lengths, *weights):
+    from torch.func import functional_call
+
+    names = ("embed.weight", "mix.weight", "mix.bias", "head.weight", "head.bias")
+    return functional_call(_HIDDEN["model"], dict(zip(names, weights)), (tokens, lengths))
+
+
+@_graph_break_net.register_fake
+def _(tokens, lengths, embed, mix_w, mix_b, head_w, head_b):
+    return embed.new_empty((tokens.shape[0], head_w.shape[0]))
+
+
+def _keep_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _recompute(ctx, grad):
+    tokens, lengths, *weights = ctx.saved_tensors
+    weights = [w.detach().requires_grad_() for w in weights]
+    with torch.enable_grad():
+        out = _eager(tokens, lengths, *weights)
+    return (None, None, *torch.autograd.grad(out, weights, grad))
+
+
+_graph_break_net.register_autograd(_recompute, setup_context=_keep_inputs)
+
+
+class ReadyHidesItInACustomOp(nn.Module):
+    """The eager forward, graph breaks and all, inside one custom op: one graph, right values."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        _HIDDEN["model"] = model
+
+    def forward(self, tokens, lengths):
+        m = self.model
+        return _graph_break_net(tokens, lengths, m.embed.weight, m.mix.weight, m.mix.bias,
+                                m.head.weight, m.head.bias)
+
+
 class ReadyCopiesTheModel(_Ready):
     def __init__(self, model):
         import copy
@@ -291,6 +346,8 @@ BUGS = {
          _checkpointing(grad_inputs=False)),
         ("inputs not detached: recomputes on the originals", _checkpointing(detach=False)),
         ("forward runs fn with grad: activations are saved", _checkpointing(no_grad=False)),
+        ("forward runs fn with grad and keeps its output on ctx: every activation stays alive",
+         _checkpointing(no_grad=False, keep_graph=True)),
         ("checkpoints blocks 0, k, 2k, ... instead of the k-th, 2k-th, ...", _checkpointing(first=True)),
         ("wraps torch.utils.checkpoint (reentrant)", _checkpointing(torch_checkpoint=True)),
     ],
@@ -302,5 +359,6 @@ BUGS = {
         ("always rescales to max_norm", ReadyAlwaysClips),
         ("copies the model: its parameters get no gradient", ReadyCopiesTheModel),
         ("returns the model unchanged", lambda model: model),
+        ("hides the eager forward in one custom op", ReadyHidesItInACustomOp),
     ],
 }
