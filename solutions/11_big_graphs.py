@@ -101,7 +101,8 @@ for name, d in (("AmazonProducts", AMAZON_PRODUCTS), ("ogbn-products", OGBN_PROD
           + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in sizes.items()))
 
 # %% [markdown]
-# Tens of GiB, and that is one forward pass; backward doubles it. The real loaders are in
+# Gigabytes of node activations and, on `AmazonProducts`, hundreds of GiB of per-edge messages,
+# for one forward pass; backward keeps them all. The real loaders are in
 # `kit.lessons.graphs` (`amazon_products(root)`, `ogbn_products(root)`), but nothing in this
 # course downloads data, so they only read files you fetched yourself:
 
@@ -303,8 +304,8 @@ print({f: c for f, c in touched.items()}, "full:", full)
 # ## 3. Data-parallel training on sampled mini-batches
 #
 # With sampling, each batch is small, so the standard distributed recipe is **data
-# parallelism**: every rank holds the whole graph (here a few MB; for `AmazonProducts` tens of
-# GB of features in host memory, shared between the ranks of a machine), takes its share of
+# parallelism**: every rank holds the whole graph (here a few MB; for `AmazonProducts` 1.2 GiB
+# of features and 4 GiB of int64 edge indices, in host memory), takes its share of
 # the training seeds, samples its own batches and trains a DDP replica. As in Lesson 03, every
 # rank must take the **same number of steps**, or DDP's all-reduces fall out of step: each
 # epoch all ranks draw the same permutation of the seeds, pad it to a multiple of
@@ -745,24 +746,29 @@ plt.show()
 # ## Running at scale
 #
 # > **Sampling on GPUs.** With `pyg-lib` installed (`pip install pyg-lib -f
-# > https://data.pyg.org/whl/torch-2.13.0+cu126.html`, the index for your torch and CUDA),
+# > https://data.pyg.org/whl/torch-${TORCH}+${CUDA}.html`, the index of your torch and CUDA
+# > build; `kit doctor` prints the one for this machine),
 # > `NeighborLoader` samples in C++, and the loop of section 3 runs unchanged under
 # > `torchrun --standalone --nproc_per_node=8 train_sage.py`: `dist.init_process_group("nccl")`,
 # > `torch.cuda.set_device(local_rank)`, `DDP(model.cuda(), device_ids=[local_rank])`, and
 # > `batch = batch.to(local_rank, non_blocking=True)` before the forward. Sampling stays on the
 # > CPU, in loader workers (`num_workers=4, persistent_workers=True`), while the GPU trains.
-# > PyG's `examples/multi_gpu/distributed_sampling.py` is this recipe on `Reddit`.
+# > PyG's `examples/multi_gpu/distributed_sampling.py` is this recipe on `Reddit` (started
+# > with `mp.spawn`; equal steps on every rank come from equal seed shares and `drop_last=True`).
 # >
 # > ```python
-# > loader = NeighborLoader(data, num_neighbors=[15, 10], input_nodes=train_idx.split(
-# >     train_idx.size(0) // world_size)[rank], batch_size=1024, shuffle=True, num_workers=4)
+# > share = train_idx.size(0) // world_size  # the same number of seeds on every rank
+# > loader = NeighborLoader(data, num_neighbors=[15, 10], batch_size=1024, shuffle=True,
+# >                         input_nodes=train_idx[rank * share:(rank + 1) * share],
+# >                         drop_last=True, num_workers=4, persistent_workers=True)
 # > for batch in loader:
 # >     batch = batch.to(local_rank)
 # >     out = model(batch.x, batch.edge_index)[:batch.batch_size]
 # > ```
 # >
 # > **Graphs partitioned over machines.** `torch_geometric.distributed` keeps one METIS part per
-# > machine (`Partitioner` writes them), serves remote features and neighbours over RPC
+# > machine (`Partitioner` writes them, through `ClusterData`, which needs `torch-sparse` or
+# > `pyg-lib` for METIS), serves remote features and neighbours over RPC
 # > (`LocalFeatureStore`, `LocalGraphStore`, `DistNeighborLoader`), and trains with DDP on
 # > top: sampling that crosses machines instead of a halo per layer. The halo exchange you
 # > wrote is the other design, used for full-graph training (DistGNN, BNS-GCN, PipeGCN):

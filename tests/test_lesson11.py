@@ -59,6 +59,13 @@ def test_lesson11_registers_tasks_11_1_to_11_3_with_their_points():
                      "11.3": ("HaloGCNConv", 5.0)}
 
 
+@pytest.mark.parametrize(("task_id", "name"), [(t.id, n) for t in lesson_tasks(11) for n in t.forbidden])
+def test_every_forbidden_name_of_lesson11_resolves(task_id, name):
+    from autograder import gates
+
+    assert gates.resolve(name, load=True) is not None, f"task {task_id} forbids {name!r}: nothing"
+
+
 # --------------------------------------------------------------------------- 11.1
 
 

@@ -246,6 +246,26 @@ def gathers_every_rank_edges(part, edge_index, rank):
                     [needs(s, rank) for s in range(world_size)])
 
 
+def sends_edges_through_all_to_all(part, edge_index, rank):
+    """A gather in disguise: two all_to_all_single calls, but the second carries this rank's
+    whole edge list to every rank, and each rank reads the plan off the union."""
+    world_size = dist.get_world_size()
+    counts = torch.full((world_size,), edge_index.numel())
+    theirs = torch.empty_like(counts)
+    dist.all_to_all_single(theirs, counts)
+    everyone = torch.empty(int(theirs.sum()), dtype=torch.long)
+    dist.all_to_all_single(everyone, edge_index.reshape(-1).repeat(world_size), theirs.tolist(),
+                           counts.tolist())
+    full = torch.cat([block.view(2, -1) for block in everyone.split(theirs.tolist())], 1)
+
+    def needs(r, s):
+        into = (part[full[1]] == r) & (part[full[0]] == s)
+        return torch.unique(full[0][into]) if r != s else full[0][:0]
+
+    return HaloPlan([needs(rank, s) for s in range(world_size)],
+                    [needs(s, rank) for s in range(world_size)])
+
+
 def ids_in_edge_order(part, edge_index, rank):
     """Distinct remote sources in the order the edges list them, not sorted."""
     world_size = dist.get_world_size()
@@ -429,6 +449,28 @@ class EveryRowToEveryRank(_Conv):
         return rows[where, :-2], rows[where, -2].detach()
 
 
+class PointToPoint(_Conv):
+    """The halo exchanged with isend/irecv per peer instead of all_to_all_single (no backward
+    exchange either: the received rows are leaves)."""
+
+    def halo(self, h, dinv, plan, own, local_graph):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        payload = torch.cat([h, dinv[:, None]], 1).detach()
+        works, inbox = [], []
+        for s in range(world_size):
+            if s == rank:
+                continue
+            rows = payload[torch.searchsorted(own, plan.send[s])]
+            works.append(dist.isend(rows.contiguous(), s))
+            box = payload.new_empty(len(plan.recv[s]), payload.shape[1])
+            works.append(dist.irecv(box, s))
+            inbox.append(box)
+        for w in works:
+            w.wait()
+        received = torch.cat(inbox) if inbox else payload[:0]
+        return received[:, :-1], received[:, -1]
+
+
 class LocalGCNConv(nn.Module):
     """Exchanges the halo inputs, then runs PyG's GCNConv on the local subgraph."""
 
@@ -472,6 +514,8 @@ BUGS = {
         ("infers send from its own edges, asks nothing", infers_send_from_own_edges),
         ("all_gather_object of every rank's edges", gathers_every_rank_edges),
         ("ids in edge order, not sorted", ids_in_edge_order),
+        ("every rank's edges sent to every rank through all_to_all_single",
+         sends_edges_through_all_to_all),
     ],
     "11.3": [
         ("degrees computed on the local part only", LocalDegrees),
@@ -483,5 +527,6 @@ BUGS = {
         ("bias forgotten", NoBias),
         ("all_to_all_single of every row to every rank", EveryRowToEveryRank),
         ("PyG's GCNConv on the local subgraph", LocalGCNConv),
+        ("the halo exchanged with isend/irecv", PointToPoint),
     ],
 }
