@@ -336,3 +336,17 @@ def test_lesson11_runs_headless_with_its_solutions_and_shows_what_it_claims():
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)
+
+
+@pytest.mark.slow
+def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
+    import kit.launcher
+    from autograder.registry import fresh_runs, get_task
+
+    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
+    fresh_runs()
+    for task_id in ("11.2", "11.3"):
+        task = get_task(task_id)
+        case = task.cases[-1]
+        case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
+    fresh_runs()
