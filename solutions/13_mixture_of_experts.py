@@ -83,8 +83,9 @@ from kit.trace import launch_traced, plot_timeline, region, trace
 # ($c = 1$: exactly the average load). Slots are handed out first come, first served, and a
 # choice that finds its expert full is **dropped**: it contributes nothing, and the block's
 # residual connection carries the token on unchanged. Who comes first matters: the rule here
-# (Switch's and GShard's) gives every token's *first* choice, in token order, before any
-# token's second choice, so a token loses its second choice before another loses its first.
+# (GShard's, [Lepikhin et al., 2020](https://arxiv.org/abs/2006.16668)) gives every token's
+# *first* choice, in token order, before any token's second choice, so a token loses its
+# second choice before another loses its first.
 #
 # **Ties.** Two experts with exactly equal probabilities (zero logits at initialisation,
 # rounded low-precision logits) must be ordered the same way on every rank and every machine,
@@ -359,8 +360,9 @@ for run, name in zip(runs, ("without aux loss", "with aux loss   ")):
 # is dropped. (With unlimited capacity the collapsed router would fit this easy map about as
 # well; the damage is the dropped tokens and the idle experts.) The coefficient matters: Switch uses
 # 0.01 on a language-model loss of a few nats; this toy's loss is smaller, so it needs more.
-# Newer models add other tools on top (router z-loss, DeepSeek-V3's bias-based balancing
-# without an auxiliary loss), but the diagnosis is the same: watch $f$.
+# Newer models add other tools (ST-MoE's router z-loss; DeepSeek-V3 steers the routing with a
+# per-expert bias and keeps only a tiny auxiliary loss), but the diagnosis is the same: watch
+# $f$.
 #
 # ## 4. Expert parallelism
 #
@@ -537,7 +539,9 @@ image = ax.imshow(traffic, cmap="Blues")
 for i in range(4):
     for j in range(4):
         ax.text(j, i, int(traffic[i, j]), ha="center", va="center", fontsize="small")
-ax.set_xlabel("to rank (holds experts 2j, 2j+1)")
+ax.set_xticks(range(4))
+ax.set_yticks(range(4))
+ax.set_xlabel("to rank j (holds experts 2j, 2j+1)")
 ax.set_ylabel("from rank")
 ax.set_title("Kept rows sent, rank to rank")
 fig.colorbar(image, ax=ax)
@@ -545,8 +549,9 @@ plt.show()
 
 # %% [markdown]
 # The diagonal is a rank's tokens for its own experts: they never leave the rank, but the
-# recorder counts them, as part of the buffer each rank hands to the collective. Column 1 (experts 2 and 3) is the busiest: the tokens lean to
-# expert 2.
+# recorder counts them, as part of the buffer each rank hands to the collective. No two
+# entries need be equal: the router decides the traffic, and the capacity caps what any
+# expert takes from each rank (expert 2, the one these tokens lean to, is full on every rank).
 #
 # ### Bytes and time against top-k
 #
@@ -715,8 +720,10 @@ for ax, skew in zip(axes, loads):
     i = factors.index(1.25)
     hist = {key: total(loads[skew], i, key) for key in ("kept", "dropped")}
     plot_token_histogram(hist, ax=ax, ranks=4, capacity=4 * capacity(2, 1024, 1.25, 8),
-                         title=f"{'balanced' if skew == 0 else 'skewed'} tokens, c = 1.25, "
-                               "4 ranks (colour: the rank)")
+                         title=f"{'balanced' if skew == 0 else 'skewed'} tokens, c = 1.25")
+fig.suptitle("Choices per expert over 4 ranks (colour: the rank holding the expert; the line: "
+             "its 4 ranks' slots)", fontsize="medium")
+fig.tight_layout()
 plt.show()
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3))
