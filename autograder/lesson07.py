@@ -496,7 +496,9 @@ def _bytes_and_calls(impl: Any, seed: int) -> dict[str, Any]:
     forward and backward; with every block checkpointed, the bytes kept after the forward."""
     x, y = token_batch(B, T, VOCAB, seed)
     saved, calls = {}, {}
-    with _watch(_torch_checkpoints()) as used:
+    # One intra-op thread: nothing here depends on the summation order, and on a loaded 2-core
+    # machine a thread pool's barriers make these small ops many times slower.
+    with _one_thread(), _watch(_torch_checkpoints()) as used:
         for every in EVERY:
             model = _apply(impl, _dropout_model(seed), every)
             saved[every] = _saved_storages(model, x)
