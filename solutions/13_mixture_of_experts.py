@@ -788,7 +788,10 @@ for skew in loads:
 # >   (`torchtitan/distributed/expert_parallel.py`) does what you wrote: one `all_to_all_single`
 # >   of `num_tokens_per_expert`, then `all_to_all_single_autograd` (from
 # >   `torch.distributed._functional_collectives`) for the dispatch and the combine, with the
-# >   splits swapped.
+# >   splits swapped. It is a `ParallelStyle`, so a model's plan applies it to the experts
+# >   module with `parallelize_module`, as Lesson 08's tensor-parallel plans apply
+# >   `ColwiseParallel`; it shards the experts' stacked weights along the expert dimension
+# >   (`Shard(0)` on the `ep` mesh).
 # > - **Grouped GEMMs.** A loop over experts launches two small matrix multiplications per
 # >   expert. `torch.nn.functional.grouped_mm` (torch's `_grouped_mm`, which torchtitan's
 # >   `GroupedExperts` calls) runs every expert of a rank in one kernel, from the rows sorted by
