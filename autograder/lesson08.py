@@ -30,17 +30,26 @@ TIMEOUT = 30.0  # seconds per launch with forked ranks (spawned ones re-import t
 PIPE_TIMEOUT = 15.0  # a pipeline launch: a deadlocked order ends here
 
 # What the tasks re-implement (autograder.gates scores a use 0): DTensor's tensor parallelism
-# for 8.1 and 8.2, torch's pipeline schedules for 8.3 and 8.4.
+# for 8.1 and 8.2 (all of torch.distributed.tensor and its old name, torch.distributed._tensor),
+# and the collectives with a backward that are its f and g (torch.distributed.nn.functional,
+# the functional collectives' autograd versions); torch's pipeline schedules for 8.3 and 8.4 (all
+# of torch.distributed.pipelining: its schedule internals, _Action, _format_pipeline_order,
+# get_schedule_class and the private helpers that build each rank's order).
 DTENSOR = ("torch.distributed.tensor.DTensor", "torch.distributed.tensor.distribute_tensor",
            "torch.distributed.tensor.distribute_module",
            "torch.distributed.tensor.parallel.parallelize_module",
            "torch.distributed.tensor.parallel.ColwiseParallel",
            "torch.distributed.tensor.parallel.RowwiseParallel",
-           "torch.distributed.tensor.parallel.SequenceParallel")
+           "torch.distributed.tensor.parallel.SequenceParallel",
+           "torch.distributed.tensor", "torch.distributed._tensor", "torch.distributed.nn.functional",
+           "torch.distributed._functional_collectives.all_gather_tensor_autograd",
+           "torch.distributed._functional_collectives.reduce_scatter_tensor_autograd",
+           "torch.distributed._functional_collectives.all_to_all_single_autograd")
 PIPELINING = ("torch.distributed.pipelining.pipeline", "torch.distributed.pipelining.PipelineStage",
               "torch.distributed.pipelining.ScheduleGPipe",
               "torch.distributed.pipelining.Schedule1F1B",
-              "torch.distributed.pipelining.ScheduleInterleaved1F1B")
+              "torch.distributed.pipelining.ScheduleInterleaved1F1B",
+              "torch.distributed.pipelining")
 # Imported once before the ranks fork (Task.preload): ``tensor.backward(grad)`` imports sympy
 # through torch.fx's symbolic shapes the first time it runs (1-4 s per process), the meter's
 # FLOP counter (FlopCounterMode) imports torch._dynamo on first use (~2 s per process), and the
@@ -71,9 +80,8 @@ def _collectives(events: list[Any]) -> list[list[Any]]:
     return [[e.op, int(e.nbytes)] for e in events if e.kind == "collective"]
 
 
-def _close(got: Any, want: torch.Tensor) -> str | None:
-    """None if ``got`` equals ``want`` up to float32 rounding; else what is wrong."""
-    return tensor_mismatch(got, want, rtol=1e-4, atol=1e-5)
+# None if a result equals the expected tensor up to float32 rounding; else what is wrong.
+_mismatch = partial(tensor_mismatch, rtol=1e-4, atol=1e-5)
 
 
 def _compare_tensors(got: Any, expected: dict[str, Any], hints: dict[str, str] | None = None,
@@ -88,7 +96,7 @@ def _compare_tensors(got: Any, expected: dict[str, Any], hints: dict[str, str] |
             have = got[setting][rank]
             for name, tensor in want.items():
                 value = have.get(name) if isinstance(have, dict) else have
-                problem = _close(value, tensor)
+                problem = _mismatch(value, tensor)
                 if problem is not None:
                     raise CheckFailed(f"{setting}, rank {rank}: {name} {problem}",
                                       expected=short(tensor), got=short(value),
@@ -498,7 +506,7 @@ def _compare_sp_values(got: Any, expected: dict[str, Any]) -> None:
         for key in ("outputs", "input grads"):
             for step, want in enumerate(e[key]):
                 have = g[key][step] if step < len(g.get(key, [])) else None
-                problem = _close(have, want)
+                problem = _mismatch(have, want)
                 if problem is not None:
                     what = "output shard" if key == "outputs" else "input shard's gradient"
                     raise CheckFailed(f"rank {rank}, pass {step + 1}: the {what} {problem}",
@@ -506,7 +514,7 @@ def _compare_sp_values(got: Any, expected: dict[str, Any]) -> None:
                                       hint=SP_HINTS[key.split(" ")[0].rstrip("s")],
                                       recipe=SP_RECIPES[key.split(" ")[0].rstrip("s")])
         for name, want in e["grads"].items():
-            problem = _close(g["grads"].get(name), want)
+            problem = _mismatch(g["grads"].get(name), want)
             if problem is not None:
                 raise CheckFailed(f"rank {rank}: {name}.grad after {SP_PASSES} backward passes "
                                   f"{problem}", expected=short(want),
@@ -662,7 +670,7 @@ def _compare_pipe_grads(got: Any, expected: dict[str, Any]) -> None:
     for rank, g in enumerate(per_rank(got, p)):
         for k, want in enumerate(expected["grads"][rank]):
             have = g["grads"][k] if k < len(g["grads"]) else None
-            problem = _close(have, want)
+            problem = _mismatch(have, want)
             if problem is not None:
                 name = ("weight", "bias")[k] if k < 2 else f"parameter {k}"
                 raise CheckFailed(
@@ -685,7 +693,7 @@ def _compare_pipe_loss(got: Any, expected: dict[str, Any]) -> None:
                 raise CheckFailed(f"stage {rank}: gpipe returned {have!r}; only the last stage "
                                   "returns the loss", expected=None, got=have)
             continue
-        problem = _close(have, expected["loss"])
+        problem = _mismatch(have, expected["loss"])
         if problem is not None or have.dim() != 0:
             raise CheckFailed(f"last stage: the returned loss {problem or 'is not a 0-d tensor'}",
                               expected=short(expected["loss"]), got=short(have),
