@@ -118,10 +118,11 @@ def per_rank(got: Any, world_size: int, what: str = "result") -> list[Any]:
     return list(got)
 
 
-def within_bound(measured: Sequence[float] | Mapping[int, float], bound: float, *, what: str,
-                 formula: str, lost: str, unit: str = "bytes", hint: str = "",
-                 recipe: str = "") -> None:
-    """Fail unless every rank's ``measured`` ``what`` is at most ``bound``.
+def within_bound(measured: Sequence[float] | Mapping[int, float],
+                 bound: float | Sequence[float], *, what: str, formula: str, lost: str,
+                 unit: str = "bytes", hint: str = "", recipe: str = "") -> None:
+    """Fail unless every rank's ``measured`` ``what`` is at most ``bound`` (one number for all
+    ranks, or one per rank where their shares differ: uneven partitions).
 
     The message names the saving that was lost and by how much, e.g. "optimizer state per rank:
     rank 1 holds 3.0x the ZeRO-1 bound (12,288 > 4,096 bytes = total / W + largest parameter):
@@ -133,18 +134,23 @@ def within_bound(measured: Sequence[float] | Mapping[int, float], bound: float, 
         formula: the bound in words or symbols, as the task states it.
         lost: what a rank over the bound has given up (the mistake's consequence).
     """
-    items = measured.items() if isinstance(measured, Mapping) else enumerate(measured)
+    items = list(measured.items() if isinstance(measured, Mapping) else enumerate(measured))
+    limits = dict(enumerate(bound)) if isinstance(bound, (list, tuple)) else None
+    if limits is not None and set(limits) != {rank for rank, _ in items}:
+        raise CheckFailed(f"{what}: expected one measurement per rank ({len(limits)} ranks), got "
+                          f"{len(items)}", hint=hint, recipe=recipe)
     worst = None
     for rank, value in items:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
             raise CheckFailed(f"{what}: rank {rank} reported {describe(value, 60)}, not a number",
                               hint=hint, recipe=recipe)
-        if value > bound and (worst is None or value > worst[1]):
-            worst = (rank, value)
+        limit = limits[rank] if limits is not None else bound
+        ratio = value / limit if limit > 0 else (math.inf if value > 0 else 0.0)
+        if value > limit and (worst is None or ratio > worst[2]):
+            worst = (rank, value, ratio, limit)
     if worst is None:
         return
-    rank, value = worst
-    ratio = value / bound if bound > 0 else math.inf
+    rank, value, ratio, bound = worst
     raise CheckFailed(f"{what}: rank {rank} holds {ratio:.1f}x the bound ({value:,.0f} > "
                       f"{bound:,.0f} {unit} = {formula}): {lost}",
                       expected=f"at most {bound:,.0f} {unit}", got=f"{value:,.0f} {unit}",

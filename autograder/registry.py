@@ -264,7 +264,7 @@ class Task:
                                   got=repr(got)[:200], hint=hint or self.hint,
                                   recipe=recipe or self.recipe)
             if isinstance(expected, dict) and "bound" in expected:
-                limit = expected["bound"]
+                limit = expected["bound"]  # one number, or one per rank
             else:
                 limit = max(expected["measured"])
             within_bound(got["measured"], limit, what=what, formula=formula, lost=lost, unit=unit,

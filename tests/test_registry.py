@@ -192,3 +192,11 @@ def test_a_case_can_judge_part_of_a_shared_run_without_a_body(scratch_task):
     assert len(calls) == 1
     with pytest.raises(TypeError, match="pick= needs uses="):
         t.case("orphan", pick="loss")
+
+
+def test_a_bound_may_differ_per_rank_where_their_shares_differ():
+    within_bound([900, 95], [1000, 100], what="halo rows", formula="own + halo", lost="l")
+    with pytest.raises(CheckFailed, match="rank 1 holds 1.5x the bound"):
+        within_bound([900, 150], [1000, 100], what="halo rows", formula="own + halo", lost="l")
+    with pytest.raises(CheckFailed, match="one measurement per rank"):
+        within_bound([900], [1000, 100], what="halo rows", formula="own + halo", lost="l")
