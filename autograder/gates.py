@@ -213,7 +213,8 @@ def _functions(value: Any) -> list[types.FunctionType]:
             if isinstance(member, (staticmethod, classmethod)):
                 member = member.__func__
             if isinstance(member, property):
-                found += [f for f in (member.fget, member.fset, member.fdel) if f is not None]
+                found += [f for f in (member.fget, member.fset, member.fdel)
+                          if isinstance(f, types.FunctionType)]
             elif isinstance(member, types.FunctionType):
                 found += _functions(member)
         return found
@@ -284,10 +285,11 @@ class _Forbidden:
             self.objects[id(obj)] = name
             if isinstance(obj, types.ModuleType):
                 self.prefixes[name] = self.prefixes[obj.__name__] = name
-            elif _is_builtin(obj):
+            elif _is_builtin(obj) and (op := _op_name(obj)) is not None:
+                # an operator of torch's (the others, pybind functions such as
+                # torch.distributed._broadcast_coalesced, never reach a TorchFunctionMode)
                 self.builtins[id(obj)] = name
-                if (op := _op_name(obj)) is not None:
-                    self.op_names[op] = name
+                self.op_names[op] = name
         self.dist_ops = {name.rsplit(".", 1)[1] for name in names
                          if name.rsplit(".", 1)[0] + "." in _DIST_PREFIXES and name not in self.prefixes}
         self.no_ddp = any(name.endswith("DistributedDataParallel") for name in names)
@@ -745,10 +747,14 @@ def _copy_use(task: Any, spec: _Forbidden, impl: Any, module: types.ModuleType |
     candidates: list[Any] = [impl, *reached]
     if isinstance(impl, type):
         candidates += [b for b in impl.__mro__[1:] if b.__module__ == impl.__module__]
-    if module is not None:
-        candidates += [v for v in list(vars(module).values())
+    spaces = [vars(module)] if module is not None else []
+    own = getattr(impl, "__globals__", None)
+    if own is not None and all(own is not space for space in spaces):
+        spaces.append(own)  # a function made at load time with globals of its own
+    for space in spaces:
+        candidates += [v for v in list(space.values())
                        if isinstance(v, (types.FunctionType, type))
-                       and getattr(v, "__module__", None) == module.__name__]
+                       and getattr(v, "__module__", None) == getattr(module, "__name__", None)]
     seen: set[int] = set()
     for candidate in candidates:
         for fn in _functions(candidate):
@@ -803,8 +809,9 @@ def check_source(task: Any, impl: Any) -> ForbiddenUse | None:
     _grader.update()
     module = sys.modules.get(getattr(impl, "__module__", "") or "")
     names = tuple((k, id(v)) for k, v in list(vars(module).items())) if module is not None else ()
-    key = (task.id, id(impl), id(getattr(impl, "__code__", None)), hash(names), id(spec),
-           spec._indexed_at, _grader._seen_at)
+    key = (task.id, id(impl), id(getattr(impl, "__code__", None)),
+           id(getattr(impl, "__globals__", None)), hash(names), id(spec), spec._indexed_at,
+           _grader._seen_at)
     hit = _verdicts.get(key)
     if hit is None or hit[0] is not impl:
         found = _check(task, spec, impl)
@@ -828,11 +835,16 @@ def _check(task: Any, spec: _Forbidden, impl: Any) -> ForbiddenUse | None:
         seen.add(id(obj))
         if isinstance(obj, type) and (found := _base_class_use(task, spec, obj)) is not None:
             return found
+        if isinstance(obj, types.FunctionType) and _kind(_code_of(obj).co_filename) != "student":
+            reached.append(obj)  # its source is another file's (a copy): judged by its code below
+            continue
         parsed = _parsed(obj)
         if parsed is None:
             continue
         body, start, path, own = parsed
         local = {**aliases, **own}
+        # A function's names are its own globals' (a copy made with other globals has others).
+        names = obj.__globals__ if isinstance(obj, types.FunctionType) else namespace
         for node in ast.walk(body):
             dotted = _dotted(node)
             if dotted is None:
@@ -848,11 +860,11 @@ def _check(task: Any, spec: _Forbidden, impl: Any) -> ForbiddenUse | None:
                 if obj_ is not None:
                     what = spec.of(obj_)
                 if what is not None:
-                    return ForbiddenUse(task.id, what, where)
+                    return ForbiddenUse(task.id, what if what == full else f"{what} ({full})", where)
                 if obj_ is not None and _is_grader(obj_):
                     return ForbiddenUse(task.id, f"{_GRADER_NAME}: {full}", where)
-            elif isinstance(node, ast.Name) and head in namespace and head not in local:
-                helper = namespace[head]  # a module-level helper of the student's: read it too
+            elif isinstance(node, ast.Name) and head in names and head not in local:
+                helper = names[head]  # a module-level helper of the student's: read it too
                 if isinstance(helper, (types.FunctionType, type)) and \
                         getattr(helper, "__module__", None) == getattr(impl, "__module__", None):
                     todo.append(helper)

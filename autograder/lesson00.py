@@ -21,7 +21,9 @@ from autograder.registry import plain, task
 
 SHARD = task(
     "0.1", "shard_range", points=2, reference="shard_range",
-    forbidden=("torch.utils.data.DistributedSampler",),
+    # DistributedSampler's module, and the balanced splits that answer in one call.
+    forbidden=("torch.utils.data.DistributedSampler", "torch.utils.data.distributed",
+               "torch.tensor_split", "torch.Tensor.tensor_split", "numpy.array_split"),
     hint="The shards split 0 .. n-1 into world_size contiguous pieces that cover every item "
          "exactly once, with sizes that differ by at most one (a balanced split).",
     recipe="Each rank gets n // world_size items, and the first n % world_size ranks get one "
@@ -72,6 +74,8 @@ def _(shard_range: Any, seed: int) -> str:
 
 # --------------------------------------------------------------------------- task 0.2
 
+# forbids nothing: no library computes a mean weighted by each rank's count; dist.all_reduce,
+# which the task calls, is the tool, not the answer.
 MEAN = task(
     "0.2", "global_mean", points=3,
     hint="A mean over all ranks weighs every element alike, so a rank holding more elements "

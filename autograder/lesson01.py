@@ -30,20 +30,23 @@ import torch
 from autograder.compare import CheckFailed, assert_same, describe, per_rank
 from autograder.registry import plain, task
 
-# Every collective, by each name a route reaches it under (the recorder's op names, and the
-# functional collectives): tasks 1.1 and 1.2 build theirs from point-to-point messages only.
+# Every collective, by each name a route reaches it under (the recorder's op names, the
+# functional collectives, the autograd-aware ones of torch.distributed.nn.functional, and the C++
+# broadcast DDP syncs its buffers with): tasks 1.1 and 1.2 build theirs from point-to-point
+# messages only.
 _COLLECTIVE_OPS = (
     "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_coalesced",
-    "all_gather_single", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
-    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
-    "reduce_scatter_tensor_coalesced", "all_to_all", "all_to_all_single", "gather", "scatter",
+    "all_gather_single", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
     "barrier", "monitored_barrier", "all_gather_object", "gather_object", "broadcast_object_list",
-    "scatter_object_list", "_all_gather_base", "_reduce_scatter_base",
+    "scatter_object_list", "_all_gather_base", "_reduce_scatter_base", "_broadcast_coalesced",
 )
 COLLECTIVES = tuple(f"torch.distributed.{op}" for op in _COLLECTIVE_OPS) + tuple(
     f"torch.distributed._functional_collectives.{op}" for op in (
         "all_reduce", "broadcast", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single",
-        "all_reduce_coalesced", "all_gather_into_tensor_coalesced"))
+        "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+        "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd",
+        "all_to_all_single_autograd")) + ("torch.distributed.nn.functional",)
 
 RANK_TIMEOUT_S = 30.0  # a deadlocked ring shows the launcher's hang report after this long
 STORE_WAIT_S = 4.0  # how long store_barrier's waits may block before the check calls it stuck
@@ -418,9 +421,11 @@ def _barrier_case(name: str, world_size: int, names: list[str], *, file_store: b
 
 BARRIER = task(
     "1.3", "store_barrier", points=3,
+    # torch's barriers, and torchelastic's store helpers (barrier, synchronize, get_all, ...).
     forbidden=("torch.distributed.barrier", "torch.distributed.monitored_barrier",
                "torch.distributed.distributed_c10d._store_based_barrier",
-               "torch.distributed.elastic.utils.store.barrier"),
+               "torch.distributed.elastic.utils.store.barrier",
+               "torch.distributed.elastic.utils.store"),
     hint="A barrier on a key-value store: every rank records its arrival in a shared, atomic "
          "counter and waits until all world_size ranks of this use of the barrier have arrived. "
          "It must work when reused, and two names must never interfere.",
@@ -504,8 +509,11 @@ def _compare_fit(got: Any, expected: Any) -> None:
 
 MODEL = task(
     "1.4", "fit_alpha_beta", points=2, reference="fit_alpha_beta", companions=("ring_all_reduce_time",),
-    # One-call answers; kit.lessons.costmodel.ring_all_reduce_time stays in kit for Lesson 08's planner.
-    forbidden=("numpy.polyfit", "numpy.polynomial.polynomial.polyfit", "scipy.stats.linregress",
+    # One-call answers (line fits and least-squares solvers); kit.lessons.costmodel.ring_all_reduce_time
+    # stays in kit for Lesson 08's planner.
+    forbidden=("numpy.polyfit", "numpy.polynomial.polynomial.polyfit", "numpy.polynomial",
+               "numpy.linalg.lstsq", "torch.linalg.lstsq", "scipy.stats.linregress",
+               "scipy.linalg.lstsq", "scipy.optimize.curve_fit", "sklearn.linear_model",
                "kit.lessons.costmodel.ring_all_reduce_time"),
     hint="Fit the straight line t = alpha + beta * n through all the measurements by least "
          "squares (with an intercept); the ring's time adds up 2(p-1) messages of n / p bytes.",

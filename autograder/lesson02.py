@@ -48,6 +48,8 @@ def _outcome(fn: Callable[..., Any], env: dict[str, str]) -> Any:
         return ["ValueError", str(e)]
 
 
+# forbids nothing: no library reads torchrun's environment into these fields with these checks
+# (torch.distributed reads it only inside init_process_group, which the task must not need).
 INFO = task(
     "2.1", "dist_info_from_env", points=3, reference="dist_info_from_env",
     hint="The environment torchrun sets is the only truth about where a process runs: read "
@@ -172,6 +174,8 @@ def _compare_params(got: Any, expected: dict[str, torch.Tensor]) -> None:
     assert_same(got, expected, rtol=0.0, atol=0.0, path="final parameters")
 
 
+# forbids nothing: the loop is built from torch.save, torch.load and os.replace, which it must
+# call; no library resumes a training loop (DCP, a different format, is Lesson 06's).
 TRAIN = task(
     "2.2", "resumable_train", points=4,
     hint="A restart runs the script from the top: everything the next step depends on (the "
@@ -338,6 +342,9 @@ def _mismatch_as_dict(m: Any) -> Any:
 
 MISMATCH = task(
     "2.3", "first_mismatch", points=3, reference="first_mismatch",
+    # torch's own desync analyser: the flight recorder's fr_trace matches every rank's
+    # collectives and reports where they part.
+    forbidden=("torch.distributed.flight_recorder",),
     hint="Ranks must call the same collectives, with the same shapes, in the same order: the "
          "first call number where they disagree (a missing call included) is the mismatch, and "
          "the odd ranks are those that differ from the majority.",

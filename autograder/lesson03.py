@@ -30,7 +30,9 @@ from autograder.registry import task
 
 SAMPLER = task(
     "3.1", "ShardSampler", points=4, reference=DistributedSampler,
-    forbidden=("torch.utils.data.DistributedSampler",),
+    # DistributedSampler's module, and torchelastic's subclass of it.
+    forbidden=("torch.utils.data.DistributedSampler", "torch.utils.data.distributed",
+               "torch.distributed.elastic.utils.data.ElasticDistributedSampler"),
     hint="Every rank must draw the same number of indices per epoch (or the ranks' collectives "
          "fall out of step), all ranks together must see the whole dataset, and every rank must "
          "agree on one order, new each epoch yet reproducible: the contract of torch's "
@@ -236,6 +238,8 @@ def _(impl: Any, seed: int) -> str:
 
 # --------------------------------------------------------------------------- task 3.2
 
+# forbids nothing: torch's DataLoader seeds each worker from base_seed + worker_id, the same on
+# every rank; no library mixes in the rank (its own seeding runs in every worker it starts).
 SEEDING = task(
     "3.2", "seed_worker", points=3,
     hint="Every data-loader worker on every rank needs its own random streams, in torch, NumPy "
@@ -418,6 +422,8 @@ for _name, _compare, _weight, _hint in [
 
 # --------------------------------------------------------------------------- task 3.3
 
+# forbids nothing: it calls all_gather, the tool; no library undoes a distributed sampler's
+# interleaving and padding.
 GATHER = task(
     "3.3", "gather_unpadded", points=3,
     hint="Undo the sampler: the ranks' results together, in dataset order, every sample once. "

@@ -76,12 +76,19 @@ def _module_of(ddp: Any, model: torch.nn.Module) -> torch.nn.Module:
 
 
 FINISH = "in finish_gradient_synchronization()"
-# What Lesson 04 builds: torch's DDP (its Python class and its C++ reducer, which the recorder
-# sees issuing all-reduces during backward) and its ready-made communication hooks.
-DDP = ("torch.nn.parallel.DistributedDataParallel",
+# What Lesson 04 builds: torch's DDP (its Python class and its module's helpers, and its C++
+# reducer, which the recorder sees issuing all-reduces during backward), its ready-made
+# communication hooks, the private helpers it syncs the initial weights with, the composable
+# DDP (replicate) and FSDP without sharding (FullyShardedDataParallel's NO_SHARD is DDP).
+DDP = ("torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed",
        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook",
        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook",
-       "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook")
+       "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook",
+       "torch.distributed.algorithms.ddp_comm_hooks",
+       "torch.distributed.utils._sync_module_states", "torch.distributed.utils._sync_params_and_buffers",
+       "torch.distributed._broadcast_coalesced", "torch.distributed._composable.replicate",
+       "torch.distributed._composable.replicate_with_fsdp",
+       "torch.distributed.fsdp.FullyShardedDataParallel")
 
 
 def backward_phase(i: int, micro: int) -> str:

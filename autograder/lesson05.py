@@ -198,6 +198,8 @@ def _bytes_compare(scenarios: list[str]) -> Any:
 # the reference's on the same objects, on the same ranks).
 BYTES = task(
     "5.1", "state_bytes", points=2, reference="state_bytes", preload=PRELOAD,
+    # forbids nothing: no library counts the bytes a rank holds now, storages once, DTensors by
+    # their local shard (torch's MemTracker attributes allocations while it watches a run).
     hint="Count memory, not tensors: tensors that share a storage (tied weights, views of one "
          "buffer) cost it once, and a sharded DTensor costs this rank only its local shard.",
     recipe="Write a helper that goes over some tensors and adds up the bytes of each storage "
@@ -410,7 +412,10 @@ def _compare_ownership(got: Any, expected: dict[str, Any]) -> None:
 
 ZERO = task(
     "5.2", "ShardedOptimizer", points=4, preload=PRELOAD,
-    forbidden=("torch.distributed.optim.ZeroRedundancyOptimizer",),
+    # torch's ZeRO-1 (its module's helpers too) and the DDP hook that steps it.
+    forbidden=("torch.distributed.optim.ZeroRedundancyOptimizer",
+               "torch.distributed.optim.zero_redundancy_optimizer",
+               "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook"),
     hint="ZeRO-1: each parameter has one owner rank, which alone keeps its optimizer state and "
          "steps it; the owner needs the mean gradient over ranks, and afterwards every rank "
          "needs the owner's updated parameter.",
@@ -788,8 +793,11 @@ def _compare_fsdp_freed(got: Any, expected: dict[str, Any]) -> None:
 
 FSDP_TASK = task(
     "5.3", "FSDP", points=6, preload=PRELOAD,
+    # torch's FSDP, 1 and 2, everything in torch.distributed.fsdp (flat parameters, the runtime's
+    # hooks) and the composable alias; DDP for the replicated parameters.
     forbidden=("torch.distributed.fsdp.fully_shard",
                "torch.distributed.fsdp.FullyShardedDataParallel",
+               "torch.distributed.fsdp", "torch.distributed._composable.fsdp",
                "torch.nn.parallel.DistributedDataParallel"),
     hint="ZeRO-3: each unit's parameters live only as one flat shard per rank; a unit is "
          "all-gathered just before it computes (in forward, and again in backward) and freed "

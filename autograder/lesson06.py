@@ -45,6 +45,17 @@ from autograder.registry import pickle_for_worker, task
 # before torchrun's workers are started: they import them themselves).
 PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
            "torch.distributed.fsdp", "kit.lessons.resume")
+# DCP's save and load entry points, new and old (deprecated aliases, the private functions under
+# them, the checkpointer class, the torch.save converters): 6.1 builds them; 6.2's TrainingState
+# is saved by the checks' dcp.save and must not save or load itself.
+DCP_ENTRY_POINTS = tuple(f"torch.distributed.checkpoint.{name}" for name in (
+    "save", "load", "async_save", "save_state_dict", "load_state_dict",
+    "load_sharded_optimizer_state_dict", "state_dict_saver.save", "state_dict_saver.async_save",
+    "state_dict_saver.save_state_dict", "state_dict_saver._save_state_dict",
+    "state_dict_loader.load", "state_dict_loader.load_state_dict",
+    "state_dict_loader._load_state_dict", "state_dict_loader._load_state_dict_from_keys",
+    "_checkpointer._Checkpointer", "format_utils.dcp_to_torch_save",
+    "format_utils.torch_save_to_dcp"))
 
 # --------------------------------------------------------------------------- task 6.1
 
@@ -213,9 +224,9 @@ def _written_beyond_own(run: dict[str, Any]) -> dict[str, Any]:
 # bytes each load reads is bounded by a case of its own, against the pieces it overlaps.
 SHARDS = task(
     "6.1", "save_shards", points=4, companions=("load_shards",), preload=PRELOAD,
-    forbidden=("torch.distributed.checkpoint.save", "torch.distributed.checkpoint.load",
-               "torch.distributed.checkpoint.state_dict_saver.save",
-               "torch.distributed.checkpoint.state_dict_loader.load"),
+    # All of DCP (its planners, storage writers and metadata too): the task is a sharded
+    # checkpoint by hand, with torch.save and torch.load.
+    forbidden=DCP_ENTRY_POINTS + ("torch.distributed.checkpoint",),
     hint="A sharded checkpoint: each rank writes only its own piece, and metadata records where "
          "every piece lies in the whole tensor, so a load on any number of ranks finds and reads "
          "just the pieces that overlap its range.",
@@ -472,6 +483,7 @@ def _resume_run(impl: Any, seed: int) -> list[dict[str, Any]]:
 # is dcp.save's own business (each rank writes its own shards), and 6.1 bounds it by hand.
 STATE = task(
     "6.2", "TrainingState", points=4, preload=PRELOAD,
+    forbidden=DCP_ENTRY_POINTS,
     hint="An exact resume needs everything the next step reads: the weights and the optimizer's "
          "moments, the step, every random generator this rank draws from, and where the "
          "sampler is in its epoch. Random state differs per rank, so it must be saved per rank.",
@@ -746,6 +758,8 @@ _NO_TRAINING_STATE = ("train_with_checkpoints runs with the notebook's own Train
 # bounds nothing beyond what its cases count: each async save in flight holds a staged CPU copy
 # of the state, and "at most one in flight" is counted on dcp.async_save itself (the copies live
 # on DCP's background thread, where the meter does not look).
+# forbids nothing: the loop is made of dcp.async_save and dcp.load, which it must call; no
+# library picks the newest complete checkpoint or keeps one save in flight.
 LOOP = task(
     "6.3", "train_with_checkpoints", points=5, companions=("TrainingState",), preload=PRELOAD,
     hint="A checkpoint counts only once it is complete, and DCP writes its metadata last; the "

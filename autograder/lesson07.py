@@ -88,9 +88,14 @@ def _no_torch_helper(got: dict[str, Any], what: str) -> None:
 # neither memory nor time (its cases compare its scales and steps with torch's GradScaler).
 SCALER = task(
     "7.1", "DynamicLossScaler", points=4,
+    # torch's GradScaler under every name (its module, the deprecated cuda/cpu aliases, FSDP's
+    # subclass) and the two C++ ops it is made of.
     forbidden=("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.cpu.amp.GradScaler",
-               "torch.amp.grad_scaler.GradScaler",
-               "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"),
+               "torch.amp.grad_scaler.GradScaler", "torch.amp.grad_scaler",
+               "torch.cuda.amp.grad_scaler", "torch.cpu.amp.grad_scaler",
+               "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
+               "torch.distributed.fsdp.sharded_grad_scaler",
+               "torch._amp_foreach_non_finite_check_and_unscale_", "torch._amp_update_scale_"),
     hint="Dynamic loss scaling: scale the loss up so that small low-precision gradients do not "
          "flush to zero, divide it out before the step, and skip any step whose gradients "
          "overflowed, on every rank together; the scale backs off after an overflow and grows "
@@ -358,9 +363,13 @@ def _(impl: Any, seed: int) -> Any:
 
 CHECKPOINT = task(
     "7.3", "apply_checkpointing", points=4,
+    # torch's checkpointing: all of torch.utils.checkpoint (its private generator and hooks too),
+    # the distributed checkpoint_wrapper's module and the composable checkpoint.
     forbidden=("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
-               "torch.utils.checkpoint.CheckpointFunction",
+               "torch.utils.checkpoint.CheckpointFunction", "torch.utils.checkpoint",
                "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
+               "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+               "torch.distributed._composable.checkpoint_activation",
                "autograder.references.lesson07.Checkpoint",
                "autograder.references.lesson07.apply_checkpointing"),
     hint="Checkpointing trades compute for memory: forward keeps only the inputs, backward "
@@ -578,6 +587,8 @@ CHECKPOINT.bound(
 # bounds: the model FLOPs the captured graph does not show (FlopCounterMode, per node of
 # Dynamo's graph): a graph of the model's real operators shows them all, a forward hidden in one
 # opaque call (a custom op, an allow_in_graph function) shows none.
+# forbids nothing: no library removes graph breaks; the escape hatches that hide them (a custom
+# op, allow_in_graph) are caught by that bound.
 READY = task(
     "7.4", "compile_ready",
     points=3,

@@ -58,6 +58,8 @@ def _within(count: int, n: int, p: float) -> bool:
 
 # bounds nothing: masking is a sampling policy (which positions, what they become); it saves no
 # memory or compute, and its checks are its invariants and its frequencies.
+# forbids nothing: fair-esm has no masking code, and no installed library masks ESM tokens
+# (transformers' DataCollatorForLanguageModeling is not a dependency).
 MASK = task(
     "9.1", "mask_tokens", points=3,
     hint="BERT/ESM masking: every residue is chosen independently with probability mask_prob "
@@ -274,6 +276,9 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 # tokens, is counted from the indices themselves in the "2x less padding" case.
 BUDGET = task(
     "9.2", "token_budget_batches", points=3,
+    # fair-esm's own token-budget batching and batch converter, and DistributedSampler's dealing.
+    forbidden=("esm.data.FastaBatchedDataset.get_batch_indices", "esm.data.BatchConverter",
+               "torch.utils.data.DistributedSampler", "torch.utils.data.distributed"),
     hint="Token-budget batching groups sequences of similar length so that each batch holds at "
          "most max_tokens tokens with little padding. The batches are built once, from all the "
          "lengths, then dealt as DistributedSampler deals samples: every rank the same number, "
@@ -447,7 +452,19 @@ RING = task(
                "torch.distributed.all_reduce",
                "torch.distributed._functional_collectives.all_gather_tensor",
                "torch.distributed._functional_collectives.all_gather_tensor_autograd",
-               "torch.nn.functional.scaled_dot_product_attention"),
+               "torch.distributed.all_gather_single", "torch.distributed._all_gather_base",
+               "torch.distributed.gather", "torch.distributed.broadcast_object_list",
+               "torch.distributed.nn.functional",
+               # torch's attention: sdpa, its C++ kernels (the flash one returns the log-sum-exp
+               # an online softmax merges), flex_attention, and torch's own ring attention
+               # (context parallelism)
+               "torch.nn.functional.scaled_dot_product_attention",
+               "torch._scaled_dot_product_flash_attention_for_cpu",
+               "torch._scaled_dot_product_attention_math", "torch._scaled_dot_product_efficient_attention",
+               "torch._scaled_dot_product_flash_attention", "torch._scaled_dot_product_cudnn_attention",
+               "torch.nn.attention", "torch.distributed.tensor.experimental.context_parallel",
+               "torch.distributed.tensor.experimental._attention",
+               "torch.distributed.tensor.experimental._context_parallel"),
     hint="Ring attention: each rank keeps its queries while the blocks of keys and values "
          "travel around the ring, and merges every block into an online softmax (running max, "
          "running sum of exponentials, unnormalised output), so no rank ever holds all of K/V "
@@ -644,6 +661,8 @@ RING.bound("growth of the peak bytes per rank from 3 to 4 ranks at the same L/W 
 
 # --------------------------------------------------------------------------- task 9.4
 
+# forbids nothing: chunking calls the module itself on slices of rows; no installed library
+# chunks a triangle attention (OpenFold's chunk_layer is not a dependency).
 CHUNKED = task(
     "9.4", "chunked",
     points=2,

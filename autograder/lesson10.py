@@ -215,8 +215,11 @@ COLLATE = task(
            "index repeated once per node) and ptr (0, then the running total of nodes: "
            "num_graphs + 1 entries), and return a Batch built from these attributes, without "
            "calling PyG's own collation.",
+    # PyG's batching: its collate module (the private helpers too), the loader's Collater and
+    # InMemoryDataset's collate, which call it.
     forbidden=("torch_geometric.data.Batch.from_data_list", "torch_geometric.data.collate.collate",
-               "torch_geometric.loader.dataloader.Collater"),
+               "torch_geometric.loader.dataloader.Collater", "torch_geometric.data.collate",
+               "torch_geometric.loader.dataloader", "torch_geometric.data.InMemoryDataset.collate"),
     companions=("MolData",),
 )
 
@@ -771,8 +774,9 @@ SCREEN = task(
            "shard's scores, labels and ids to the largest size and all-gather them; drop the "
            "padding; rank the whole list as above and return EF@1%, BEDROC(20) and the first "
            "100 ids.",
+    # RDKit's scoring, the whole module (CalcROC, the private _RIEHelper too).
     forbidden=("rdkit.ML.Scoring.Scoring.CalcEnrichment", "rdkit.ML.Scoring.Scoring.CalcBEDROC",
-               "rdkit.ML.Scoring.Scoring.CalcRIE", "rdkit.ML.Scoring.Scoring.CalcAUC",
+               "rdkit.ML.Scoring.Scoring.CalcRIE", "rdkit.ML.Scoring.Scoring.CalcAUC", "rdkit.ML.Scoring",
                "autograder.references.lesson10.reference_enrichment_factor",
                "autograder.references.lesson10.reference_bedroc",
                "autograder.references.lesson10.reference_screen"),

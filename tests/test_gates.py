@@ -2,16 +2,22 @@
 
 Each exploit below once got full or most marks; each stands for a class of routes
 (a name bound before the checks, a ProcessGroup method, a functional collective, a computed
-name, a swallowed exception, a subclass, a wrapper around torch DDP, the grader's reference).
+name, a swallowed exception, a subclass, a wrapper around torch DDP, the grader's reference, a
+copy of its code or of a library's made at load time, a deprecated alias, a private helper or
+C++ op, a module's internals).
 A failure here means a student can get the points of a task without doing it.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import inspect
+import re
 import sys
 import textwrap
+import tokenize
 import types
 from pathlib import Path
 
@@ -19,7 +25,7 @@ import pytest
 
 from autograder import gates
 from autograder.checking import run_checks
-from autograder.registry import get_task
+from autograder.registry import get_task, lesson_tasks
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -129,7 +135,9 @@ def test_a_module_prefix_forbids_its_private_helpers_in_the_source(student_modul
             return schedules._format_pipeline_order({})
         """)
     found = gates.check_source(_task("torch.distributed.pipelining"), module.order)
-    assert found is not None and found.what == "torch.distributed.pipelining"
+    assert found is not None
+    assert found.what == ("torch.distributed.pipelining "
+                          "(torch.distributed.pipelining.schedules._format_pipeline_order)")
     assert found.where.endswith(".py:5")
 
 
@@ -262,3 +270,65 @@ def test_trampolines_keep_each_functions_signature():
     with gates.guard(get_task("1.2"), None):
         assert dist.all_reduce.__code__ is not gates._swapped[id(dist.all_reduce)][3]
         assert inspect.signature(dist.all_reduce) == before
+
+
+# --------------------------------------------------------------------------- every task says what it forbids
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSON_CHECKS = sorted((ROOT / "autograder").glob("lesson[0-9][0-9].py"))
+FORBIDS_NOTHING = re.compile(r"#\s*forbids nothing:\s*\S.{8,}")
+# Libraries a forbidden name may point into without being installed: none is a dependency of the
+# course (pyproject.toml), so a student's environment may lack them, and then so does the cheat.
+OPTIONAL = {
+    "deepchem": "DeepChem's ScaffoldSplitter (10.3): not a dependency, the grader re-states it",
+    "scipy": "scipy.stats.linregress (1.4): not a dependency, installed only alongside others",
+    "sklearn": "scikit-learn's linear models (1.4): not a dependency, installed only alongside others",
+}
+
+
+def _registrations(path: Path) -> list[tuple[ast.Call, ast.stmt]]:
+    """Every ``task(...)`` call of a lesson's checks, with the statement it stands in."""
+    found = []
+    for stmt in ast.parse(path.read_text()).body:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "task":
+                found.append((node, stmt))
+    return found
+
+
+def _comments(path: Path) -> dict[int, str]:
+    with path.open() as f:
+        return {t.start[0]: t.string for t in tokenize.generate_tokens(f.readline)
+                if t.type == tokenize.COMMENT}
+
+
+@pytest.mark.parametrize("path", LESSON_CHECKS, ids=lambda p: p.stem)
+def test_every_task_declares_what_it_forbids_or_says_why_nothing(path):
+    comments, lines = _comments(path), path.read_text().splitlines()
+    registrations = _registrations(path)
+    assert registrations, f"{path.name} registers no task"
+    for call, stmt in registrations:
+        forbidden = next((k.value for k in call.keywords if k.arg == "forbidden"), None)
+        if forbidden is not None and not (isinstance(forbidden, ast.Tuple) and not forbidden.elts):
+            continue
+        first = stmt.lineno
+        while first > 1 and lines[first - 2].strip().startswith("#"):  # the comments right above
+            first -= 1
+        said = [comments[n] for n in range(first, stmt.end_lineno + 1) if n in comments]
+        task_id = ast.literal_eval(call.args[0]) if call.args else "?"
+        assert any(FORBIDS_NOTHING.search(c) for c in said), (
+            f"{path.name}:{call.lineno}: task {task_id} forbids nothing; give it forbidden=(...) "
+            "naming what it re-implements, or say why with a comment '# forbids nothing: <why>'")
+
+
+def _forbidden_names() -> list[tuple[str, str]]:
+    return [(t.id, name) for lesson in range(11) for t in lesson_tasks(lesson) for name in t.forbidden]
+
+
+@pytest.mark.parametrize(("task_id", "name"), _forbidden_names())
+def test_every_forbidden_name_resolves(task_id, name):
+    head = name.split(".")[0]
+    if head in OPTIONAL and importlib.util.find_spec(head) is None:
+        pytest.skip(f"{head} is not installed: {OPTIONAL[head]}")
+    assert gates.resolve(name, load=True) is not None, (
+        f"task {task_id} forbids {name!r}, which names nothing here: a typo, or it moved")
