@@ -46,6 +46,20 @@ EXPLOITS = [
     ("4.1", "lesson04", "wraps torch's DistributedDataParallel"),
     ("4.2", "lesson04", "wraps torch's DistributedDataParallel"),
     ("4.3", "lesson04", "wraps torch's DistributedDataParallel"),
+    # code identity: copies made at load time, of the grader's code and of a library's private helper
+    ("1.2", "lesson01", "copies the grader's reference code at load time"),
+    ("8.3", "lesson08", "sends through a load-time copy of torch's private schedules._batch_p2p"),
+    # a subclass of the grader's reference class
+    ("6.2", "lesson06", "subclasses the grader's reference TrainingState"),
+    ("10.2", "lesson10", "subclasses the grader's reference layer"),
+    # deprecated aliases
+    ("6.1", "lesson06", "wraps DCP's deprecated save_state_dict/load_state_dict"),
+    ("7.1", "lesson07", "wraps the deprecated torch.cuda.amp.GradScaler"),
+    # private helpers: a C++ op by a computed name, a module's private function
+    ("7.1", "lesson07", "updates the scale with torch's private _amp_update_scale_ op"),
+    ("8.4", "lesson08", "takes torch's order from the private schedules._get_1f1b_rank_ops"),
+    # a library's batching, called on an object the student made
+    ("9.2", "lesson09", "fair-esm's get_batch_indices builds the batches"),
 ]
 
 

@@ -123,6 +123,28 @@ def _load_with_dcp(ckpt_dir, name, offset, numel):
     return out
 
 
+def _save_with_deprecated_dcp(ckpt_dir, name, local, offset, global_numel):
+    rank = dist.get_rank()  # DCP's old entry point, still exported (deprecated)
+    dcp.save_state_dict({f"piece{rank}": local.clone(), f"offset{rank}": offset},
+                        storage_writer=dcp.FileSystemWriter(os.path.join(ckpt_dir, name)))
+
+
+def _load_with_deprecated_dcp(ckpt_dir, name, offset, numel):
+    folder = os.path.join(ckpt_dir, name)
+    meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    pieces = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+              if k.startswith("piece")}
+    state = {**pieces, **{f"offset{k[5:]}": 0 for k in pieces}}
+    dcp.load_state_dict(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    out = torch.empty(numel, dtype=next(iter(pieces.values())).dtype)
+    for k, data in pieces.items():
+        o = state[f"offset{k[5:]}"]
+        lo, hi = max(offset, o), min(offset + numel, o + data.numel())
+        if lo < hi:
+            out[lo - offset:hi - offset] = data[lo - o:hi - o]
+    return out
+
+
 def _pair(save, load):
     """A save_shards whose cell's load_shards is ``load`` (the check finds it in its globals)."""
     return type(save)(save.__code__, {**globals(), "load_shards": load}, "save_shards")
@@ -269,6 +291,21 @@ class StateWithLocalShards(_State):
                        optim_state_dict=state["optim"])
 
 
+def _the_graders_training_state() -> type:
+    """The grader's trusted TrainingState, found by a computed name: no import of the grader in
+    any task's source."""
+    import importlib
+
+    return getattr(importlib.import_module("autograder.references." + "lesson06"), "Training" + "State")
+
+
+_GradersState = _the_graders_training_state()
+
+
+class StateFromTheGradersReference(_GradersState):
+    """The grader's own TrainingState, subclassed with nothing of its own."""
+
+
 # --------------------------------------------------------------------------- 6.3 train_with_checkpoints
 
 
@@ -331,6 +368,8 @@ BUGS = {
         ("offsets kept inside the piece files: every load opens every file",
          _pair(_save_offsets_inside, _load_offsets_inside)),
         ("wraps dcp.save/dcp.load and loads every piece", _pair(_save_with_dcp, _load_with_dcp)),
+        ("wraps DCP's deprecated save_state_dict/load_state_dict",
+         _pair(_save_with_deprecated_dcp, _load_with_deprecated_dcp)),
         ("rank 0 gathers every piece and writes them all",
          _pair(_save_everything_on_rank_0, load_shards)),
     ],
@@ -345,6 +384,7 @@ BUGS = {
         ("the step counter is not restored", StateWithoutStep),
         ("the GradScaler's state is not saved", StateWithoutScaler),
         ("each rank's local FSDP shard is saved (to_local): no resharding", StateWithLocalShards),
+        ("subclasses the grader's reference TrainingState", StateFromTheGradersReference),
     ],
     "6.3": [
         ("a half-written checkpoint loaded (newest folder, no .metadata check)",

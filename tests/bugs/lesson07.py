@@ -107,6 +107,24 @@ class ScalerWrapsGradScaler:
         return getattr(self.inner, name)
 
 
+class ScalerWrapsDeprecatedCudaGradScaler(ScalerWrapsGradScaler):
+    def __init__(self, **kwargs):
+        self.inner = torch.cuda.amp.GradScaler(**kwargs)  # the old alias of torch.amp.GradScaler
+
+
+class ScalerUpdatesWithTorchsOp(_Scaler):
+    """update() by torch's own C++ op, found by a computed name: no name in the source to see."""
+
+    def update(self):
+        scale = torch.tensor([self.value])
+        tracker = torch.tensor([self.tracker], dtype=torch.int32)
+        found = torch.tensor([float(self.found_inf)])
+        getattr(torch, "_amp_" + "update_scale_")(scale, tracker, found, self.growth, self.backoff,
+                                                  self.interval)
+        self.value, self.tracker = scale.item(), int(tracker.item())
+        self.found_inf = self.unscaled = False
+
+
 class ScalerWrapsShardedGradScaler(ScalerWrapsGradScaler):
     def __init__(self, **kwargs):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -333,6 +351,8 @@ BUGS = {
         ("step() unscales again after the user's unscale_()", ScalerUnscalesTwice),
         ("wraps torch.amp.GradScaler", ScalerWrapsGradScaler),
         ("wraps torch's ShardedGradScaler", ScalerWrapsShardedGradScaler),
+        ("wraps the deprecated torch.cuda.amp.GradScaler", ScalerWrapsDeprecatedCudaGradScaler),
+        ("updates the scale with torch's private _amp_update_scale_ op", ScalerUpdatesWithTorchsOp),
     ],
     "7.2": [
         ("counts every saved tensor, not every storage", saved_bytes_per_tensor),

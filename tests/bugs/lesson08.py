@@ -539,6 +539,57 @@ def gpipe_with_torch_pipelining(stage, microbatches, targets, loss_fn):
     return None
 
 
+_send_and_receive = dist.batch_isend_irecv  # what _gpipe_batched sends with; _with_copied_p2p swaps it
+
+
+def _gpipe_batched(stage, microbatches, targets, loss_fn):
+    """GPipe whose every message goes through _send_and_receive."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    m = len(microbatches)
+    inputs, outputs = [], []
+    for i in range(m):
+        if rank == 0:
+            x = microbatches[i]
+        else:
+            x = torch.empty_like(microbatches[i])
+            for work in _send_and_receive([dist.P2POp(dist.irecv, x, rank - 1)]):
+                work.wait()
+            x.requires_grad_()
+        y = stage(x)
+        if rank < p - 1:
+            for work in _send_and_receive([dist.P2POp(dist.isend, y.detach(), rank + 1)]):
+                work.wait()
+        inputs.append(x)
+        outputs.append(y)
+    total = torch.zeros(())
+    for i in reversed(range(m)):
+        if rank == p - 1:
+            loss = loss_fn(outputs[i], targets[i]) / m
+            loss.backward()
+            total += loss.detach()
+        else:
+            grad = torch.empty_like(outputs[i])
+            for work in _send_and_receive([dist.P2POp(dist.irecv, grad, rank + 1)]):
+                work.wait()
+            outputs[i].backward(grad)
+        if rank > 0:
+            for work in _send_and_receive([dist.P2POp(dist.isend, inputs[i].grad, rank - 1)]):
+                work.wait()
+    return total if rank == p - 1 else None
+
+
+def _with_copied_p2p() -> types.FunctionType:
+    """gpipe whose _send_and_receive is torch's private schedules._batch_p2p, copied at load time:
+    a new function with its code (the source names neither the helper nor pipelining)."""
+    import importlib
+    import logging
+
+    helper = importlib.import_module("torch.distributed." + "pipelining.schedules")._batch_p2p
+    copy = types.FunctionType(helper.__code__, globals(), "_send_and_receive")
+    names = {**globals(), "_send_and_receive": copy, "logger": logging.getLogger("gpipe")}
+    return types.FunctionType(_gpipe_batched.__code__, names, "gpipe")
+
+
 # --------------------------------------------------------------------------- task 8.4
 
 
@@ -563,6 +614,17 @@ def one_f_one_b_short_warmup(stage, num_stages, num_microbatches):
 def one_f_one_b_is_gpipe(stage, num_stages, num_microbatches):
     """All forwards, then all backwards: correct, but m activations in flight."""
     return [("F", i) for i in range(num_microbatches)] + [("B", i) for i in range(num_microbatches)]
+
+
+def one_f_one_b_from_torchs_schedule(stage, num_stages, num_microbatches):
+    """The order of torch's own 1F1B, from a private helper of torch.distributed.pipelining."""
+    from torch.distributed.pipelining import schedules
+
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    actions = schedules._get_1f1b_rank_ops(1, num_stages, warmup, num_microbatches - warmup, warmup,
+                                           stage, forward_stage_index=lambda _: stage,
+                                           backward_stage_index=lambda _: stage)
+    return [(a.computation_type.value, a.microbatch_index) for a in actions if a is not None]
 
 
 def one_f_one_b_backwards_reversed(stage, num_stages, num_microbatches):
@@ -599,11 +661,14 @@ BUGS = {
         ("gradients sent to the wrong stage (stage 0)", gpipe_grads_to_first_stage),
         ("backward right after each forward (not GPipe)", gpipe_interleaved),
         ("wraps torch.distributed.pipelining (ScheduleGPipe)", gpipe_with_torch_pipelining),
+        ("sends through a load-time copy of torch's private schedules._batch_p2p", _with_copied_p2p()),
     ],
     "8.4": [
         ("a warm-up one too long", one_f_one_b_long_warmup),
         ("a warm-up one too short", one_f_one_b_short_warmup),
         ("GPipe's order: all forwards, then all backwards", one_f_one_b_is_gpipe),
         ("the cool-down's backwards in reverse", one_f_one_b_backwards_reversed),
+        ("takes torch's order from the private schedules._get_1f1b_rank_ops",
+         one_f_one_b_from_torchs_schedule),
     ],
 }

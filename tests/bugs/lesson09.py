@@ -142,6 +142,14 @@ def fixed_size_random_batches(lengths, max_tokens, rank, world_size, seed=0, epo
     return _deal([order[i:i + size] for i in range(0, len(order), size)], rank, world_size, seed, epoch)
 
 
+def batches_from_fair_esm(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
+    """fair-esm's own FastaBatchedDataset.get_batch_indices builds the batches, then dealt."""
+    from esm.data import FastaBatchedDataset
+
+    data = FastaBatchedDataset([str(i) for i in range(len(lengths))], ["A" * n for n in lengths])
+    return _deal(data.get_batch_indices(max_tokens), rank, world_size, seed, epoch)
+
+
 # --------------------------------------------------------------------------- task 9.3
 
 
@@ -326,6 +334,7 @@ BUGS = {
         ("shuffled with Python's global random state", shuffled_with_global_random),
         ("fixed 16 sequences per batch, sorted by length", fixed_size_sorted_batches),
         ("random fixed-size batches of the same mean size", fixed_size_random_batches),
+        ("fair-esm's get_batch_indices builds the batches", batches_from_fair_esm),
     ],
     "9.3": [
         ("the softmax merged without rescaling by exp(m_old - m_new)", merged_without_rescaling),

@@ -18,6 +18,8 @@ from rdkit.Chem.Scaffolds import MurckoScaffold
 from torch import nn
 from torch_geometric.data import Batch, Data
 
+from autograder.references.lesson10 import ReferenceEGNNLayer
+
 
 def _bound(fn, **names):
     """``fn`` with its global names ``names`` replaced (a notebook defining those instead)."""
@@ -137,6 +139,10 @@ class MeanOverBatch(EGNNLayer):
 
     def _normalise(self, shift, degree):
         return shift / max(len(degree) - 1, 1)
+
+
+class EGNNLayerIsTheReference(ReferenceEGNNLayer):
+    """The grader's own layer under the task's name: a subclass with no body."""
 
 
 # --------------------------------------------------------------------------- task 10.3
@@ -312,6 +318,7 @@ BUGS = {
         ("sum over neighbours instead of the mean", SumNotMean),
         ("distance instead of squared distance", DistanceNotSquared),
         ("normalised by the batch's atom count", MeanOverBatch),
+        ("subclasses the grader's reference layer", EGNNLayerIsTheReference),
     ],
     "10.3": [
         ("scaffold sets ordered by size only", _bound(scaffold_split, _order=_size_only)),
