@@ -46,6 +46,7 @@ guard reads when the case ends, so swallowing the exception does not hide it.
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import inspect
 import os
@@ -238,16 +239,46 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
 _prints: dict[types.CodeType, int] = {}
 
 
+def _stable(value: Any) -> str:
+    """``repr`` of a constant, the same in every process (sets sorted: their order follows the
+    string hash, which differs between processes)."""
+    if isinstance(value, (frozenset, set)):
+        return "{" + ",".join(sorted(_stable(v) for v in value)) + "}"
+    if isinstance(value, tuple):
+        return "(" + ",".join(_stable(v) for v in value) + ")"
+    return f"{type(value).__name__}:{value!r}"
+
+
 def _print(code: types.CodeType) -> int:
     """A fingerprint of what ``code`` does: its bytecode, names and constants (nested code by its
-    own fingerprint; the docstring left out), not its file, lines or local variable names."""
+    own fingerprint; the docstring left out), not its file, lines or local variable names. It is
+    the same in every process, so the trusted parent can hand the references' fingerprints to
+    the batch worker, which never sees the references themselves."""
     found = _prints.get(code)
     if found is None:
-        consts = tuple(("<code>", _print(c)) if isinstance(c, types.CodeType)
-                       else None if i == 0 and isinstance(c, str) else (type(c).__name__, c)
-                       for i, c in enumerate(code.co_consts))
-        found = _prints[code] = hash((code.co_code, consts, code.co_names))
+        digest = hashlib.blake2b(code.co_code, digest_size=8)
+        for i, c in enumerate(code.co_consts):
+            part = (f"<code {_print(c)}>" if isinstance(c, types.CodeType)
+                    else "<doc>" if i == 0 and isinstance(c, str) else _stable(c))
+            digest.update(b"\0" + part.encode("utf-8", "surrogatepass"))
+        digest.update(b"\1" + "\0".join(code.co_names).encode())
+        found = _prints[code] = int.from_bytes(digest.digest(), "big")
     return found
+
+
+def answer_fingerprints() -> dict[str, str]:
+    """``{fingerprint: name}`` of every reference loaded in this (trusted) process: what the
+    batch worker needs to recognise a pasted reference (see :func:`trust_answer_fingerprints`)."""
+    _grader.update()
+    return {f"{fp:016x}": name for fp, name in _grader.prints.items()}
+
+
+def trust_answer_fingerprints(prints: dict[str, str]) -> None:
+    """Judge copies against these references too: the batch worker gets them from the parent,
+    since ``autograder/references/`` is hidden from it. Only hashes and names travel."""
+    _grader.update()
+    for fp, name in prints.items():
+        _grader.prints.setdefault(int(fp, 16), name)
 
 
 def _code_of(fn: types.FunctionType) -> types.CodeType:
@@ -293,7 +324,7 @@ class _Forbidden:
         self.dist_ops = {name.rsplit(".", 1)[1] for name in names
                          if name.rsplit(".", 1)[0] + "." in _DIST_PREFIXES and name not in self.prefixes}
         self.no_ddp = any(name.endswith("DistributedDataParallel") for name in names)
-        self._indexed_at = -1
+        self._indexed_at: Any = None
 
     def stale(self) -> bool:
         """A package it names was imported since: resolve again."""
@@ -322,9 +353,10 @@ class _Forbidden:
     def index(self) -> None:
         """The Python functions under the forbidden names, their files, definitions and
         fingerprints; computed again when modules were imported since."""
-        if self._indexed_at == len(sys.modules):
+        seen = frozenset(list(sys.modules))  # not a count: one can come back with other modules
+        if self._indexed_at == seen:
             return
-        self._indexed_at = len(sys.modules)
+        self._indexed_at = seen
         functions: dict[int, tuple[types.FunctionType, str]] = {}
         for obj, name in self._resolved:
             if not isinstance(obj, types.ModuleType):
@@ -386,12 +418,18 @@ class _GraderCode:
         self.functions: list[tuple[types.FunctionType, str]] = []  # what gets a trampoline
         self._keep: list[Any] = []
         self._references: set[int] = set()
-        self._seen_at = -1
+        self._seen_at: Any = None
 
     def update(self) -> None:
-        if self._seen_at == len(sys.modules):
+        from autograder.registry import TASKS
+
+        # The grader's modules and tasks as they are now (a count of sys.modules alone can come
+        # back to an earlier value with another module in it).
+        seen = (frozenset(m for m in list(sys.modules) if m == "autograder" or m.startswith("autograder.")),
+                len(TASKS))
+        if self._seen_at == seen:
             return
-        self._seen_at = len(sys.modules)
+        self._seen_at = seen
         for module_name, module in list(sys.modules.items()):
             if module is None or module_name in self.modules or not (
                     module_name == "autograder" or module_name.startswith("autograder.")):
@@ -411,8 +449,6 @@ class _GraderCode:
                         self.places.setdefault(_place(inner), f"{module_name}.{inner.co_qualname}")
                 if "reference" in key.lower():
                     self._reference(value)
-        from autograder.registry import TASKS
-
         for t in list(TASKS.values()):
             ref = t.reference
             if isinstance(ref, str):

@@ -14,6 +14,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import sys
 import textwrap
@@ -336,7 +337,8 @@ def test_every_task_declares_what_it_forbids_or_says_why_nothing(path):
 
 
 def _forbidden_names() -> list[tuple[str, str]]:
-    return [(t.id, name) for lesson in range(11) for t in lesson_tasks(lesson) for name in t.forbidden]
+    lessons = sorted(int(p.stem[len("lesson"):]) for p in LESSON_CHECKS)  # every lesson, 11-13 too
+    return [(t.id, name) for lesson in lessons for t in lesson_tasks(lesson) for name in t.forbidden]
 
 
 @pytest.mark.parametrize(("task_id", "name"), _forbidden_names())
@@ -346,3 +348,69 @@ def test_every_forbidden_name_resolves(task_id, name):
         pytest.skip(f"{head} is not installed: {OPTIONAL[head]}")
     assert gates.resolve(name, load=True) is not None, (
         f"task {task_id} forbids {name!r}, which names nothing here: a typo, or it moved")
+
+
+PASTED_IN_THE_WORKER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from autograder.grade.sandbox import _NoReferences
+sys.meta_path.insert(0, _NoReferences())  # as in the batch worker: the answers are out of reach
+from autograder import gates
+if sys.argv[2] == "with":
+    gates.trust_answer_fingerprints(json.loads(open(sys.argv[3]).read()))
+import pasted
+from autograder.registry import get_task
+task = get_task("13.1")
+try:  # what the worker does with each case: the untrusted half under the gates
+    with gates.guard(task, pasted.route):
+        task.cases[0].run(pasted.route, 0)
+    print("STATUS ran")
+except gates.ForbiddenUse as e:
+    print("STATUS forbidden", e)
+print("LOADED", sorted(m for m in sys.modules if m.startswith("autograder.references.")))
+"""
+
+
+@pytest.mark.parametrize("prints", ["with", "without"])
+def test_a_pasted_reference_scores_zero_in_the_worker_with_the_parents_fingerprints(tmp_path, prints):
+    # The worker never sees autograder/references/; the parent hands it the references'
+    # fingerprints (hashes only), so a pasted copy of route scores 0 there as in check().
+    import inspect
+    import json
+    import subprocess
+
+    from autograder.references import lesson13
+
+    get_task("13.1")
+    source = inspect.getsource(lesson13.route)
+    (tmp_path / "pasted.py").write_text(
+        "from __future__ import annotations\nimport torch\nfrom kit.lessons.moe import Routing\n\n"
+        + source)
+    (tmp_path / "prints.json").write_text(json.dumps(gates.answer_fingerprints()))
+    done = subprocess.run([sys.executable, "-c", PASTED_IN_THE_WORKER, str(tmp_path), prints,
+                           str(tmp_path / "prints.json")], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "LOADED []" in done.stdout, done.stdout
+    if prints == "with":
+        assert "STATUS forbidden" in done.stdout and "a copy of" in done.stdout, done.stdout
+    else:  # the test can fail: without the fingerprints the paste runs as a correct route
+        assert "STATUS ran" in done.stdout, done.stdout
+
+
+def test_fingerprints_are_the_same_in_every_process():
+    import json
+    import subprocess
+
+    from autograder.references import lesson13  # noqa: F401 - its references get fingerprints
+
+    get_task("13.1")
+    here = gates.answer_fingerprints()
+    code = ("import json; from autograder import gates; from autograder.registry import get_task; "
+            "import autograder.references.lesson13; get_task('13.1'); "
+            "print(json.dumps(gates.answer_fingerprints()))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"})
+    theirs = json.loads(other.stdout.strip().splitlines()[-1])
+    mine = {k: v for k, v in here.items() if v.startswith("autograder.references.lesson13")}
+    assert mine and all(theirs.get(k) == v for k, v in mine.items()), (mine, theirs)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from autograder import gates
 from autograder.grade.sandbox import (
     Limits,
     WorkerExit,
@@ -274,7 +275,10 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
                 os.chmod(copy, 0o444)
                 notebooks.append([lesson, str(copy)])
             job = {"seed": seed, "notebooks": notebooks,
-                   "cases": [[t.id, i, case_key(t, i)] for t, i in pending]}
+                   "cases": [[t.id, i, case_key(t, i)] for t, i in pending],
+                   # the references' fingerprints (hashes, never code): a pasted reference
+                   # scores 0 in the worker as it does in check()
+                   "reference_prints": gates.answer_fingerprints()}
             (work / "job.json").write_text(json.dumps(job))
             exit = run_worker(work, limits, slot=slot, cases=len(pending), hide=hide)
             if exit.last is None and exit.reason is None:
