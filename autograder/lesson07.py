@@ -362,7 +362,7 @@ def _(impl: Any, seed: int) -> Any:
 # --------------------------------------------------------------------------- task 7.3
 
 CHECKPOINT = task(
-    "7.3", "apply_checkpointing", points=4,
+    "7.3", "apply_checkpointing", points=4, companions=("checkpoint",),
     # torch's checkpointing: all of torch.utils.checkpoint (its private generator and hooks too),
     # the distributed checkpoint_wrapper's module and the composable checkpoint.
     forbidden=("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",

@@ -176,7 +176,9 @@ class Network:
 
     gpus_per_node: int = 8
     alpha_intra: float = 5e-6
-    beta_intra: float = 1 / 150e9  # ~150 GB/s per GPU
+    # NVLink 3 (A100): 600 GB/s both ways per GPU, so 300 GB/s per direction (NVIDIA's A100
+    # datasheet); NVLink 4 (H100) gives 450 GB/s per direction: Network(beta_intra=1 / 450e9).
+    beta_intra: float = 1 / 300e9
     alpha_inter: float = 10e-6
     beta_inter: float = 1 / 25e9  # ~25 GB/s per GPU (200 Gb/s)
 
