@@ -128,17 +128,19 @@ def _where(frame: Any) -> str:
 
 def _student_caller(frame: Any) -> Any | None:
     """The student's frame that (through library code) made this call, or None if the grader
-    did, or a library module's body did while being imported. A stack with neither (a thread
-    the student started) counts as the student's."""
-    f, last = frame, frame
+    did, or a library module's body did while being imported. A stack with neither is a thread
+    the kernel or a library runs (Jupyter's own threads call into torch while a case runs): not
+    the student's (a thread the student starts runs the student's function, a student frame)."""
+    f = frame
     while f is not None:
         kind = _kind(f.f_code.co_filename)
         if kind == "student":
             return f
         if kind == "grader" or (kind == "library" and f.f_code.co_name == "<module>"):
             return None  # the grader's call, or an import's side effect (a library's top level)
-        last, f = f, f.f_back
-    return last
+        f = f.f_back
+    # Neither (a thread of Jupyter's kernel, a library's own thread): not the student's call.
+    return None
 
 
 # --------------------------------------------------------------------------- resolving names
