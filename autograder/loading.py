@@ -161,6 +161,9 @@ class LoadReport:
     found: dict[str, str] = field(default_factory=dict)  # task id -> where it came from
     missing: dict[str, str] = field(default_factory=dict)  # task id (or "setup") -> why
     notes: list[str] = field(default_factory=list)
+    # task id -> the code it was loaded from; "setup" -> the setup cells and helpers every task
+    # of the notebook shares. What ``kit progress`` keys its remembered results on.
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -431,7 +434,11 @@ def load_tasks(path: str | os.PathLike[str], *, lesson: int | None = None) -> Mo
             chunks.append(chunk)
     helpers = _helper_chunks(chunks, cells, report)
     setup = [c for c in chunks if not c.task_ids]
-    return _import(setup + helpers + [c for c in chunks if c.task_ids], path, report)
+    ordered = setup + helpers + [c for c in chunks if c.task_ids]
+    module = _import(ordered, path, report)  # drops the chunks that raised from ``ordered``
+    report.sources = {tid: c.code for c in ordered for tid in c.task_ids}
+    report.sources[SETUP] = "\n".join(c.code for c in ordered if not c.task_ids)
+    return module
 
 
 def _import(chunks: list[_Chunk], path: Path, report: LoadReport) -> ModuleType:

@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from typing import Any
 
-__all__ = ["launch", "check", "LaunchError", "LaunchTimeout", "LaunchResult", "load_ipython_extension"]
+__all__ = ["launch", "check", "progress", "LaunchError", "LaunchTimeout", "LaunchResult", "load_ipython_extension"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from autograder.checking import check
 
         return check
+    if name == "progress":  # where the learner stands in every lesson (``kit progress``)
+        from autograder.progress import progress
+
+        return progress
     raise AttributeError(f"module 'kit' has no attribute {name!r}")
 
 

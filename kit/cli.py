@@ -6,6 +6,7 @@
     kit course DIR          write an nbgrader course directory
     kit run NOTEBOOK        execute a lesson headless
     kit grade SUBMISSION    grade notebooks
+    kit progress [FOLDER]   where you stand in every lesson
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "course": ("autograder.build", "main_course", "write a ready nbgrader course directory"),
     "run": ("kit.runner", "main", "execute a lesson notebook headless"),
     "grade": ("autograder.grade.notebook", "main", "grade notebooks or submission folders"),
+    "progress": ("autograder.progress", "main", "where you stand in every lesson, and what to do next"),
 }
 
 

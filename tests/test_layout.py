@@ -1,8 +1,9 @@
 """The code has one direction: ``kit`` runs ranks, ``autograder`` decides grades.
 
 ``autograder`` uses ``kit``; ``kit`` never imports ``autograder`` except in the two places a
-lesson or the command line needs it: the lazy ``kit.check`` re-export (every notebook handed in
-calls ``from kit import check``) and the CLI's command table, which names modules as strings.
+lesson or the command line needs it: the lazy ``kit.check`` and ``kit.progress`` re-exports (every
+notebook handed in calls ``from kit import check``) and the CLI's command table, which names
+modules as strings.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_the_cli_names_grading_commands_as_strings_only():
     from kit.cli import COMMANDS
 
     assert {name for name, (module, _, _) in COMMANDS.items() if module.startswith("autograder.")} \
-        == {"build", "course", "grade", "doctor"}
+        == {"build", "course", "grade", "doctor", "progress"}
     assert _autograder_imports(ROOT / "kit" / "cli.py") == []
 
 
