@@ -32,13 +32,17 @@ class CheckFailed(AssertionError):
     """A case found wrong data. Carries what a student needs to fix it."""
 
     def __init__(self, message: str, *, expected: Any = None, got: Any = None, hint: str = "",
-                 recipe: str = ""):
+                 recipe: str = "", cause: str = ""):
         super().__init__(message)
         self.message = message
         self.expected = expected
         self.got = got
         self.hint = hint  # the concept this failure breaks (shown first)
         self.recipe = recipe  # how to fix it, in words (shown after repeated failures)
+        # A short key naming the mistake found (e.g. "special token selected"). A later case that
+        # fails with the cause of an earlier one fails only because of it: it is shown as
+        # following from that failure, without hints of its own (results.settle).
+        self.cause = cause
 
 
 def describe(x: Any, limit: int = 200) -> str:

@@ -122,32 +122,79 @@ def _check_pair(got: dict[str, Any], tokens: torch.Tensor, where: str) -> tuple[
     return got["inputs"], got["labels"]
 
 
-def _check_invariants(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor, where: str) -> None:
+def _check_selection(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor, where: str) -> None:
+    """What labels say was selected: never a special token (and not simply everything)."""
+    # Each failure names its cause, so a later case that trips on the same one is shown as
+    # following from the first (results.settle), and says which tensor holds the mistake.
     alphabet = _alphabet()
     special = torch.isin(tokens, torch.tensor(_specials(alphabet)))
     chosen = labels != -100
+    labelled = chosen[~special].float().mean().item() if (~special).any() else 0.0
+    if (chosen & special).any() and labelled > 0.9 and torch.equal(inputs[special], tokens[special]):
+        # Every position labelled and no special token touched: labels were never set to -100.
+        raise CheckFailed(f"{where}: labels hold a token at {labelled:.0%} of the residues and at "
+                          "every special token, where inputs left them alone",
+                          expected="-100 where nothing was selected (about 85% of positions)",
+                          got="the original token everywhere", cause="labels everywhere",
+                          hint="labels mark what the model must predict: the selected positions "
+                               "only. Everywhere else the label is -100, which the loss ignores.",
+                          recipe="Start labels as a tensor of -100 shaped like the tokens and copy "
+                                 "the original tokens into it at the selected positions only.")
     if (chosen & special).any():
         i = (chosen & special).nonzero()[0].tolist()
         raise CheckFailed(f"{where}: a special token (cls, eos or pad) was selected at {i}",
-                          expected=-100, got=labels[tuple(i)].item(),
+                          expected=-100, got=labels[tuple(i)].item(), cause="special selected",
                           hint="cls, eos and pad are not residues: they are never selected, so "
                                "the model is never asked to predict them.",
                           recipe="Exclude positions holding alphabet.cls_idx, eos_idx or "
                                  "padding_idx before choosing.")
+
+
+def _check_invariants(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor, where: str) -> None:
+    alphabet = _alphabet()
+    _check_selection(inputs, labels, tokens, where)
+    special = torch.isin(tokens, torch.tensor(_specials(alphabet)))
+    chosen = labels != -100
+    labelled = chosen[~special].float().mean().item() if (~special).any() else 0.0
     if not torch.equal(labels[chosen], tokens[chosen]):
         raise CheckFailed(f"{where}: labels at selected positions must hold the original token",
                           expected="the original tokens", got="other values",
+                          cause="labels not the original",
                           hint="Labels are what the model must predict: the original token at "
                                "every selected position.",
                           recipe="Take the labels from the tokens before you replace any.")
     bad = labels[~chosen]
     if (bad != -100).any():
         raise CheckFailed(f"{where}: labels must be -100 where nothing was selected",
-                          expected=-100, got=bad[bad != -100][0].item())
-    if not torch.equal(inputs[~chosen], tokens[~chosen]):
-        raise CheckFailed(f"{where}: positions that were not selected changed in inputs",
-                          expected="unchanged", got="changed",
-                          hint="Only selected positions may change; labels mark them.")
+                          expected=-100, got=bad[bad != -100][0].item(), cause="labels not -100")
+    unlabelled_changes = ~chosen & (inputs != tokens)
+    if unlabelled_changes.any():
+        masked_only = bool(chosen.any()) and bool((inputs[chosen] == alphabet.mask_idx).all())
+        became = inputs[unlabelled_changes]
+        if masked_only and not (became == alphabet.mask_idx).any():
+            # The changes without a label are all random residues: the 10% replaced positions
+            # were selected, and only their labels are missing.
+            raise CheckFailed(f"{where}: labels carry a token only where inputs became <mask>; "
+                              f"{int(unlabelled_changes.sum())} positions replaced by a random "
+                              "amino acid have label -100",
+                              expected="labels at every selected position (about 15%)",
+                              got=f"labels at the <mask> positions only ({labelled:.1%})",
+                              cause="labels only at <mask>",
+                              hint="labels mark every selected position, whatever inputs shows "
+                                   "there: <mask> (80%), a random amino acid (10%) or the token "
+                                   "itself (10%). The model must predict all of them.",
+                              recipe="Set the labels from the selection itself, before the "
+                                     "80/10/10 split: the original token wherever a position was "
+                                     "selected, -100 elsewhere. Do not derive them from inputs.")
+        raise CheckFailed(f"{where}: {int(unlabelled_changes.sum())} positions changed in inputs "
+                          "but have label -100",
+                          expected="inputs unchanged wherever the label is -100", got="changed",
+                          cause="unlabelled change",
+                          hint="labels and inputs describe one selection: a position that changes "
+                               "in inputs was selected, so it needs its label; one that was not "
+                               "selected must keep its token.",
+                          recipe="Compute one boolean selection and use it for both: inputs change "
+                                 "only inside it, labels are set exactly on it.")
     allowed = torch.tensor([alphabet.mask_idx, *_canonical(alphabet)])
     changed = chosen & (inputs != tokens)
     outside = changed & ~torch.isin(inputs, allowed)
@@ -156,6 +203,7 @@ def _check_invariants(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.
         raise CheckFailed(f"{where}: a selected position became {alphabet.get_tok(tok)!r} "
                           f"(index {tok}), which is neither <mask> nor a canonical amino acid",
                           expected="<mask> or one of ACDEFGHIKLMNPQRSTVWY", got=alphabet.get_tok(tok),
+                          cause="replacement outside the amino acids",
                           hint="A random replacement is a plausible residue: one of the 20 "
                                "canonical amino acids, never a special or rare token.",
                           recipe="Draw the random replacement from the 20 canonical amino acids "
@@ -225,21 +273,34 @@ def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
 
 def _compare_independent(got: Any, tokens: torch.Tensor) -> None:
     inputs, labels = _check_pair(got, tokens, "per-sequence counts")
+    # Counts mean nothing if the selection itself is wrong (specials chosen, labels everywhere):
+    # that failure is the one to report, and it names the same cause as the case above.
+    _check_selection(inputs, labels, tokens, "per-sequence counts")
     eligible = ~torch.isin(tokens, torch.tensor(_specials(_alphabet())))
     counts = (labels != -100).sum(1).double()
     sizes = eligible.sum(1).double()
     # Independent draws: each count is Binomial(size, 0.15); its variance is size * p * (1 - p).
     expected_var = (sizes * 0.15 * 0.85).mean().item()
     var = ((counts - sizes * 0.15) ** 2).mean().item()
-    if not expected_var / 2 < var < expected_var * 2:
-        raise CheckFailed("the number of selected positions per sequence varies "
-                          f"{'too little' if var < expected_var else 'too much'} for independent "
-                          "draws", expected=f"variance about {expected_var:.1f}", got=round(var, 2),
+    if var <= expected_var / 2:
+        raise CheckFailed("the number of selected positions per sequence varies too little for "
+                          "independent draws", expected=f"variance about {expected_var:.1f}",
+                          got=round(var, 2), cause="counts vary too little",
                           hint="Positions are selected independently, so the count per "
                                "sequence varies like a binomial; a fixed share of every "
-                               "sequence does not.",
+                               "sequence does not vary at all.",
                           recipe="Select each position on its own (a uniform draw < mask_prob); do "
                                  "not pick a fixed 15% of every sequence.")
+    if var >= expected_var * 2:
+        raise CheckFailed("the number of selected positions per sequence varies too much for "
+                          "independent draws", expected=f"variance about {expected_var:.1f}",
+                          got=round(var, 2), cause="counts vary too much",
+                          hint="Independent draws with one probability give binomial counts; "
+                               "more spread means positions are chosen together or with a "
+                               "probability that differs from sequence to sequence.",
+                          recipe="Draw one uniform number for every position (the tokens' full "
+                                 "shape, not one per sequence or per batch) and select where it "
+                                 "is below mask_prob, the same for every sequence.")
 
 
 @MASK.case("each position independently (per-sequence counts vary as binomials do)",

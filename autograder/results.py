@@ -23,6 +23,7 @@ Statuses, each with one meaning:
 from __future__ import annotations
 
 import html
+import re
 import traceback
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 from autograder.registry import Case, CheckFailed, Task
 
 __all__ = [
-    "BLOCKED", "ERROR", "FAILED", "FORBIDDEN", "MISSING", "NOT_IMPLEMENTED", "PASSED", "STATUSES",
+    "BLOCKED", "ERROR", "FAILED", "FOLLOWS", "FORBIDDEN", "MISSING", "NOT_IMPLEMENTED", "PASSED", "STATUSES",
     "TIMEOUT", "CaseResult", "TaskReport", "judge", "not_implemented_message", "raised",
     "settle", "task_status", "unloaded", "unloaded_status",
 ]
@@ -39,6 +40,7 @@ __all__ = [
 PASSED, FAILED, NOT_IMPLEMENTED = "passed", "failed", "not implemented"
 ERROR, TIMEOUT, MISSING, FORBIDDEN, BLOCKED = "error", "timeout", "missing", "forbidden", "blocked"
 STATUSES = (PASSED, FAILED, NOT_IMPLEMENTED, ERROR, TIMEOUT, MISSING, FORBIDDEN, BLOCKED)
+FOLLOWS = "follows from the failure above: fix that first"
 # A task's status is its worst case's; a task that is not there outranks one that misbehaves.
 _TASK_PRIORITY = (MISSING, NOT_IMPLEMENTED, FORBIDDEN, BLOCKED, TIMEOUT, ERROR, FAILED)
 # Frames of these folders are the grader's, not the student's: hidden from tracebacks.
@@ -60,6 +62,8 @@ class CaseResult:
     details: str = ""  # traceback or rank report, shown folded
     seconds: float = 0.0
     recipe: str = ""  # the steps, in words; check() withholds it on a task's first failure
+    cause: str = ""  # the mistake a failure shows, as a key (CheckFailed.cause)
+    follows: str = ""  # the earlier case whose failure this one only repeats (see settle)
 
     @property
     def passed(self) -> bool:
@@ -147,15 +151,17 @@ class TaskReport:
             mark = {PASSED: "PASS", NOT_IMPLEMENTED: "TODO"}.get(c.status, "FAIL")
             lines.append(f"  [{mark}] {c.name}  ({_num(c.points)}/{_num(c.max_points)})"
                          + ("" if c.status in (PASSED, FAILED, NOT_IMPLEMENTED) else f"  {c.status}"))
+            if c.follows:
+                lines.append(f"         {FOLLOWS}")
             if c.message and not c.passed:
                 lines += [f"         {line}" for line in c.message.splitlines()]
-            if c.expected is not None or c.got is not None:
+            if (c.expected is not None or c.got is not None) and not c.follows:
                 lines += [f"         expected: {c.expected}", f"         got:      {c.got}"]
-            if c.hint and c.status in (FAILED, ERROR, TIMEOUT):
+            if c.hint and c.status in (FAILED, ERROR, TIMEOUT) and not c.follows:
                 lines.append(f"         hint: {c.hint}")
-            if c.recipe and c.status in (FAILED, ERROR, TIMEOUT):
+            if c.recipe and c.status in (FAILED, ERROR, TIMEOUT) and not c.follows:
                 lines.append(f"         recipe: {c.recipe}")
-            if c.details and details:
+            if c.details and details and not c.follows:
                 lines += [f"           {line}" for line in c.details.rstrip().splitlines()[-12:]]
         return "\n".join(lines)
 
@@ -167,25 +173,25 @@ class TaskReport:
             mark, tint = {PASSED: ("&#10004;", "#2e7d32"),
                           NOT_IMPLEMENTED: ("&#9675;", "#757575")}.get(c.status, ("&#10008;", "#c62828"))
             body = []
+            if c.follows:
+                body.append(f"<div style='color:#757575'><i>{_esc(FOLLOWS)}</i></div>")
             if c.message and not c.passed:
-                body.append(f"<div>{_esc(c.message)}</div>")
-            if c.expected is not None or c.got is not None:
-                body.append("<table style='margin:2px 0'><tr><td><b>expected</b></td>"
-                            f"<td><code>{_esc(c.expected)}</code></td></tr><tr><td><b>got</b></td>"
-                            f"<td><code>{_esc(c.got)}</code></td></tr></table>")
-            if c.hint and c.status in (FAILED, ERROR, TIMEOUT):
-                body.append(f"<div><i>Hint:</i> {_esc(c.hint)}</div>")
-            if c.recipe and c.status in (FAILED, ERROR, TIMEOUT):
-                body.append(f"<div><i>Recipe:</i> {_esc(c.recipe)}</div>")
-            if c.details:
+                body.append(f"<div>{_rich(c.message)}</div>")
+            if (c.expected is not None or c.got is not None) and not c.follows:
+                body.append(_expected_got(c.expected, c.got))
+            if c.hint and c.status in (FAILED, ERROR, TIMEOUT) and not c.follows:
+                body.append(f"<div><i>Hint:</i> {_rich(c.hint)}</div>")
+            if c.recipe and c.status in (FAILED, ERROR, TIMEOUT) and not c.follows:
+                body.append(f"<div><i>Recipe:</i> {_rich(c.recipe)}</div>")
+            if c.details and not c.follows:
                 body.append(f"<details><summary>details</summary><pre>{_esc(c.details)}</pre></details>")
             rows.append(f"<tr><td style='color:{tint};font-size:1.2em;vertical-align:top'>{mark}</td>"
                         f"<td style='text-align:left;vertical-align:top'><b>{_esc(c.name)}</b>"
                         f"{''.join(body)}</td><td style='vertical-align:top'>"
                         f"{_num(c.points)}/{_num(c.max_points)}</td></tr>")
         return (f"<div class='kit-check'><div style='font-weight:bold;color:{colour}'>"
-                f"Task {_esc(self.task_id)} <code>{_esc(self.name)}</code>: {_esc(self.headline())}</div>"
-                + (f"<div style='font-size:0.9em'>{_esc(self.note)}</div>" if self.note else "")
+                f"Task {_esc(self.task_id)} <code>{_esc(self.name)}</code>: {_rich(self.headline())}</div>"
+                + (f"<div style='font-size:0.9em'>{_rich(self.note)}</div>" if self.note else "")
                 + f"<table>{''.join(rows)}</table></div>")
 
 
@@ -195,6 +201,28 @@ def _num(x: float) -> str:
 
 def _esc(x: Any) -> str:
     return html.escape("" if x is None else str(x))
+
+
+_CODE_SPAN = re.compile(r"`([^`\n]+)`")
+_CODE_STYLE = "font-family:monospace;background:rgba(127,127,127,0.12);padding:0 2px"
+
+
+def _rich(x: Any) -> str:
+    """Escaped text whose `code spans` show as code, as they would in Markdown."""
+    return _CODE_SPAN.sub(lambda m: f"<code style='{_CODE_STYLE}'>{m.group(1)}</code>", _esc(x))
+
+
+def _expected_got(expected: Any, got: Any) -> str:
+    """Expected and got as two rows of one table: labels in one column, the values in boxes of
+    one width below each other, so a difference shows by eye."""
+    box = ("display:block;box-sizing:border-box;width:100%;white-space:pre-wrap;word-break:"
+           f"break-all;text-align:left;{_CODE_STYLE};padding:1px 4px")
+    rows = "".join(f"<tr><td style='text-align:right;vertical-align:top;padding:1px 6px 1px 0'>"
+                   f"<b>{label}</b></td><td style='width:100%;padding:1px 0'><code style='{box}'>"
+                   f"{_esc(value)}</code></td></tr>"
+                   for label, value in (("expected", expected), ("got", got)))
+    return ("<table class='kit-expected-got' style='margin:2px 0;border-collapse:collapse;"
+            f"width:100%;table-layout:auto'>{rows}</table>")
 
 
 # --------------------------------------------------------------------------- building results
@@ -209,7 +237,8 @@ def judge(task: Task, case: Case, got: Any, expected: Any, seconds: float = 0.0)
         return CaseResult(case.name, FAILED, 0.0, max_points, e.message,
                           None if e.expected is None else str(e.expected)[:500],
                           None if e.got is None else str(e.got)[:500], e.hint or case.hint,
-                          seconds=seconds, recipe=getattr(e, "recipe", "") or case.recipe)
+                          seconds=seconds, recipe=getattr(e, "recipe", "") or case.recipe,
+                          cause=getattr(e, "cause", "") or "")
     except Exception as e:  # compare met data of a form it did not expect (batch: untrusted data)
         return CaseResult(case.name, FAILED, 0.0, max_points, "the result has the wrong form "
                           f"({type(e).__name__}: {str(e)[:200]})", hint=case.hint, seconds=seconds,
@@ -264,7 +293,19 @@ def raised(task: Task, case: Case, e: BaseException, seconds: float = 0.0) -> Ca
 
 def settle(report: TaskReport) -> TaskReport:
     """Apply the task-level rules to a report whose cases are all in: a task that used what it
-    re-implements (any case ``forbidden``) scores 0 on every case, whatever the others found."""
+    re-implements (any case ``forbidden``) scores 0 on every case, whatever the others found;
+    a case that fails only because of an earlier one (the same cause, or the same error from a
+    shared run) says so and gives no hint of its own: one mistake, one diagnosis."""
+    seen: dict[tuple[str, ...], str] = {}
+    for c in report.cases:
+        key = (("cause", c.cause) if c.status == FAILED and c.cause else
+               (c.status, c.message) if c.status == ERROR else None)
+        if key is None:
+            continue
+        if key in seen:
+            c.follows = seen[key]
+        else:
+            seen[key] = c.name
     if any(c.status == FORBIDDEN for c in report.cases):
         why = next(c.message for c in report.cases if c.status == FORBIDDEN)
         for c in report.cases:

@@ -20,7 +20,8 @@ CANONICAL = "ACDEFGHIKLMNPQRSTVWY"
 
 
 def _mask(tokens, alphabet, generator, mask_prob=0.15, *, specials=True, vocabulary=None,
-          rand=None, random_share=0.1, labels_everywhere=False, fixed_count=False, prob=None):
+          rand=None, random_share=0.1, labels_everywhere=False, fixed_count=False, prob=None,
+          labels_where_masked=False, per_sequence=False):
     rand = rand or (lambda shape: torch.rand(shape, generator=generator))
     p = mask_prob if prob is None else prob
     special = (tokens == alphabet.cls_idx) | (tokens == alphabet.eos_idx) | (tokens == alphabet.padding_idx)
@@ -29,6 +30,8 @@ def _mask(tokens, alphabet, generator, mask_prob=0.15, *, specials=True, vocabul
         n = (~special).sum(1, keepdim=True)
         rank = scores.argsort(1).argsort(1)
         selected = rank < (n * p).round()
+    elif per_sequence:  # one draw per sequence, broadcast along it: whole sequences selected
+        selected = (rand((tokens.shape[0], 1)) < p).expand(tokens.shape).clone()
     else:
         selected = rand(tokens.shape) < p
     if specials:
@@ -41,6 +44,8 @@ def _mask(tokens, alphabet, generator, mask_prob=0.15, *, specials=True, vocabul
     replace = selected & (split >= 0.8) & (split < 0.8 + random_share)
     inputs[replace] = draws[replace]
     labels = tokens.clone() if labels_everywhere else torch.where(selected, tokens, torch.full_like(tokens, -100))
+    if labels_where_masked:  # the label set from inputs == <mask>, after the 80/10/10 split
+        labels = torch.where(inputs == alphabet.mask_idx, tokens, torch.full_like(tokens, -100))
     return inputs, labels
 
 
@@ -70,6 +75,14 @@ def ignores_mask_prob(tokens, alphabet, generator, mask_prob=0.15):
 
 def labels_everywhere(tokens, alphabet, generator, mask_prob=0.15):
     return _mask(tokens, alphabet, generator, mask_prob, labels_everywhere=True)
+
+
+def one_draw_per_sequence(tokens, alphabet, generator, mask_prob=0.15):
+    return _mask(tokens, alphabet, generator, mask_prob, per_sequence=True)
+
+
+def labels_only_where_masked(tokens, alphabet, generator, mask_prob=0.15):
+    return _mask(tokens, alphabet, generator, mask_prob, labels_where_masked=True)
 
 
 # --------------------------------------------------------------------------- task 9.2
@@ -325,6 +338,8 @@ BUGS = {
         ("masks exactly 15% of every sequence", fixed_fraction_per_sequence),
         ("ignores mask_prob", ignores_mask_prob),
         ("labels hold the original token everywhere", labels_everywhere),
+        ("one draw per sequence: whole sequences selected", one_draw_per_sequence),
+        ("labels only where <mask> went (not at the random or unchanged 20%)", labels_only_where_masked),
     ],
     "9.2": [
         ("batches built per rank before dealing: ranks get different counts", batches_built_per_rank),

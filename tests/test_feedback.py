@@ -1,0 +1,169 @@
+"""What a failing check tells a student: one mistake, one diagnosis, pointing the right way.
+
+A case that fails only because of an earlier case's failure (the same cause, or the same error
+from a shared run) says "follows from the failure above: fix that first" and gives no hint of
+its own; a diagnosis matches the direction of the error; expected and got are two rows of one
+table; `code spans` render as code. Lesson 9.1's seeded bugs show each rule on a real task. A
+failure here means a student is sent after a mistake the code did not make.
+"""
+
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+
+import pytest
+from conftest import seeded_bugs
+
+from autograder import registry
+from autograder.checking import run_checks
+from autograder.compare import CheckFailed
+from autograder.results import FOLLOWS
+
+
+@pytest.fixture
+def scratch_task():
+    made: list[str] = []
+
+    def make(**kw):
+        task_id = f"98.{len(made) + 1}"
+        made.append(task_id)
+        return registry.task(task_id, "thing", points=3, hint="the task's concept",
+                             recipe="the task's recipe", **kw)
+
+    yield make
+    for task_id in made:
+        registry.TASKS.pop(task_id, None)
+
+
+def _fails_with(cause):
+    def compare(got, expected):
+        raise CheckFailed(f"wrong because of {cause}", expected=1, got=2, cause=cause,
+                          hint=f"about {cause}", recipe=f"fix {cause}")
+    return compare
+
+
+def _returns_seed(seed):
+    return seed
+
+
+def _boom(seed):
+    raise ValueError("shared run broke")
+
+
+def _stub(n, rank, world_size):
+    raise NotImplementedError("Task 0.1: todo")
+
+
+def test_a_case_failing_for_the_cause_of_an_earlier_one_follows_it(scratch_task):
+    t = scratch_task(reference=_returns_seed)
+    t.case("first", compare=_fails_with("A"))(lambda impl, seed: impl(seed))
+    t.case("second", compare=_fails_with("A"))(lambda impl, seed: impl(seed))
+    t.case("third", compare=_fails_with("B"))(lambda impl, seed: impl(seed))
+    report = run_checks(t.id, _returns_seed)
+    first, second, third = report.cases
+    assert (first.follows, second.follows, third.follows) == ("", "first", "")
+    assert report.score == 0  # the rule changes what is said, never the points
+    text = report.to_text()
+    assert text.count(FOLLOWS) == 1
+    assert "about A" in text and text.count("about A") == 1 and "about B" in text
+    page = report._repr_html_()
+    assert page.count(FOLLOWS) == 1 and page.count("about A") == 1
+
+
+def test_an_error_of_a_shared_run_is_diagnosed_once(scratch_task):
+    t = scratch_task(reference=_returns_seed)
+    shared = t.shared(lambda impl, seed: impl(seed))
+    t.case("a")(lambda impl, seed: shared(impl, seed))
+    t.case("b")(lambda impl, seed: shared(impl, seed))
+    report = run_checks(t.id, _boom)
+    assert [c.status for c in report.cases] == ["error", "error"]
+    assert [c.follows for c in report.cases] == ["", "a"]
+    assert report.to_text().count("hint: the task's concept") == 1
+
+
+class _Tables(HTMLParser):
+    """The expected/got tables of a report: each a list of rows, each row its cells' text."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self._in, self._cell = [], False, None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table" and "kit-expected-got" in (dict(attrs).get("class") or ""):
+            self._in = True
+            self.tables.append([])
+        elif self._in and tag == "tr":
+            self.tables[-1].append([])
+        elif self._in and tag == "td":
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if self._in and tag == "td":
+            self.tables[-1][-1].append(self._cell)
+            self._cell = None
+        elif tag == "table":
+            self._in = False
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+
+def test_expected_and_got_are_two_rows_of_one_table_and_code_spans_render():
+    report = run_checks("0.1", dict(seeded_bugs(0)["0.1"])["stops one item early (off by one)"])
+    page = report._repr_html_()
+    tables = _Tables()
+    tables.feed(page)
+    failed = [c for c in report.cases if c.expected is not None]
+    assert failed and len(tables.tables) == len(failed)
+    for table, case in zip(tables.tables, failed):
+        assert [row[0] for row in table] == ["expected", "got"]
+        assert [row[1] for row in table] == [case.expected, case.got]
+    # both boxes fill the one value column: the same width whatever their text
+    assert page.count("display:block;box-sizing:border-box;width:100%") == 2 * len(failed)
+
+    stub = run_checks("0.1", _stub)
+    assert "`" in stub.headline()  # the text form keeps Markdown's backticks ...
+    html = stub._repr_html_()
+    assert "`" not in html  # ... the page shows them as code
+    assert re.search(r"<code[^>]*>raise NotImplementedError\(\.\.\.\)</code>", html)
+
+
+def _bug(description):
+    return next(impl for d, impl in seeded_bugs(9)["9.1"] if d.startswith(description))
+
+
+def test_9_1_special_tokens_selected_is_one_failure_the_others_follow():
+    report = run_checks("9.1", _bug("special tokens"))
+    invariants, frequencies, independent, determinism = report.cases
+    assert "special token" in invariants.message and invariants.hint and not invariants.follows
+    assert frequencies.follows == independent.follows == invariants.name
+    text = report.to_text()
+    # the per-sequence case no longer blames a fixed share of every sequence
+    assert "fixed" not in text and "varies" not in text
+    assert determinism.passed and report.score == pytest.approx(0.6)
+
+
+def test_9_1_count_diagnosis_follows_the_direction_of_the_error():
+    too_little = run_checks("9.1", _bug("masks exactly 15%")).cases[2]
+    too_much = run_checks("9.1", _bug("one draw per sequence")).cases[2]
+    assert "too little" in too_little.message and "fixed" in too_little.recipe
+    assert "too much" in too_much.message
+    assert "fixed" not in too_much.hint + too_much.recipe
+    assert "not one per sequence" in too_much.recipe
+
+
+def test_9_1_labels_only_at_mask_points_at_labels_not_inputs():
+    report = run_checks("9.1", _bug("labels only where <mask> went"))
+    first = report.cases[0]
+    assert first.message.split(": ", 1)[1].startswith("labels")
+    assert "not selected changed in inputs" not in report.to_text()
+    assert "labels" in first.hint and "before the 80/10/10 split" in first.recipe
+    assert report.cases[1].follows == first.name
+
+
+def test_9_1_labels_everywhere_is_not_called_selecting_special_tokens():
+    first = run_checks("9.1", _bug("labels hold the original token everywhere")).cases[0]
+    assert "special token (cls, eos or pad) was selected" not in first.message
+    assert first.message.split(": ", 1)[1].startswith("labels hold a token")
