@@ -1,4 +1,4 @@
-"""Checks for Lesson 08, "Model parallelism": tasks 8.1-8.4.
+"""Checks for Lesson 08, "Model parallelism": tasks 8.1-8.5.
 
 Every case runs on real gloo ranks and compares with the unsharded model in one process, built
 from the same seeded weights: outputs, input gradients and every parameter's gradient (each
@@ -9,8 +9,10 @@ how many bytes (8.1, 8.2), and every point-to-point message's peer and size (8.3
 weight bytes a rank keeps and the matmul FLOPs it runs, 1/t of the layers' (8.1, 8.2), and the
 activations a pipeline stage holds while its 1F1B order is played (8.4). Task 8.2 also reads the
 autograd graph for what the LayerNorm saved for backward. Task 8.4's orders are checked as
-properties over a grid of pipeline shapes, then played on real ranks by the grader's own
-executor. One shared run per world size serves every case of a task; the unsharded model's
+properties over a grid of pipeline shapes (valid, as fast as GPipe, at most p − s in flight),
+then played on real ranks by the grader's own executor; Task 8.5's interleaved orders are played
+together by :func:`kit.lessons.parallelism.simulate_schedule` over a grid of (stages, chunks,
+micro-batches): no deadlock, Megatron-LM's bubble, its bound on the chunks in flight. One shared run per world size serves every case of a task; the unsharded model's
 answers live in :mod:`autograder.references.lesson08`, named here by string.
 """
 
@@ -866,25 +868,48 @@ def _each_once(where: str, order: list, s: int, p: int, m: int) -> None:
             raise CheckFailed(f"{where}: micro-batch {i} goes backward before forward", got=order)
 
 
-def _warmup(where: str, order: list, s: int, p: int, m: int) -> None:
-    first_b = next((k for k, (op, _) in enumerate(order) if op == "B"), len(order))
-    want = min(p - s - 1, m)
-    steady_start = want + 1 if want < m else m  # the first steady forward precedes the first B
-    if first_b != steady_start:
-        raise CheckFailed(f"{where}: forwards before the first backward",
-                          expected=steady_start, got=first_b,
-                          hint=f"Warm-up: num_stages - stage - 1 = {p - s - 1} forwards (at most "
-                               "m), then the steady state starts with one more forward before "
-                               "its first backward.")
+def _for_each_pipeline(check: Any) -> Any:
+    """``check(where, orders, p, m)`` on every pipeline shape of the grid: all its stages' orders."""
+    def compare(got: Any, expected: Any) -> None:
+        if not isinstance(got, dict) or len(got) != len(GRID):
+            raise CheckFailed("could not read the orders", got=repr(got)[:200])
+        for p in sorted({p for _, p, _ in GRID}):
+            for m in sorted({m for _, q, m in GRID if q == p}):
+                orders = [got[f"{s},{p},{m}"] for s in range(p)]
+                where = f"one_f_one_b(stage, num_stages={p}, num_microbatches={m})"
+                if not all(isinstance(o, list) for o in orders):
+                    raise CheckFailed(f"{where} is not a list of (str, int) pairs on every stage",
+                                      got=orders)
+                check(where, [[tuple(x) for x in o] for o in orders], p, m)
+
+    return compare
 
 
-def _alternates(where: str, order: list, s: int, p: int, m: int) -> None:
-    warmup = min(p - s - 1, m)
-    steady = order[warmup: warmup + 2 * (m - warmup)]
-    want = ["F", "B"] * (m - warmup)
-    if [op for op, _ in steady] != want or any(op != "B" for op, _ in order[warmup + 2 * (m - warmup):]):
-        raise CheckFailed(f"{where}: after the warm-up, one forward then one backward until the "
-                          "forwards run out, then only backwards", got=order)
+def _as_fast_as_gpipe(where: str, orders: list, p: int, m: int) -> None:
+    from kit.lessons.parallelism import simulate_schedule
+
+    for s, order in enumerate(orders):
+        if not _well_formed(order, m):
+            raise CheckFailed(f"{where}: stage {s}'s order does not run each micro-batch forward, "
+                              "then backward, once", got=order)
+    try:
+        run = simulate_schedule(orders)  # a forward takes 1, a backward 2
+    except ValueError as e:
+        raise CheckFailed(f"{where}, every stage played together: {e}", got=orders,
+                          hint="A stage's forward of micro-batch i waits for the stage before it; "
+                               "its backward waits for the stage after it. A backward that comes "
+                               "before the next stage can have sent its gradient blocks the "
+                               "pipe.") from None
+    # No order beats GPipe: the last stage starts after p - 1 forwards and its last backward
+    # still crosses p - 1 stages, so m·(1 + 2) + (p - 1)·(1 + 2) is the least possible time.
+    least = 3 * (m + p - 1)
+    if run.makespan > least + 1e-9:
+        raise CheckFailed(f"{where}: the pipeline's time (a forward 1, a backward 2)",
+                          expected=f"{least:g}, GPipe's: a bubble of (p − 1)/(m + p − 1)",
+                          got=f"{run.makespan:g}, a bubble of {run.bubble:.1%}",
+                          hint="1F1B keeps GPipe's bubble: a stage must not wait for a backward "
+                               "while it could still forward a micro-batch the stages after it "
+                               "need.")
 
 
 def _in_flight(where: str, order: list, s: int, p: int, m: int) -> None:
@@ -988,10 +1013,9 @@ _ORDERS = ONE_F_ONE_B.shared(_orders)
 
 ONE_F_ONE_B.case("every micro-batch goes forward, then backward, exactly once, in order",
                  uses=_ORDERS, pick="orders", compare=_for_each_order(_each_once))
-ONE_F_ONE_B.case("warm-up: num_stages − stage − 1 forwards (at most m)",
-                 uses=_ORDERS, pick="orders", compare=_for_each_order(_warmup))
-ONE_F_ONE_B.case("steady state: forwards and backwards alternate, then the cool-down",
-                 uses=_ORDERS, pick="orders", compare=_for_each_order(_alternates))
+ONE_F_ONE_B.case("all stages' orders played together: no deadlock, done in GPipe's time "
+                 "(the least possible)", weight=2, uses=_ORDERS, pick="orders",
+                 compare=_for_each_pipeline(_as_fast_as_gpipe))
 ONE_F_ONE_B.case("at most num_stages − stage activations in flight",
                  uses=_ORDERS, pick="orders", compare=_for_each_order(_in_flight))
 ONE_F_ONE_B.case("played on real ranks (2 stages x 4, 4 stages x 6): no deadlock, the whole "
@@ -1011,3 +1035,129 @@ ONE_F_ONE_B.bound("activation bytes a stage holds, per micro-batch 1F1B lets it 
                   recipe="Start backwards as soon as the warm-up has filled the pipe below this "
                          "stage (num_stages − stage − 1 forwards), then alternate.",
                   expect="held_activations_bound", uses=_ORDERS, pick="held")
+
+
+# --------------------------------------------------------------------------- task 8.5
+
+# (stages, chunks, micro-batches): m a multiple of p, from one round of p micro-batches to three.
+INTERLEAVED_GRID = [(p, v, k * p) for p in range(1, 5) for v in range(1, 4) for k in (1, 2, 3)]
+
+
+def _interleaved_orders(impl: Any, seed: int) -> dict[str, Any]:
+    """Every stage's order for every shape of INTERLEAVED_GRID, as plain data."""
+    orders = {}
+    for p, v, m in INTERLEAVED_GRID:
+        for s in range(p):
+            order = impl(s, p, m, v)
+            try:
+                orders[f"{s},{p},{m},{v}"] = [[str(op), int(i), int(c)] for op, i, c in order]
+            except (TypeError, ValueError):
+                orders[f"{s},{p},{m},{v}"] = repr(order)[:120]
+    return orders
+
+
+def _chunk_steps_once(where: str, order: Any, m: int, v: int) -> None:
+    if not isinstance(order, list):
+        raise CheckFailed(f"{where} is not a list of (str, int, int) triples", got=order)
+    steps = [tuple(x) for x in order]
+    want = {(op, i, c) for op in "FB" for i in range(m) for c in range(v)}
+    if sorted(steps) != sorted(want):
+        raise CheckFailed(f"{where}: expected a forward and a backward of every (micro-batch, "
+                          f"chunk) for micro-batches 0..{m - 1} and chunks 0..{v - 1}, each once",
+                          got=order, hint="2·m·v steps: ('F', i, c) and ('B', i, c) for every "
+                                          "micro-batch i and chunk c.")
+    for i in range(m):
+        for c in range(v):
+            if steps.index(("B", i, c)) < steps.index(("F", i, c)):
+                raise CheckFailed(f"{where}: micro-batch {i}'s chunk {c} goes backward before "
+                                  "forward", got=order)
+
+
+def _interleaved_pipeline(check: Any = None) -> Any:
+    """``check(where, run, p, m, v)`` on every shape, ``run`` the simulation of all its stages'
+    orders with a unit time per chunk's forward and backward (with no ``check``: only that each
+    stage's order is well formed)."""
+    def compare(got: Any, expected: Any) -> None:
+        from kit.lessons.parallelism import simulate_schedule
+
+        if not isinstance(got, dict) or len(got) != sum(p for p, _, _ in INTERLEAVED_GRID):
+            raise CheckFailed("could not read the orders", got=repr(got)[:200])
+        for p, v, m in INTERLEAVED_GRID:
+            where = f"interleaved_one_f_one_b(stage, num_stages={p}, num_microbatches={m}, chunks={v})"
+            orders = []
+            for s in range(p):
+                _chunk_steps_once(where.replace("stage,", f"stage={s},"), got[f"{s},{p},{m},{v}"],
+                                  m, v)
+                orders.append([tuple(x) for x in got[f"{s},{p},{m},{v}"]])
+            if check is None:
+                continue
+            try:
+                run = simulate_schedule(orders, forward=1.0, backward=1.0, chunks=v)
+            except ValueError as e:
+                raise CheckFailed(
+                    f"{where}, every stage played together: {e}", got=orders,
+                    hint="Chunk c of stage s is virtual stage c·p + s: a micro-batch's forward "
+                         "visits stage 0..p−1 with chunk 0, then again with chunk 1, and its "
+                         "backward comes back the other way. A stage that waits for a step the "
+                         "others can only run after its own next step blocks the pipe.") from None
+            check(where, run, p, m, v)
+
+    return compare
+
+
+def _no_deadlock(where: str, run: Any, p: int, m: int, v: int) -> None:
+    pass  # the simulation finished: every stage ran its whole order
+
+
+def _interleaved_bubble(where: str, run: Any, p: int, m: int, v: int) -> None:
+    work = 2 * v * m  # each stage's forward and backward of every chunk, one unit each
+    bubble, want = (run.makespan - work) / work, (p - 1) / (v * m)
+    # No order does better: the last stage starts after p - 1 steps, and its last backward (of
+    # chunk 0) still crosses p - 1 stages.
+    if abs(bubble - want) > 1e-9:
+        raise CheckFailed(f"{where}: the bubble (makespan − 2vm) / 2vm",
+                          expected=f"(p − 1)/(v·m) = {want:.4f}",
+                          got=f"{bubble:.4f} (makespan {run.makespan:g} for {work} units of work)",
+                          hint="Interleaving pays off only if the pipe never drains in between: "
+                               "warm up with enough forwards that every stage has a chunk to run "
+                               "while the first backwards travel back.")
+
+
+def _interleaved_in_flight(where: str, run: Any, p: int, m: int, v: int) -> None:
+    for s, peak in enumerate(run.peak_in_flight):
+        bound = (p - s - 1) * 2 + (v - 1) * p + 1
+        if peak > bound:
+            raise CheckFailed(f"{where}: stage {s} holds {peak} chunks forwarded but not yet "
+                              "backwarded", expected=f"at most (p − s − 1)·2 + (v − 1)·p + 1 = "
+                                                     f"{bound}", got=peak,
+                              hint="Every forward beyond the warm-up keeps one more chunk's "
+                                   "activations alive: start the backwards as soon as the first "
+                                   "micro-batch has come back, then alternate.")
+
+
+# bounds nothing in bytes: what interleaving trades is time for activations, both read from the
+# trusted simulation of the orders the task returns (the bubble and the chunks in flight per
+# stage); 8.4's bound already measures a stage's activations per micro-batch on the meter.
+INTERLEAVED = task(
+    "8.5", "interleaved_one_f_one_b", points=3, forbidden=PIPELINING,
+    hint="Interleaved 1F1B is 1F1B on a pipeline of v·p virtual stages where each rank holds v "
+         "of them (chunk c of stage s is virtual stage c·p + s): micro-batches go round the ranks "
+         "v times forward and v times back, in rounds of p micro-batches.",
+    recipe="Number this stage's forward chunk-steps k = 0, 1, ...: in each round of p·v steps the "
+           "first p run chunk 0 for the round's p micro-batches, the next p chunk 1, and so on; "
+           "backwards are numbered the same way with the chunks taken last-first. Warm up with "
+           "two forwards per stage after this one plus p forwards per extra chunk (never more "
+           "than m·v), then alternate the next forward with the next backward, then cool down "
+           "with the remaining backwards.",
+)
+_INTERLEAVED_ORDERS = INTERLEAVED.shared(_interleaved_orders)
+
+INTERLEAVED.case("every (micro-batch, chunk) goes forward, then backward, exactly once",
+                 uses=_INTERLEAVED_ORDERS, compare=_interleaved_pipeline())
+INTERLEAVED.case("all stages' orders played together with unit-time chunks: no deadlock",
+                 uses=_INTERLEAVED_ORDERS, compare=_interleaved_pipeline(_no_deadlock))
+INTERLEAVED.case("the bubble (makespan − 2vm)/2vm is (p − 1)/(v·m), 1F1B's divided by v",
+                 weight=2, uses=_INTERLEAVED_ORDERS, compare=_interleaved_pipeline(_interleaved_bubble))
+INTERLEAVED.case("at most (p − s − 1)·2 + (v − 1)·p + 1 chunks in flight on stage s",
+                 weight=2, uses=_INTERLEAVED_ORDERS,
+                 compare=_interleaved_pipeline(_interleaved_in_flight))

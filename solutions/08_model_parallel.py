@@ -32,8 +32,10 @@
 #   f and g as autograd functions (**Task 8.1**, 4 points);
 # - split the LayerNorm region along the sequence, turning each all-reduce into an all-gather
 #   and a reduce-scatter (**Task 8.2**, 3 points);
-# - run a GPipe pipeline with send/recv (**Task 8.3**, 3 points) and write the 1F1B order that
-#   bounds its activation memory (**Task 8.4**, 2 points);
+# - run a GPipe pipeline with send/recv (**Task 8.3**, 3 points), write the 1F1B order that
+#   bounds its activation memory (**Task 8.4**, 2 points) and Megatron-LM's interleaved 1F1B
+#   order, which divides the bubble by the number of model chunks per rank (**Task 8.5**, 3
+#   points);
 # - do the same with torch's own `parallelize_module` (DTensor) and
 #   `torch.distributed.pipelining`, combine FSDP and tensor parallelism on a 2-D mesh, and
 #   choose a layout from its memory and communication.
@@ -118,7 +120,14 @@ print("sum of the 4 partial results + bias equals the MLP:",
 # with a static `forward(ctx, ...)` and `backward(ctx, grad)`; `backward` returns one gradient
 # per input of `forward` (`None` for the group). So a tensor-parallel MLP costs **one
 # all-reduce in forward and one in backward**, each of the whole (batch, seq, $h$) activation.
-#
+
+# %%
+from kit.lessons import figures
+
+figures.tensor_parallel_mlp(t=2)
+plt.show()
+
+# %% [markdown]
 # ### Task 8.1: `ColumnParallelLinear` and `RowParallelLinear`
 #
 # Write the four autograd functions and the two layers, as Megatron-LM's
@@ -428,6 +437,15 @@ print("head-parallel attention equals the unsharded one:", same, "| forward coll
 # their gradients must be **summed over the tensor-parallel group**, once per backward pass.
 # Task 8.1's f does exactly that when the parameter passes through it.
 #
+# Korthikanti et al. draw this as their Figure 5: **g** is now an all-gather along the sequence
+# in forward and a reduce-scatter in backward, and its conjugate **ḡ** a reduce-scatter in
+# forward and an all-gather in backward. On the MLP block:
+
+# %%
+figures.sequence_parallel_mlp(t=2)
+plt.show()
+
+# %% [markdown]
 # ### Task 8.2: `SequenceParallelMLP`
 #
 # `SequenceParallelMLP(norm, linear1, linear2, group=None)` takes the full modules and keeps
@@ -873,28 +891,40 @@ plt.show()
 #
 # PipeDream-Flush (Narayanan et al., [*Memory-Efficient Pipeline-Parallel DNN Training*, ICML
 # 2021](https://arxiv.org/abs/2006.09503)), better known as **1F1B**, reorders each stage's
-# work. Stage $s$ runs $p - s - 1$ **warm-up** forwards, just
-# enough to fill the pipeline below it; then, in **steady state**, one forward and one backward
-# in turn, each backward freeing the activations of the oldest micro-batch; then a
-# **cool-down** of the remaining backwards. The bubble is the same as GPipe's, but stage $s$
-# never holds more than $p - s$ micro-batches' activations, however large $m$ is.
+# work. A stage runs a few **warm-up** forwards, just enough to keep the stages below it busy;
+# then, in **steady state**, one forward and one backward in turn, each backward freeing the
+# activations of the oldest micro-batch; then a **cool-down** of the remaining backwards. The
+# bubble is the same as GPipe's, but stage $s$ never holds more than $p - s$ micro-batches'
+# activations, however large $m$ is.
 #
 # ### Task 8.4: `one_f_one_b`
 #
 # Write `one_f_one_b(stage, num_stages, num_microbatches)`: the list of `("F", i)` and
-# `("B", i)` that stage `stage` runs, forwards in micro-batch order and backwards in
-# micro-batch order. The warm-up is `num_stages - stage - 1` forwards (all of them if there are
-# fewer micro-batches); the checks also play your orders on real ranks.
+# `("B", i)` steps that stage `stage` runs. Work out how many warm-up forwards each stage needs
+# from what the checks ask of your orders, over many pipeline shapes:
+#
+# - **valid**: each micro-batch goes forward once, then backward once; forwards in micro-batch
+#   order and backwards in micro-batch order (a neighbour receives messages in the order they
+#   were sent);
+# - **as fast as GPipe**: all stages' orders, played together by `simulate_schedule` (a forward
+#   takes 1, a backward 2), never deadlock and finish in GPipe's time, which no order can beat:
+#   the last stage starts after $p - 1$ forwards, and its last backward still has to cross
+#   $p - 1$ stages;
+# - **bounded**: stage $s$ never holds more than $p - s$ micro-batches forwarded but not yet
+#   backwarded (the checks count them, and measure the bytes while your order runs);
+# - played on real ranks by the grader's executor, the whole batch's gradients.
 
 # %% tags=["task-8.4"]
 def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The 1F1B order of ("F", i) and ("B", i) for one stage, micro-batches in order.
+    """The 1F1B order of ("F", i) and ("B", i) steps for stage `stage` of `num_stages`.
 
-    Warm-up: min(num_stages - stage - 1, num_microbatches) forwards; steady state: one
-    forward then one backward until every forward is done; cool-down: the remaining backwards.
+    Every micro-batch 0..num_microbatches-1 goes forward once, then backward once; forwards in
+    micro-batch order, backwards in micro-batch order. All stages' orders, run together, finish
+    in GPipe's time, and stage s never holds more than num_stages - s micro-batches forwarded but
+    not yet backwarded.
     """
     ### BEGIN SOLUTION
-    warmup = min(num_stages - stage - 1, num_microbatches)
+    warmup = min(num_stages - stage - 1, num_microbatches)  # fills the stages below this one
     order = [("F", i) for i in range(warmup)]
     for i in range(num_microbatches - warmup):
         order += [("F", warmup + i), ("B", i)]
@@ -1050,9 +1080,104 @@ for name in ("ScheduleGPipe", "Schedule1F1B"):
 
 # %% [markdown]
 # torch's stages also exchange a few small messages before the first step to agree on the shapes
-# of what they send (your `gpipe` knew them from the micro-batches). For more stages than
-# ranks, `ScheduleInterleaved1F1B` gives each rank several non-consecutive stages, which cuts
-# the bubble by that factor for more messages.
+# of what they send (your `gpipe` knew them from the micro-batches).
+#
+# ### Interleaved 1F1B: a smaller bubble for more messages
+#
+# Narayanan et al. ([Megatron-LM, SC21](https://arxiv.org/abs/2104.04473), section 2.2.2) cut
+# the bubble further by giving each rank $v$ **model chunks** instead of one block of
+# consecutive layers: chunk $c$ of stage $s$ is **virtual stage** $c \cdot p + s$ of a pipeline
+# of $v \cdot p$ virtual stages. A micro-batch's forward goes round the ranks $v$ times (stage
+# 0's chunk 0, stage 1's chunk 0, ..., stage $p-1$'s chunk 0, then stage 0's chunk 1, ...) and
+# its backward comes back the same way. Each chunk is $1/v$ of a stage's work, so the pipeline
+# fills and drains in steps $v$ times shorter:
+#
+# ```
+#   p = 2, v = 2: 4 virtual stages     rank 0: [chunk 0 = layers 0-1] [chunk 1 = layers 4-5]
+#                                      rank 1: [chunk 0 = layers 2-3] [chunk 1 = layers 6-7]
+#   forward:  rank 0 -> rank 1 -> rank 0 -> rank 1      backward: the other way
+# ```
+#
+# With a unit time for every chunk's forward and backward, each stage has $2vm$ units of work,
+# and the bubble falls from 1F1B's $\frac{p-1}{m}$ of that work to $\frac{p-1}{v \cdot m}$, for
+# $v$ times the messages. Megatron-LM asks for $m$ to be a multiple of $p$: micro-batches go round
+# in groups of $p$.
+#
+# ### Task 8.5: `interleaved_one_f_one_b`
+#
+# Write `interleaved_one_f_one_b(stage, num_stages, num_microbatches, chunks)`: the list of
+# `("F", i, c)` and `("B", i, c)` steps (micro-batch `i`, model chunk `c`) that stage `stage`
+# runs, in the order of Megatron-LM's interleaved schedule. As for 8.4, the checks hold your
+# orders to the contract, over many shapes $(p, v, m)$:
+#
+# - each (micro-batch, chunk) goes forward once, then backward once, on every stage;
+# - all stages' orders, played together by `simulate_schedule(orders, forward=1, backward=1,
+#   chunks=v)`, never deadlock;
+# - the bubble $(\text{makespan} - 2vm)/2vm$ is $\frac{p-1}{v \cdot m}$; no order does better,
+#   for the reason of 8.4: stage $p-1$ starts after $p-1$ steps, and its last backward, of chunk
+#   0, still crosses $p - 1$ stages;
+# - stage $s$ holds at most $(p-s-1) \cdot 2 + (v-1) \cdot p + 1$ chunks forwarded but not yet
+#   backwarded: Megatron-LM's warm-up, plus one. GPipe's order (every forward first) fails it.
+
+# %% tags=["task-8.5"]
+def interleaved_one_f_one_b(stage: int, num_stages: int, num_microbatches: int,
+                            chunks: int) -> list[tuple[str, int, int]]:
+    """The interleaved 1F1B order of ("F", i, c) and ("B", i, c) steps for stage `stage`.
+
+    Chunk c of stage s is virtual stage c * num_stages + s; num_microbatches is a multiple of
+    num_stages. Every (micro-batch, chunk) goes forward once, then backward once. All stages'
+    orders, played together with unit-time chunks, never deadlock, leave a bubble of
+    (num_stages - 1) / (chunks * num_microbatches) of the work, and stage s holds at most
+    (num_stages - s - 1) * 2 + (chunks - 1) * num_stages + 1 chunks forwarded but not yet
+    backwarded.
+    """
+    ### BEGIN SOLUTION
+    p, v = num_stages, chunks
+    total = num_microbatches * v  # this stage's forward chunk-steps (and as many backwards)
+    warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+
+    def step(op, k):  # the k-th forward or backward: rounds of p micro-batches through each chunk
+        rounds, within = divmod(k, p * v)
+        chunk = within // p
+        return (op, rounds * p + within % p, chunk if op == "F" else v - 1 - chunk)
+
+    order = [step("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [step("F", warmup + k), step("B", k)]
+    order += [step("B", k) for k in range(total - warmup, total)]
+    return order
+    ### END SOLUTION
+
+
+# %% tags=["check-8.5"]
+check("8.5", interleaved_one_f_one_b)
+
+# %% [markdown]
+# Four stages, eight micro-batches: 1F1B with each stage's forward and backward taking 2 units,
+# against the same work cut into $v = 2$ chunks of 1 unit (chunk 1 lighter):
+
+# %%
+p, m, v = 4, 8, 2
+runs = {"1F1B": ([one_f_one_b(s, p, m) for s in range(p)], {"forward": v, "backward": v}),
+        f"interleaved 1F1B, {v} chunks": ([interleaved_one_f_one_b(s, p, m, v) for s in range(p)],
+                                          {"forward": 1, "backward": 1, "chunks": v})}
+fig, axes = plt.subplots(2, 1, figsize=(9, 4.2), sharex=True)
+for ax, (name, (orders, times)) in zip(axes, runs.items()):
+    run = simulate_schedule(orders, **times)
+    bubble = (run.makespan - 2 * v * m) / (2 * v * m)
+    print(f"{name}: bubble {bubble:.4f} of the work (formula {(p - 1) / (m * times.get('chunks', 1)):.4f}); "
+          f"peak in flight {run.peak_in_flight}")
+    plot_schedule(orders, ax=ax, **times, title=f"{name}: bubble {bubble:.1%} of the work, "
+                                                f"in flight {run.peak_in_flight}")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The bubble halves; the price is in the peaks. Stage 0 now holds 11 chunks, 5.5 micro-batches'
+# worth of activations against 1F1B's 4, and every micro-batch crosses each rank boundary $v$
+# times as often. torch's `ScheduleInterleaved1F1B` runs this same order: its warm-up is
+# `_get_warmup_ops` in `torch/distributed/pipelining/schedules.py`, the same
+# $(v-1) \cdot p + 2(p - s - 1)$, and it relaxes $m$ to a multiple of the number of rounds.
 
 # %% [markdown]
 # ## 5. Choosing a layout
@@ -1197,7 +1322,9 @@ for step in range(3):
 # > For a pipeline dimension add it outermost, `init_device_mesh("cuda", (pp, dp, tp), ...)`, and
 # > give `PipelineStage` the `mesh["pp"]` group (`group=mesh["pp"].get_group()`). Your
 # > `ColumnParallelLinear` and `RowParallelLinear` run unchanged with NCCL on GPU tensors: pass
-# > `group=mesh["tp"].get_group()`.
+# > `group=mesh["tp"].get_group()`. For interleaved 1F1B, each rank builds one `PipelineStage`
+# > per model chunk, stage index `c * pp + pp_rank`, and hands the list to
+# > `ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)`.
 #
 # ## Summary
 #
@@ -1214,8 +1341,10 @@ for step in range(3):
 #   (`ColwiseParallel`, `RowwiseParallel`, `SequenceParallel`) applied by `parallelize_module`;
 #   composed with FSDP2 on a 2-D `DeviceMesh`.
 # - **Pipeline parallelism**: GPipe's micro-batches leave a bubble of $(p-1)/(m+p-1)$ and hold
-#   $m$ activations per stage; 1F1B keeps the bubble and holds at most $p - s$.
-#   `torch.distributed.pipelining` gives you `PipelineStage`, `ScheduleGPipe`, `Schedule1F1B`.
+#   $m$ activations per stage; 1F1B keeps the bubble and holds at most $p - s$; interleaved 1F1B
+#   with $v$ chunks per rank divides the bubble by $v$ for $v$ times the messages and a longer
+#   warm-up. `torch.distributed.pipelining` gives you `PipelineStage`, `ScheduleGPipe`,
+#   `Schedule1F1B`, `ScheduleInterleaved1F1B`.
 # - **Layouts**: tensor parallelism inside a node, pipeline and data parallelism across nodes;
 #   price each choice by memory, bytes and the bubble.
 #

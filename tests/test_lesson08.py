@@ -5,8 +5,9 @@ The hand-built layers give what torch's own implementations give on the same wei
 ``ColumnParallelLinear``/``RowParallelLinear`` what ``parallelize_module`` with
 ``ColwiseParallel``/``RowwiseParallel`` gives (outputs and every local gradient), and
 ``SequenceParallelMLP`` what the ``SequenceParallel`` plan gives; ``gpipe`` the gradients of
-``torch.distributed.pipelining``'s ``ScheduleGPipe``, and ``one_f_one_b`` the order in which
-``Schedule1F1B`` really runs forwards and backwards. The schedule simulator and the layout
+``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``one_f_one_b`` the order in which
+``Schedule1F1B`` really runs forwards and backwards, and ``interleaved_one_f_one_b`` the order
+``ScheduleInterleaved1F1B`` computes for each rank. The schedule simulator and the layout
 arithmetic of :mod:`kit.lessons.parallelism` keep their formulas (bubble, peak activations,
 Korthikanti's activation memory, bus bytes), and the lesson runs headless.
 """
@@ -44,10 +45,11 @@ def solution():
     return load_tasks(SOURCE)
 
 
-def test_lesson08_registers_tasks_8_1_to_8_4_with_their_points():
+def test_lesson08_registers_tasks_8_1_to_8_5_with_their_points():
     tasks = {t.id: (t.name, t.points) for t in lesson_tasks(8)}
     assert tasks == {"8.1": ("ColumnParallelLinear", 4.0), "8.2": ("SequenceParallelMLP", 3.0),
-                     "8.3": ("gpipe", 3.0), "8.4": ("one_f_one_b", 2.0)}
+                     "8.3": ("gpipe", 3.0), "8.4": ("one_f_one_b", 2.0),
+                     "8.5": ("interleaved_one_f_one_b", 3.0)}
     assert all(t.forbidden for t in lesson_tasks(8))  # every task names what it re-implements
 
 
@@ -208,6 +210,41 @@ def test_one_f_one_b_is_the_order_torch_schedule_1f1b_runs(solution, p, m):
         assert solution.one_f_one_b(stage, p, m) == order
 
 
+def _torch_interleaved_order(rank, p, m, v):
+    """The (op, micro-batch, chunk) order ScheduleInterleaved1F1B computes for a rank, without a
+    process group: its per-rank method reads only these attributes."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = p, v, m
+    schedule.number_of_rounds = max(1, m // p)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    ops = schedule._calculate_single_rank_operations(rank)
+    names = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return [(names[a.computation_type.name], a.microbatch_index, a.stage_index // p)
+            for a in ops if a is not None]
+
+
+@pytest.mark.parametrize("p,v,m", [(1, 3, 2), (2, 2, 2), (2, 3, 6), (4, 2, 4), (4, 2, 8), (4, 3, 12),
+                                   (3, 4, 9)])
+def test_interleaved_one_f_one_b_is_the_order_torch_schedule_interleaved_1f1b_computes(solution, p,
+                                                                                      v, m):
+    for stage in range(p):
+        assert solution.interleaved_one_f_one_b(stage, p, m, v) == _torch_interleaved_order(stage, p,
+                                                                                            m, v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 6), v=st.integers(1, 4), rounds=st.integers(1, 4))
+def test_interleaved_bubble_is_p_minus_1_over_v_m_and_its_peak_megatrons_warmup_plus_one(
+        solution, p, v, rounds):
+    m = rounds * p
+    run = simulate_schedule([solution.interleaved_one_f_one_b(s, p, m, v) for s in range(p)],
+                            forward=1.0, backward=1.0, chunks=v)
+    assert (run.makespan - 2 * v * m) / (2 * v * m) == pytest.approx((p - 1) / (v * m))
+    assert run.peak_in_flight == [min((p - s - 1) * 2 + (v - 1) * p + 1, v * m) for s in range(p)]
+
+
 # --------------------------------------------------------------------------- kit.lessons.parallelism
 
 
@@ -237,6 +274,21 @@ def test_simulate_schedule_reports_a_deadlock_and_a_malformed_step():
                            [("F", 0), ("F", 1), ("B", 0), ("B", 1)]])
     with pytest.raises(ValueError, match="unknown step"):
         simulate_schedule([[("X", 0)]])
+    with pytest.raises(ValueError, match="names chunk 2"):
+        simulate_schedule([[("F", 0, 2), ("B", 0, 2)]], chunks=2)
+
+
+def test_simulate_schedule_chains_chunks_round_the_stages():
+    # p = 2, v = 2: micro-batch 0 visits stage 0, 1, 0, 1 forward (virtual stages 0-3), back
+    # the other way: 8 unit steps one after another, nothing in parallel.
+    orders = [[("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]] * 2
+    run = simulate_schedule(orders, forward=1.0, backward=1.0, chunks=2)
+    assert run.makespan == 8 and run.peak_in_flight == [2, 2]
+    assert [(op, c, start) for op, _, c, start, _ in run.steps[0]] == [
+        ("F", 0, 0), ("F", 1, 2), ("B", 1, 5), ("B", 0, 7)]
+    with pytest.raises(ValueError, match="deadlock"):  # stage 1's chunk 1 needs stage 0's first
+        simulate_schedule([[("F", 0, 1), ("F", 0, 0), ("B", 0, 0), ("B", 0, 1)],
+                           [("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]], chunks=2)
 
 
 def test_layout_costs_follow_the_formulas_they_cite():
@@ -289,6 +341,9 @@ def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert "Schedule1F1B: gradients equal gpipe's on every stage: True" in printed
     assert "GPipe: activations held at most [8, 8, 8, 8] per stage" in printed
     assert "1F1B: activations held at most [4, 3, 2, 1] per stage" in printed
+    assert "1F1B: bubble 0.3750 of the work (formula 0.3750); peak in flight [4, 3, 2, 1]" in printed
+    assert ("interleaved 1F1B, 2 chunks: bubble 0.1875 of the work (formula 0.1875); "
+            "peak in flight [11, 9, 7, 5]") in printed
     import re
 
     under_torchrun = re.findall(r"\]:step (\d): loss ([0-9.]+)", printed)

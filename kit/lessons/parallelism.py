@@ -25,7 +25,8 @@ preload_modules(("torch.fx.experimental.symbolic_shapes",))
 __all__ = ["LayoutCost", "Model", "Network", "ScheduleRun", "layout_costs", "layout_table",
            "layout_widget", "plot_pipeline_run", "plot_schedule", "simulate_schedule"]
 
-Op = tuple[str, int]  # ("F", i) or ("B", i): micro-batch i's forward or backward on one stage
+Op = tuple  # ("F", i) or ("B", i): micro-batch i's forward or backward on one stage;
+# ("F", i, c) or ("B", i, c): the same for the stage's model chunk c (interleaved schedules)
 
 
 # --------------------------------------------------------------------------- pipeline schedules
@@ -33,9 +34,9 @@ Op = tuple[str, int]  # ("F", i) or ("B", i): micro-batch i's forward or backwar
 
 @dataclass
 class ScheduleRun:
-    """What :func:`simulate_schedule` found: ``steps[stage]`` is ``[(op, i, start, end)]``."""
+    """What :func:`simulate_schedule` found: ``steps[stage]`` is ``[(op, i, chunk, start, end)]``."""
 
-    steps: list[list[tuple[str, int, float, float]]]
+    steps: list[list[tuple[str, int, int, float, float]]]
     makespan: float
     busy: float  # total time all stages spent computing
     peak_in_flight: list[int]  # per stage: most forwards done whose backward is not
@@ -47,39 +48,51 @@ class ScheduleRun:
 
 
 def simulate_schedule(orders: list[list[Op]], forward: float = 1.0,
-                      backward: float = 2.0) -> ScheduleRun:
+                      backward: float = 2.0, chunks: int | None = None) -> ScheduleRun:
     """Play ``orders[stage]`` on an ideal pipeline; each stage runs its steps in its order.
 
     ``("F", i)`` on stage s starts once stage s is free and ``("F", i)`` ended on stage s - 1;
     ``("B", i)`` once stage s is free, ``("B", i)`` ended on stage s + 1 and ``("F", i)`` ran on
-    stage s. Messages are free. Raises ValueError when the orders deadlock (a stage waits for a
-    step that can never come) or are not a forward and a backward of each micro-batch.
+    stage s. With ``chunks`` = v model chunks per stage (steps ``("F", i, c)``), chunk c of stage
+    s is virtual stage c * p + s of a v * p-stage pipeline, and the same rules hold between
+    virtual stages (so stage p - 1's chunk c feeds stage 0's chunk c + 1). Messages are free.
+    Raises ValueError when the orders deadlock (a stage waits for a step that can never come) or
+    hold a step that is not a forward or backward of a chunk in range.
     """
     p = len(orders)
-    done: dict[tuple[str, int, int], float] = {}  # (op, i, stage) -> end time
+    if chunks is None:
+        chunks = 1 + max((step[2] for order in orders for step in order if len(step) > 2),
+                         default=0)
+    last = chunks * p - 1  # the last virtual stage
+    done: dict[tuple[str, int, int], float] = {}  # (op, i, virtual stage) -> end time
     clock = [0.0] * p
     position = [0] * p
-    steps: list[list[tuple[str, int, float, float]]] = [[] for _ in range(p)]
+    steps: list[list[tuple[str, int, int, float, float]]] = [[] for _ in range(p)]
     in_flight, peak = [0] * p, [0] * p
     while any(position[s] < len(orders[s]) for s in range(p)):
         progressed = False
         for s in range(p):
             if position[s] == len(orders[s]):
                 continue
-            op, i = orders[s][position[s]]
+            op, i, *rest = orders[s][position[s]]
+            c = rest[0] if rest else 0
+            if not 0 <= c < chunks:
+                raise ValueError(f"stage {s}: step {orders[s][position[s]]} names chunk {c} "
+                                 f"(use 0 to {chunks - 1})")
+            v = c * p + s
             if op == "F":
-                needs = [("F", i, s - 1)] if s > 0 else []
+                needs = [("F", i, v - 1)] if v > 0 else []
             elif op == "B":
-                needs = [("F", i, s)] + ([("B", i, s + 1)] if s < p - 1 else [])
+                needs = [("F", i, v)] + ([("B", i, v + 1)] if v < last else [])
             else:
                 raise ValueError(f"stage {s}: unknown step {op!r} (use 'F' or 'B')")
             if not all(n in done for n in needs):
                 continue
             start = max([clock[s]] + [done[n] for n in needs])
             end = start + (forward if op == "F" else backward)
-            done[(op, i, s)] = end
+            done[(op, i, v)] = end
             clock[s] = end
-            steps[s].append((op, i, start, end))
+            steps[s].append((op, i, c, start, end))
             in_flight[s] += 1 if op == "F" else -1
             peak[s] = max(peak[s], in_flight[s])
             position[s] += 1
@@ -89,25 +102,31 @@ def simulate_schedule(orders: list[list[Op]], forward: float = 1.0,
                                 if position[s] < len(orders[s]))
             raise ValueError(f"the orders deadlock: {waiting} wait for steps that never come")
     makespan = max(clock)
-    busy = sum(end - start for lane in steps for _, _, start, end in lane)
+    busy = sum(end - start for lane in steps for *_, start, end in lane)
     return ScheduleRun(steps, makespan, busy, peak)
 
 
+# Chunk c's colours (forward, backward): later chunks lighter.
+_COLOURS = [("tab:blue", "tab:green"), ("cornflowerblue", "yellowgreen"),
+            ("lightsteelblue", "darkseagreen"), ("lavender", "honeydew")]
+
+
 def plot_schedule(orders: list[list[Op]], ax: Any = None, *, title: str = "",
-                  forward: float = 1.0, backward: float = 2.0) -> Any:
-    """Draw :func:`simulate_schedule`'s run: one lane per stage, F in blue, B in green, the
-    micro-batch number in each box, white gaps are the bubble. Returns the Axes."""
+                  forward: float = 1.0, backward: float = 2.0, chunks: int | None = None) -> Any:
+    """Draw :func:`simulate_schedule`'s run: one lane per stage, F in blue, B in green (later
+    model chunks lighter), the micro-batch number in each box, white gaps are the bubble.
+    Returns the Axes."""
     import matplotlib.pyplot as plt
 
-    run = simulate_schedule(orders, forward, backward)
+    run = simulate_schedule(orders, forward, backward, chunks)
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(orders)))
     for s, lane in enumerate(run.steps):
-        for op, i, start, end in lane:
-            colour = "tab:blue" if op == "F" else "tab:green"
+        for op, i, c, start, end in lane:
+            colour = _COLOURS[min(c, len(_COLOURS) - 1)][op == "B"]
             ax.barh(s, end - start, left=start, height=0.8, color=colour, edgecolor="white")
-            ax.text((start + end) / 2, s, str(i), ha="center", va="center", color="white",
-                    fontsize=8)
+            ax.text((start + end) / 2, s, str(i), ha="center", va="center",
+                    color="white" if c == 0 else "black", fontsize=8)
     ax.set_yticks(range(len(orders)), [f"stage {s}" for s in range(len(orders))])
     ax.set_ylim(len(orders) - 0.5, -0.5)
     ax.set_xlabel(f"time (a forward = {forward:g}, a backward = {backward:g})")

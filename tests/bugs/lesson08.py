@@ -1,4 +1,4 @@
-"""Seeded bugs for Lesson 08: the typical mistakes each check of tasks 8.1-8.4 must catch.
+"""Seeded bugs for Lesson 08: the typical mistakes each check of tasks 8.1-8.5 must catch.
 
 ``BUGS[task_id]`` lists ``(what is wrong, implementation)``; tests/test_checks.py proves every one
 fails at least one case of its task. Each bug is a correct implementation with one step
@@ -637,6 +637,97 @@ def one_f_one_b_backwards_reversed(stage, num_stages, num_microbatches):
     return order
 
 
+# --------------------------------------------------------------------------- task 8.5
+
+
+def _interleaved(stage, num_stages, num_microbatches, chunks, *, warmup=None, all_forwards=False,
+                 forward_chunk=None, backward_chunk=None, micro_batch=None):
+    p, v = num_stages, chunks
+    total = num_microbatches * v
+    if warmup is None:
+        warmup = (p - stage - 1) * 2 + (v - 1) * p
+    warmup = total if all_forwards else max(0, min(warmup, total))
+    micro_batch = micro_batch or (lambda k: (k // (p * v)) * p + k % p)
+    forward_chunk = forward_chunk or (lambda k: (k % (p * v)) // p)
+    backward_chunk = backward_chunk or (lambda k: v - 1 - (k % (p * v)) // p)
+    order = [("F", micro_batch(k), forward_chunk(k)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [("F", micro_batch(warmup + k), forward_chunk(warmup + k)),
+                  ("B", micro_batch(k), backward_chunk(k))]
+    return order + [("B", micro_batch(k), backward_chunk(k)) for k in range(total - warmup, total)]
+
+
+def interleaved_is_gpipe(stage, num_stages, num_microbatches, chunks):
+    """Every chunk's forward first, then every backward: no deadlock, but m·v chunks in flight."""
+    return _interleaved(stage, num_stages, num_microbatches, chunks, all_forwards=True)
+
+
+def interleaved_backward_chunks_in_forward_order(stage, num_stages, num_microbatches, chunks):
+    """Virtual stages in the wrong order: the backward visits chunk 0 first, like the forward."""
+    p = num_stages
+    return _interleaved(stage, num_stages, num_microbatches, chunks,
+                        backward_chunk=lambda k: (k % (p * chunks)) // p)
+
+
+def interleaved_forward_chunks_last_first(stage, num_stages, num_microbatches, chunks):
+    """Virtual stages in the wrong order: the forward starts at the last chunk."""
+    p = num_stages
+    return _interleaved(stage, num_stages, num_microbatches, chunks,
+                        forward_chunk=lambda k: chunks - 1 - (k % (p * chunks)) // p,
+                        backward_chunk=lambda k: (k % (p * chunks)) // p)
+
+
+def interleaved_chunks_as_consecutive_stages(stage, num_stages, num_microbatches, chunks):
+    """A stage's chunks taken as consecutive virtual stages (s·v + c): each micro-batch runs all
+    its chunks in a row."""
+    v = chunks
+    return _interleaved(stage, num_stages, num_microbatches, chunks, micro_batch=lambda k: k // v,
+                        forward_chunk=lambda k: k % v, backward_chunk=lambda k: v - 1 - k % v)
+
+
+def interleaved_one_f_one_b_warmup(stage, num_stages, num_microbatches, chunks):
+    """1F1B's warm-up, (p − s − 1)·2, without the (v − 1)·p forwards the later chunks need."""
+    return _interleaved(stage, num_stages, num_microbatches, chunks,
+                        warmup=(num_stages - stage - 1) * 2)
+
+
+def interleaved_long_warmup(stage, num_stages, num_microbatches, chunks):
+    """A warm-up one forward too long: one chunk more in flight than the bound."""
+    p = num_stages
+    return _interleaved(stage, num_stages, num_microbatches, chunks,
+                        warmup=(p - stage - 1) * 2 + (chunks - 1) * p + 1)
+
+
+def interleaved_all_forwards_when_one_round(stage, num_stages, num_microbatches, chunks):
+    """Every forward first when m = p (one round), the general warm-up otherwise."""
+    return _interleaved(stage, num_stages, num_microbatches, chunks,
+                        all_forwards=num_microbatches == num_stages)
+
+
+def interleaved_one_f_one_b_per_chunk(stage, num_stages, num_microbatches, chunks):
+    """Plain 1F1B over the v·p virtual stages, this stage's chunks one after another."""
+    p, m = num_stages, num_microbatches
+    order = []
+    for c in range(chunks):
+        virtual = c * p + stage
+        order += [(op, i, c) for op, i in _one_f_one_b(virtual, chunks * p, m, chunks * p - virtual - 1)]
+    return order
+
+
+def interleaved_from_torchs_schedule(stage, num_stages, num_microbatches, chunks):
+    """The order of torch's ScheduleInterleaved1F1B, from its private rank-ops method."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages = num_stages, chunks
+    schedule._n_microbatches = num_microbatches
+    schedule.number_of_rounds = max(1, num_microbatches // num_stages)
+    schedule.microbatches_per_round = num_microbatches // schedule.number_of_rounds
+    ops = schedule._calculate_single_rank_operations(stage)
+    return [("F" if a.computation_type.name == "FORWARD" else "B", a.microbatch_index,
+             a.stage_index // num_stages) for a in ops if a is not None]
+
+
 BUGS = {
     "8.1": [
         ("all-reduce in the wrong direction (f and g swapped)", ColumnWrongDirection),
@@ -670,5 +761,21 @@ BUGS = {
         ("the cool-down's backwards in reverse", one_f_one_b_backwards_reversed),
         ("takes torch's order from the private schedules._get_1f1b_rank_ops",
          one_f_one_b_from_torchs_schedule),
+    ],
+    "8.5": [
+        ("GPipe's order: every chunk's forward, then every backward", interleaved_is_gpipe),
+        ("virtual stages in the wrong order: backwards visit chunk 0 first",
+         interleaved_backward_chunks_in_forward_order),
+        ("virtual stages in the wrong order: forwards start at the last chunk",
+         interleaved_forward_chunks_last_first),
+        ("a stage's chunks taken as consecutive virtual stages (s·v + c)",
+         interleaved_chunks_as_consecutive_stages),
+        ("1F1B's warm-up, without the later chunks' (v − 1)·p forwards",
+         interleaved_one_f_one_b_warmup),
+        ("a warm-up one forward too long", interleaved_long_warmup),
+        ("every forward first when m = p", interleaved_all_forwards_when_one_round),
+        ("plain 1F1B on each chunk in turn", interleaved_one_f_one_b_per_chunk),
+        ("takes torch's order from ScheduleInterleaved1F1B's private rank ops",
+         interleaved_from_torchs_schedule),
     ],
 }
