@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test lint build check bench doctor clean
+.PHONY: lab test lint build check bench doctor site clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ bench: $(STAMP)
 
 doctor: $(STAMP)
 	$(BIN)/kit doctor
+
+# the course as a static HTML book (build/site/html/index.html), from the executed lessons the
+# headless tests keep in build/executed/ (a lesson without one is executed once)
+site: $(STAMP)
+	$(BIN)/python -m autograder.site
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

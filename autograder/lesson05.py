@@ -1,4 +1,4 @@
-"""Checks for Lesson 05, "Sharding training state": tasks 5.1-5.4.
+"""Checks for Lesson 05, "Sharding training state": tasks 5.1-5.5.
 
 Task 5.1 ``state_bytes`` is run on real ranks beside a trusted count on a model with tied
 weights, on parameters that are views of one buffer, under torch DDP, DDP with torch's
@@ -9,14 +9,18 @@ trains in fp32, bf16 and fp16 on 3 ranks against one process that casts the same
 the collective tracer counts every unit's all-gathers and reduce-scatters and a probe looks
 for full parameters left after forward (as attributes or saved for backward). Task 5.4
 ``apply_fsdp2`` must give DTensors sharded on dim 0 of a 1-D and a 2-D mesh and the losses
-of data parallelism.
+of data parallelism. Task 5.5 ``clip_grad_norm_`` clips a float64 FSDP2 model with uneven (and
+empty) shards and parameters without gradients on 2 and 4 ranks, against torch's clipping of the
+unsharded model, with one all-reduce of one element; its companion ``train_step`` accumulates
+micro-batches and must equal one unsharded step, reduce-scattering in the last backward only
+(the grader's ``loss_fn`` marks the micro-batches on the recorder's timeline).
 
 All the cases of a task judge one shared run on its ranks (``T.shared``); the trusted answers
-(5.1's reference count, the one-process runs 5.2-5.4 must equal, the bounds) live in
+(5.1's reference count, the one-process runs 5.2-5.5 must equal, the bounds) live in
 :mod:`autograder.references.lesson05`. What each technique saves is measured below Python, by
 :mod:`kit.meter` inside that same run, and held to the bound the technique promises: ZeRO-1's
 optimizer state per rank, FSDP's shards after wrapping and its gathered units freed after
-their forward, FSDP2's blocks resharded after theirs.
+their forward, FSDP2's blocks resharded after theirs, and the bytes clipping sends.
 """
 
 from __future__ import annotations
@@ -1102,3 +1106,382 @@ FSDP2.bound(
     recipe="Shard each block with fully_shard's default resharding (do not pass "
            "reshard_after_forward=False), then the root.",
     expect="fsdp2_after_forward_bound", uses=FSDP2_RUN, pick=_least("memory", "after forward"))
+
+
+# --------------------------------------------------------------------------- task 5.5
+
+# The clipping model, in float64 (the checks hold it to torch within 1e-12): units whose first
+# dimensions (5, 7, 2) no world size here divides, so shards are uneven and on 4 ranks some are
+# empty; a frozen unit and an unused one, whose parameters have no gradient.
+CLIP_PER_RANK, CLIP_IN, CLIP_OUT = 4, 3, 2
+CLIP_TINY, CLIP_HUGE = 1e-3, 1e6  # a max_norm every norm here exceeds; one none reaches
+# (label, norm_type passed or None for the default, max_norm): the calls of one run, in order.
+CLIP_CALLS = (("2", None, CLIP_TINY), ("inf", math.inf, CLIP_TINY), ("1", 1, CLIP_TINY),
+              ("2, max_norm above the norm", 2.0, CLIP_HUGE))
+STEP_RANKS, STEP_MICRO, STEP_MICRO_SIZE, STEP_LR = 2, 3, 2, 0.5
+STEP_NORMS = (CLIP_HUGE, 0.05)  # the two steps: clipping idle, then clipping every gradient
+
+
+class ClipModel(nn.Module):
+    """out(tanh(frozen(tanh(b(tanh(a(x))))))); ``unused`` never runs, ``frozen`` never learns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(CLIP_IN, 5)
+        self.b = nn.Linear(5, 7)
+        self.frozen = nn.Linear(7, 7).requires_grad_(False)
+        self.unused = nn.Linear(2, 3)
+        self.out = nn.Linear(7, CLIP_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.frozen(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+def _clip_model(seed: int) -> ClipModel:
+    torch.manual_seed(seed)
+    return ClipModel().double()
+
+
+def _clip_shard(model: ClipModel) -> ClipModel:
+    """FSDP2 on every child and the root (which keeps ``out``), on all ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for child in (model.a, model.b, model.frozen, model.unused):
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _clip_batch(seed: int, world_size: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: ``rows`` per rank, rank r's are rows r * rows ... (r + 1) * rows - 1."""
+    g = torch.Generator().manual_seed(seed * 7919 + world_size)
+    x = torch.randn(world_size * rows, CLIP_IN, generator=g, dtype=torch.float64)
+    return x, 3 * torch.randn(world_size * rows, CLIP_OUT, generator=g, dtype=torch.float64)
+
+
+def _clip_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y)  # a mean: equal slices average to the global batch's loss
+
+
+def _full_grads(model: nn.Module) -> dict[str, Any]:
+    """Every parameter's whole gradient (gathered by the grader, outside any trace), or None."""
+    return {n: None if p.grad is None else
+            (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _returned(value: Any) -> Any:
+    """What the student's function returned, as plain data (a DTensor is not the 0-d tensor asked for)."""
+    if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor:
+        return f"<a {type(value).__name__}, not a plain tensor>"
+    return value.detach().clone() if isinstance(value, torch.Tensor) else repr(value)[:80]
+
+
+def _collectives(events: Any) -> list[tuple[str, int]]:
+    return [(e.op, e.nbytes) for e in events if e.kind == "collective"]
+
+
+def _clip_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+    """Each call of CLIP_CALLS on fresh gradients: the returned norm, the clipped gradients and
+    the collectives the recorder saw during the call."""
+    import torch.distributed as dist
+
+    from kit.trace import trace
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _clip_shard(_clip_model(seed))
+    x, y = _clip_batch(seed, world_size, CLIP_PER_RANK)
+    x, y = x[rank * CLIP_PER_RANK:(rank + 1) * CLIP_PER_RANK], y[rank * CLIP_PER_RANK:(rank + 1) * CLIP_PER_RANK]
+    out: dict[str, Any] = {}
+    for label, norm_type, max_norm in CLIP_CALLS:
+        model.zero_grad(set_to_none=True)
+        _clip_loss(model(x), y).backward()
+        with trace() as t:
+            norm = impl(model, max_norm) if norm_type is None else impl(model, max_norm, norm_type)
+        out[label] = {"norm": _returned(norm), "collectives": _collectives(t.events)}
+        out[label]["grads"] = _full_grads(model)
+    return out
+
+
+def _step_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+    """Two calls of the companion ``train_step`` (STEP_MICRO micro-batches each, STEP_NORMS):
+    parameters after each, the returned losses, the gradients left, and what the recorder saw
+    between the calls of the grader's ``loss_fn``."""
+    import torch.distributed as dist
+
+    from kit.trace import trace
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    train_step = CLIP.companion(impl, "train_step")
+    if train_step is None:
+        raise NameError("train_step is not defined: Task 5.5's companion runs the clipped, "
+                        "accumulated step")
+    model = _clip_shard(_clip_model(seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=STEP_LR, momentum=0.9)
+    out: dict[str, Any] = {"steps": []}
+    rows = STEP_MICRO * STEP_MICRO_SIZE
+    for step, max_norm in enumerate(STEP_NORMS):
+        x, y = _clip_batch(seed + 101 * (step + 1), world_size, rows)
+        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        micro = list(zip(x.split(STEP_MICRO_SIZE), y.split(STEP_MICRO_SIZE)))
+        marks: list[tuple[int, int]] = []  # (events so far, batch rows) at each loss_fn call
+
+        with trace() as t:
+            def loss_fn(out_: torch.Tensor, target: torch.Tensor, t: Any = t,
+                        marks: list = marks) -> torch.Tensor:
+                marks.append((len(t.events), int(out_.shape[0])))
+                return _clip_loss(out_, target)
+
+            loss = train_step(model, optimizer, micro, loss_fn, max_norm)
+        out["steps"].append({
+            "loss": _returned(loss), "marks": marks,
+            "events": [(e.op, e.nbytes) for e in t.events],
+            "params": _full_params(model),
+            "grads left": sorted(n for n, p in model.named_parameters()
+                                 if p.grad is not None and bool(p.grad.to_local().abs().sum() > 0)),
+        })
+    return out
+
+
+def _compare_clip(labels: tuple[str, ...]) -> Any:
+    def compare(got: Any, expected: dict[str, Any]) -> None:
+        for label in labels:
+            want = expected[label]
+            for rank, run in enumerate(got):
+                have = run[label]
+                problem = tensor_mismatch(have["norm"], want["norm"], rtol=1e-12, atol=1e-12)
+                if problem is not None:
+                    raise CheckFailed(
+                        f"{len(got)} ranks, rank {rank}, norm type {label}: the returned norm "
+                        f"{problem}; torch.nn.utils.clip_grad_norm_ on the unsharded model gives "
+                        f"{want['norm'].item():.12g}", expected=short(want["norm"], 12),
+                        got=short(have["norm"], 12) if isinstance(have["norm"], torch.Tensor)
+                        else have["norm"])
+                for name, grad in want["grads"].items():
+                    mine = have["grads"].get(name)
+                    if grad is None or mine is None:
+                        if (grad is None) != (mine is None):
+                            raise CheckFailed(
+                                f"{len(got)} ranks, rank {rank}, norm type {label}: {name}.grad is "
+                                f"{'None' if mine is None else 'a tensor'} after clipping, "
+                                f"expected {'None' if grad is None else 'a tensor'}",
+                                hint="A parameter without a gradient (frozen, or unused in this "
+                                     "forward) takes no part in the norm and keeps no gradient.",
+                                recipe="Skip every parameter whose grad is None.")
+                        continue
+                    problem = tensor_mismatch(mine, grad, rtol=1e-12, atol=1e-12)
+                    if problem is not None:
+                        raise CheckFailed(
+                            f"{len(got)} ranks, rank {rank}, norm type {label}: {name}.grad after "
+                            f"clipping {problem}, compared with torch's clipping of the unsharded "
+                            "model", expected=short(grad), got=short(mine))
+    return compare
+
+
+def _compare_clip_calls(got: Any, expected: Any) -> None:
+    for runs in got:  # the 2-rank run, then the 4-rank run
+        for rank, run in enumerate(runs):
+            for label, _, _ in CLIP_CALLS:
+                ops = run[label]["collectives"]
+                if [op for op, _ in ops] != ["all_reduce"] or ops[0][1] != 8:
+                    raise CheckFailed(
+                        f"{len(runs)} ranks, rank {rank}, norm type {label}: the recorder saw "
+                        f"{_ops_text(ops)} during the call; the global norm needs one all-reduce "
+                        "of one element (8 bytes in float64)", expected=[("all_reduce", 8)],
+                        got=ops[:6],
+                        hint="Each rank can reduce its own shards to one number (a sum of powers, "
+                             "or a maximum); only that number has to travel, once, whatever the "
+                             "number of parameters.",
+                        recipe="Accumulate one local scalar over every local shard, all-reduce it "
+                               "once (a sum for norm types 1 and 2, a maximum for inf), then take "
+                               "the root for finite norm types.")
+
+
+def _ops_text(ops: list[tuple[str, int]]) -> str:
+    if not ops:
+        return "no collective"
+    return ", ".join(f"{op} of {nbytes} bytes" for op, nbytes in ops[:6]) + (
+        f" and {len(ops) - 6} more" if len(ops) > 6 else "")
+
+
+def _clip_bytes(runs: Any) -> dict[str, Any]:
+    """The bound's pick: bytes each rank sent through collectives per clip_grad_norm_ call (its
+    worst call), across the 2- and 4-rank runs."""
+    worst: dict[int, int] = {}
+    for run in runs:
+        for rank, calls in enumerate(run):
+            sent = max(sum(b for _, b in calls[label]["collectives"]) for label, _, _ in CLIP_CALLS)
+            worst[rank] = max(worst.get(rank, 0), sent)
+    return {"measured": worst}
+
+
+def _compare_step_values(got: Any, expected: dict[str, Any]) -> None:
+    for step, want in enumerate(expected["steps"]):
+        clipping = "clipping idle" if STEP_NORMS[step] >= CLIP_HUGE else f"max_norm {STEP_NORMS[step]}"
+        for rank, run in enumerate(got):
+            have = run["steps"][step]
+            problem = tensor_mismatch(have["loss"], want["loss"][rank], rtol=1e-12, atol=1e-12)
+            if problem is not None:
+                raise CheckFailed(
+                    f"rank {rank}, step {step + 1}: the returned loss {problem}; expected the "
+                    f"mean of this rank's {STEP_MICRO} micro-batch losses",
+                    expected=short(want["loss"][rank], 10), got=short(have["loss"], 10)
+                    if isinstance(have["loss"], torch.Tensor) else have["loss"],
+                    hint="train_step returns the loss of its batch: the mean over its "
+                         "micro-batches (each loss_fn value is already a mean).",
+                    recipe="Keep each micro-batch's loss, detached, and return their mean.")
+            for name, param in want["params"].items():
+                problem = tensor_mismatch(have["params"].get(name), param, rtol=1e-10, atol=1e-12)
+                if problem is not None:
+                    raise CheckFailed(
+                        f"rank {rank}, step {step + 1} ({clipping}): {name} after train_step "
+                        f"{problem}, compared with one unsharded step on the concatenated batch of "
+                        "every rank's micro-batches", expected=short(param), got=short(
+                            have["params"].get(name)))
+
+
+def _compare_step_pattern(got: Any, expected: Any) -> None:
+    for step in range(len(STEP_NORMS)):
+        for rank, run in enumerate(got):
+            have = run["steps"][step]
+            marks, events = have["marks"], have["events"]
+            sizes = [rows for _, rows in marks]
+            if sizes != [STEP_MICRO_SIZE] * STEP_MICRO:
+                raise CheckFailed(
+                    f"rank {rank}, step {step + 1}: loss_fn saw batches of {sizes} rows; "
+                    f"gradient accumulation runs one forward and backward per micro-batch "
+                    f"({STEP_MICRO} of {STEP_MICRO_SIZE} rows)",
+                    expected=[STEP_MICRO_SIZE] * STEP_MICRO, got=sizes,
+                    hint="Accumulation exists so that only one micro-batch's activations are alive "
+                         "at a time: each micro-batch has its own forward, loss and backward.",
+                    recipe="Loop over the micro-batches: forward, loss_fn, backward of the loss "
+                           "divided by their number.")
+            last = marks[-1][0]  # events issued before the last loss_fn call
+            scatters = [i for i, (op, _) in enumerate(events) if "reduce_scatter" in op]
+            early = sum(1 for i in scatters if i < last)
+            late = len(scatters) - early
+            if early or not late:
+                raise CheckFailed(
+                    f"rank {rank}, step {step + 1}: the recorder saw {early} reduce-scatters "
+                    f"before the last micro-batch's loss and {late} after it; FSDP2 should "
+                    "reduce-scatter the accumulated gradients once, in the last micro-batch's "
+                    "backward", expected={"before": 0, "after": "one per unit"},
+                    got={"before": early, "after": late},
+                    hint="FSDP2 reduce-scatters in every backward unless the module is told not "
+                         "to sync: the gradients of all micro-batches can be summed unsharded and "
+                         "reduced once.",
+                    recipe="Turn gradient sync off on the model (set_requires_gradient_sync) "
+                           "before every micro-batch but the last, and on again before the last.")
+            reduces = [(op, nbytes) for op, nbytes in events if op == "all_reduce"]
+            if reduces != [("all_reduce", 8)] or events.index(reduces[0]) < max(scatters):
+                raise CheckFailed(
+                    f"rank {rank}, step {step + 1}: the recorder saw {len(reduces)} all-reduces "
+                    "in train_step; clipping the reduced gradients with your clip_grad_norm_ "
+                    "makes one, of one element, after the reduce-scatters",
+                    expected=[("all_reduce", 8)], got=reduces[:4],
+                    hint="train_step clips the accumulated, reduced gradients before the "
+                         "optimizer steps, with the clip_grad_norm_ you wrote above.",
+                    recipe="After the last backward, call clip_grad_norm_(model, max_norm), then "
+                           "step the optimizer and zero the gradients.")
+
+
+def _compare_step_zeroed(got: Any, expected: Any) -> None:
+    for step in range(len(STEP_NORMS)):
+        for rank, run in enumerate(got):
+            left = run["steps"][step]["grads left"]
+            if left:
+                raise CheckFailed(
+                    f"rank {rank}, step {step + 1}: after train_step, {', '.join(left[:4])} still "
+                    "hold gradients; the next step would add to them", expected="no gradients",
+                    got=left[:4], hint="A step ends with the gradients cleared, so that the next "
+                                       "accumulation starts from zero.",
+                    recipe="Zero the optimizer's gradients after its step.")
+
+
+CLIP = task(
+    "5.5", "clip_grad_norm_", points=5, companions=("train_step",), preload=PRELOAD,
+    # torch's clipping (every helper of its module: get_total_norm, clip_grads_with_norm_, the
+    # deprecated clip_grad_norm) and gathering a sharded gradient whole.
+    forbidden=("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad",
+               "torch.nn.utils.get_total_norm", "torch.nn.utils.clip_grads_with_norm_",
+               "torch.distributed.tensor.DTensor.full_tensor",
+               "torch.distributed.tensor.DTensor.redistribute"),
+    hint="The global norm of sharded gradients is built from every rank's shards: each rank "
+         "reduces its own local pieces to one number, one all-reduce combines them, and every "
+         "rank then scales its own shards by the same factor.",
+    recipe="Take the local tensor of every gradient that exists (to_local()); for norm type p, "
+           "add up the p-th powers of the absolute values over all of them (for inf, take the "
+           "largest absolute value, 0 for an empty shard); all-reduce that one number (sum, or "
+           "max for inf) and take its p-th root. Multiply every local shard in place by "
+           "max_norm / (norm + 1e-6), capped at 1, and return the norm.",
+)
+
+CLIP_RUNS = {world_size: CLIP.shared(_clip_on_rank, world_size=world_size) for world_size in (2, 4)}
+
+
+def _both(runs: dict[int, Any]) -> Any:
+    """A case's run reading the 2- and 4-rank runs."""
+    def run(impl: Any, seed: int) -> list[Any]:
+        return [runs[w](impl, seed) for w in sorted(runs)]
+    run.__name__ = "clip runs on 2 and 4 ranks"
+    return run
+
+
+CLIP_BOTH = _both(CLIP_RUNS)
+STEP_RUN = CLIP.shared(_step_on_rank, world_size=STEP_RANKS)
+
+CLIP.case("2 ranks, norm types 2 (the default), inf and 1: the returned norm and the clipped "
+          "gradients equal torch.nn.utils.clip_grad_norm_ on the unsharded model (float64, 1e-12)",
+          uses=CLIP_RUNS[2], compare=_compare_clip(("2", "inf", "1")), expect="clip_expected_2")
+CLIP.case("4 ranks, uneven shards (some ranks hold empty ones), a frozen and an unused "
+          "parameter: the same for norm types 2, inf and 1", uses=CLIP_RUNS[4],
+          compare=_compare_clip(("2", "inf", "1")), weight=2, expect="clip_expected_4",
+          hint="Every rank holds a piece of the gradients, possibly an empty one, and a "
+               "parameter without a gradient takes no part: the norm must come out the same "
+               "whatever the split.",
+          recipe="Skip parameters whose grad is None; reduce each local shard (to_local()), empty "
+                 "ones included, into one local number that is neutral when empty (0 for a sum "
+                 "of powers and for a maximum of absolute values), then all-reduce it.")
+CLIP.case("a norm below max_norm: the gradients stay as they are, the norm is still returned",
+          uses=CLIP_RUNS[4], compare=_compare_clip(("2, max_norm above the norm",)),
+          expect="clip_expected_4",
+          hint="Clipping only ever shrinks gradients: the factor max_norm / (norm + 1e-6) is "
+               "capped at 1.",
+          recipe="Cap the scale factor at 1 before multiplying the shards.")
+
+
+@CLIP.case("each call makes one all-reduce of one element, and no other collective (the "
+           "recorder, 2 and 4 ranks)", compare=_compare_clip_calls)
+def _clip_calls(impl: Any, seed: int) -> list[Any]:
+    return [CLIP_RUNS[w](impl, seed) for w in sorted(CLIP_RUNS)]
+
+
+CLIP.bound("bytes each rank sends per clip_grad_norm_ call", formula="one float64 element",
+           lost="gradients, or one norm per parameter, travel between ranks: clipping needs only "
+                "the one number that makes the global norm",
+           hint="Clipping a sharded model costs almost no communication: only one number per rank "
+                "has to travel, however many parameters there are.",
+           recipe="Reduce all local shards to one local scalar first; all-reduce that scalar only.",
+           expect="clip_bytes_bound", uses=_both(CLIP_RUNS), pick=_clip_bytes)
+CLIP.case(f"train_step: {len(STEP_NORMS)} steps of {STEP_MICRO} micro-batches on {STEP_RANKS} "
+          "ranks (clipping idle, then active) equal one unsharded step each on the concatenated "
+          "batch, and return the mean loss", uses=STEP_RUN, compare=_compare_step_values,
+          weight=2, expect="step_expected",
+          hint="Accumulating micro-batches must give the gradient of the whole batch: the mean "
+               "over micro-batches and ranks, clipped once, then one optimizer step.",
+          recipe="Divide each micro-batch's loss by the number of micro-batches before its "
+                 "backward; after the last, clip with your clip_grad_norm_, step, zero the "
+                 "gradients, and return the mean of the losses.")
+CLIP.case("train_step: one forward and backward per micro-batch, reduce-scatters only in the "
+          "last one's backward, then one all-reduce of one element (the clip)", uses=STEP_RUN,
+          compare=_compare_step_pattern, weight=2)
+CLIP.case("train_step leaves no gradient behind for the next step", uses=STEP_RUN,
+          compare=_compare_step_zeroed)

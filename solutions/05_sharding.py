@@ -33,6 +33,8 @@
 #   gathered again for backward, gradients reduce-scattered (**Task 5.3**, 6 points);
 # - apply FSDP2 per block on a 1-D and a 2-D `DeviceMesh`, with mixed precision
 #   (**Task 5.4**, 3 points);
+# - clip sharded gradients by their global norm with one all-reduce of one number, and
+#   accumulate micro-batches with one reduce-scatter per step (**Task 5.5**, 5 points);
 # - say what each scheme costs in communication, and why ZeRO-3 costs 1.5x DDP.
 #
 # Every class here is called from ranks started with `launch` (Lesson 00), so that the
@@ -880,6 +882,161 @@ print(f"the model: {full / 2**20:.0f} MiB of fp32 parameters; rank 0 holds "
 # would; real runs seed each rank's shard so that the result does not depend on $W$, or load
 # a checkpoint, Lesson 06.)
 #
+# ## 6. Clipping and gradient accumulation on shards
+#
+# Two habits of every training loop change meaning once gradients are sharded.
+#
+# **Clipping by the global norm.** `torch.nn.utils.clip_grad_norm_` scales all gradients by
+# `max_norm / (norm + 1e-6)` (capped at 1), where `norm` is the norm of *all* gradients
+# together. Under FSDP2 each rank holds only a `Shard(0)` piece of each gradient, so no rank
+# can compute that norm alone, and a norm per rank would clip each rank's piece differently.
+# But a $p$-norm splits over pieces: $\|g\|_p^p = \sum_{\text{ranks}} \sum_{\text{local}} |g_i|^p$,
+# and $\|g\|_\infty$ is the largest local maximum. Each rank reduces its pieces to **one
+# number**; one all-reduce (a sum, or a max for $\infty$) gives every rank the same norm.
+#
+# ```
+#   rank 0: |a0|^2 + |b0|^2 ─┐
+#   rank 1: |a1|^2 + |b1|^2 ─┼─ all_reduce(SUM), 1 element ─> norm^2 on every rank
+#   rank 2: |a2|^2 + ...    ─┘        each rank scales its own pieces by the same factor
+# ```
+#
+# **Gradient accumulation.** A batch too big for memory runs as micro-batches, one forward
+# and backward each, the gradients summed before one optimizer step. FSDP2 reduce-scatters
+# the gradients in every backward, so $k$ micro-batches would cost $k$ reduce-scatters per
+# unit. `model.set_requires_gradient_sync(False)` makes a backward keep its gradients
+# unsharded and add them up instead; turned on again for the last micro-batch, one
+# reduce-scatter sends the sum
+# ([`set_requires_gradient_sync`](https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html)).
+# The price is memory: until then every unit's full, unsharded gradient stays allocated.
+#
+# ### Task 5.5: `clip_grad_norm_` and `train_step`
+#
+# Write `clip_grad_norm_(model, max_norm, norm_type=2.0)` for a model sharded with FSDP2:
+# the same norm and the same clipped gradients as torch's on the unsharded model, with one
+# all-reduce of one element. Then `train_step(model, optimizer, micro_batches, loss_fn,
+# max_norm)`: one step that accumulates over `micro_batches`, reduces once, clips with your
+# `clip_grad_norm_`, steps and zeroes the gradients. The check compares both with torch on
+# the unsharded model (float64, within $10^{-12}$), on 2 and 4 ranks, and reads the recorder.
+
+# %% tags=["task-5.5"]
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip an FSDP2-sharded model's gradients in place by their global norm; return the norm.
+
+    The norm and the clipped gradients equal torch.nn.utils.clip_grad_norm_(model.parameters(),
+    max_norm, norm_type) on the unsharded model: the norm of all gradients together; when it
+    exceeds max_norm, every gradient is multiplied by max_norm / (norm + 1e-6).
+
+    - Each gradient is a DTensor; this rank holds only its local shard (to_local()), which may
+      be empty. Parameters whose grad is None take no part.
+    - norm_type is 2, 1 or math.inf.
+    - One all-reduce of one element in all. torch's clipping functions and gathering a gradient
+      whole (full_tensor, redistribute) are off limits.
+
+    Returns the norm as a 0-d tensor of the gradients' dtype, the same on every rank.
+    """
+    ### BEGIN SOLUTION
+    shards = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+              for p in model.parameters() if p.grad is not None]
+    dtype = shards[0].dtype if shards else torch.float32
+    p = float(norm_type)
+    local = torch.zeros((), dtype=dtype)  # neutral for a sum of powers and for a max of |g|
+    for g in shards:
+        if g.numel() == 0:
+            continue  # an uneven split leaves some ranks an empty piece
+        if p == math.inf:
+            local = torch.maximum(local, g.abs().max())
+        else:
+            local = local + g.abs().pow(p).sum()
+    dist.all_reduce(local, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)
+    norm = local if p == math.inf else local.pow(1.0 / p)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in shards:
+        g.mul_(scale)  # the local tensor is the DTensor's own storage
+    return norm
+    ### END SOLUTION
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches, loss_fn,
+               max_norm: float) -> torch.Tensor:
+    """One optimizer step over micro_batches, a list of (inputs, targets); returns the mean loss.
+
+    - Equals one step on the concatenation of every rank's micro-batches (all of one size,
+      loss_fn a mean): accumulate their gradients, then clip them with clip_grad_norm_
+      (max_norm), step the optimizer and zero the gradients.
+    - One forward and backward per micro-batch; FSDP2 reduce-scatters the gradients only in
+      the last one's backward (model.set_requires_gradient_sync).
+
+    Returns the mean of the micro-batch losses, a detached 0-d tensor.
+    """
+    ### BEGIN SOLUTION
+    losses = []
+    for i, (inputs, targets) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce on the last only
+        loss = loss_fn(model(inputs), targets)
+        (loss / len(micro_batches)).backward()  # the sum of the parts is the batch's mean
+        losses.append(loss.detach())
+    clip_grad_norm_(model, max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return torch.stack(losses).mean()
+    ### END SOLUTION
+
+
+# %% tags=["check-5.5"]
+check("5.5", clip_grad_norm_)
+
+# %% [markdown]
+# torch's own `clip_grad_norm_` accepts FSDP2's DTensor gradients too. Trace both on the
+# same sharded model, and one `train_step` of 3 micro-batches:
+
+# %%
+def clip_and_accumulate():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = apply_fsdp2(TinyTransformer(vocab=256, dim=64, layers=4, heads=4, context=32), mesh)
+    x, y = token_batch(2, 32, 256, seed=dist.get_rank())
+    out = {}
+    for name, clip in (("yours", lambda: clip_grad_norm_(model, 1.0)),
+                       ("torch", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))):
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        with trace() as t:
+            norm = clip()
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        out[name] = (round(norm.item(), 6), [(e.op, e.nbytes) for e in t.events])
+        model.zero_grad()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    micro = [token_batch(2, 32, 256, seed=10 * dist.get_rank() + i) for i in range(3)]
+    with trace() as t:
+        train_step(model, optimizer, micro, lambda logits, target: F.cross_entropy(
+            logits.flatten(0, 1), target.flatten()), max_norm=1.0)
+    out["events"] = [e.to_dict() for e in t.events]
+    return out
+
+
+try:
+    from kit.trace import Event  # noqa: E402
+
+    runs = launch(clip_and_accumulate, world_size=2)
+    for name in ("yours", "torch"):
+        norm, ops = runs[0][name]
+        print(f"{name}: norm {norm}, collectives {ops}")
+    lanes = [[Event(**e) for e in run["events"]] for run in runs]
+    print("train_step, rank 0:", {op: sum(e.op == op for e in lanes[0])
+                                  for op in sorted({e.op for e in lanes[0]})})
+    fig, ax = plt.subplots(figsize=(10, 2.5))
+    plot_timeline(lanes, ax=ax, arrows=False, title="train_step: 3 micro-batches, one sync")
+    plt.show()
+except LaunchError as e:
+    print("Task 5.5 first:", e.failures[0].summary)
+
+# %% [markdown]
+# Both norms agree. Yours sends one number; torch's stacks one partial norm per gradient into
+# a DTensor and all-reduces that vector (one element per gradient). On torch 2.13 torch's
+# `norm_type=inf` also raises on a rank whose piece of some gradient is empty (5 rows on 4
+# ranks leave the last rank none): the check's model has such pieces. In `train_step` the
+# all-gathers repeat for every micro-batch (each forward and backward needs the weights),
+# the reduce-scatters come once per unit, in the last backward, and one all-reduce clips.
+#
 # ## Running at scale
 #
 # > The same functions run under `torchrun` with NCCL on GPUs. Use FSDP2 there:
@@ -912,6 +1069,10 @@ print(f"the model: {full / 2**20:.0f} MiB of fp32 parameters; rank 0 holds "
 # >   `module.set_modules_to_forward_prefetch([...])` prefetches named modules ahead.
 # > - ZeRO-3 costs 1.5x DDP's traffic: on slow inter-node links prefer HSDP, or
 # >   `reshard_after_forward=False` for the last blocks.
+# > - **Clipping and accumulation:** `clip_grad_norm_` and `train_step` run unchanged under
+# >   NCCL. The norm's all-reduce is one element; each reduce-scatter that
+# >   `set_requires_gradient_sync(False)` skips moves $\frac{W-1}{W}$ of the gradients. With
+# >   HSDP the same call also skips the all-reduce across replicas.
 #
 # ## Summary
 #
@@ -928,6 +1089,9 @@ print(f"the model: {full / 2**20:.0f} MiB of fp32 parameters; rank 0 holds "
 # - FSDP2: `fully_shard` per block, then the root; DTensor parameters `Shard(0)` on a
 #   `DeviceMesh`; HSDP on a 2-D mesh; `MixedPrecisionPolicy`; `reshard_after_forward`;
 #   meta-device initialisation for models that do not fit.
+# - Clipping by the global norm: each rank reduces its shards to one number, one all-reduce
+#   (sum of powers, or max) combines them. Accumulation: `set_requires_gradient_sync(False)`
+#   for all micro-batches but the last, so each unit reduce-scatters once per step.
 #
 # **Read more:** [FSDP2 `fully_shard`](https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html),
 # [Getting started with FSDP2](https://pytorch.org/tutorials/intermediate/FSDP_tutorial.html),

@@ -29,6 +29,32 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {lesson_of(p): p for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}
 
 
+def _keeping_executed_lessons() -> None:
+    """Every headless run of a lesson source keeps its executed notebook in build/executed/,
+    so the course site (tests/test_site.py, `make site`) shows those outputs without running the
+    lessons again. Installed before any test module imports ``run_notebook``."""
+    import kit.runner
+    from autograder.site import keep_executed
+
+    real = kit.runner.run_notebook
+
+    @functools.wraps(real)
+    def run_and_keep(path: Any, **kwargs: Any) -> Any:
+        result = real(path, **kwargs)
+        keep_executed(result)
+        return result
+
+    kit.runner.run_notebook = run_and_keep
+
+
+_keeping_executed_lessons()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The site is built from the lessons the headless tests executed: build it last.
+    items.sort(key=lambda item: item.nodeid.split("::")[0].endswith("test_site.py"))
+
+
 @functools.cache
 def solutions(lesson: int) -> ModuleType:
     assert lesson in SOURCES, f"lesson {lesson:02d} has checks but no solutions/{lesson:02d}_*.py"

@@ -16,6 +16,7 @@ import math
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from autograder.checking import run_checks
 from autograder.loading import load_tasks
 from autograder.references import lesson05 as references
 from autograder.registry import fresh_runs, get_task, lesson_tasks
+from kit.failures import LaunchError
 from kit.launcher import preload_modules, run_ranks
 from kit.lessons.models import TinyTransformer, token_batch
 from kit.lessons.sharding import STAGES, stage_bytes, stage_traffic
@@ -45,16 +47,20 @@ def solution():
     return load_tasks(SOURCE)
 
 
-def test_lesson05_registers_tasks_5_1_to_5_4_with_points_and_gates():
+def test_lesson05_registers_tasks_5_1_to_5_5_with_points_and_gates():
     tasks = {t.id: (t.name, t.points) for t in lesson_tasks(5)}
     assert tasks == {"5.1": ("state_bytes", 2.0), "5.2": ("ShardedOptimizer", 4.0),
-                     "5.3": ("FSDP", 6.0), "5.4": ("apply_fsdp2", 3.0)}
+                     "5.3": ("FSDP", 6.0), "5.4": ("apply_fsdp2", 3.0),
+                     "5.5": ("clip_grad_norm_", 5.0)}
+    assert get_task("5.5").companions == ("train_step",)
     gates = {t.id: set(t.forbidden) for t in lesson_tasks(5)}
     assert gates["5.1"] == set()
     assert "torch.distributed.optim.ZeroRedundancyOptimizer" in gates["5.2"]
     assert {"torch.distributed.fsdp", "torch.distributed.fsdp.fully_shard",
             "torch.nn.parallel.DistributedDataParallel"} <= gates["5.3"]
     assert gates["5.4"] == {"kit.lessons.resume.shard_model"}
+    assert {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad",
+            "torch.distributed.tensor.DTensor.full_tensor"} <= gates["5.5"]
 
 
 # --------------------------------------------------------------------------- against torch
@@ -184,6 +190,79 @@ def test_task_5_3_reference_in_fp32_is_one_process_on_the_whole_batch():
         torch.testing.assert_close(p.detach(), expected["final"][name], rtol=1e-4, atol=1e-5)
 
 
+def _torch_clips_the_sharded_model(seed: int, labels: tuple[str, ...]) -> dict[str, Any]:
+    """Each rank: torch's own clip_grad_norm_ on the FSDP2 DTensors of the clipping model."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = lesson05._clip_shard(lesson05._clip_model(seed))
+    rows = lesson05.CLIP_PER_RANK
+    x, y = lesson05._clip_batch(seed, world_size, rows)
+    x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+    out: dict[str, Any] = {"local rows": {n: p.to_local().shape[0] for n, p in model.named_parameters()}}
+    for label, norm_type, max_norm in lesson05.CLIP_CALLS:
+        if label not in labels:
+            continue
+        model.zero_grad(set_to_none=True)
+        lesson05._clip_loss(model(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm,
+                                              2.0 if norm_type is None else norm_type)
+        out[label] = (norm.full_tensor().item(), lesson05._full_grads(model))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_task_5_5_reference_equals_torch_clipping_the_fsdp2_shards(world_size):
+    expected = (references.clip_expected_2 if world_size == 2 else references.clip_expected_4)(3)
+    preload_modules(lesson05.PRELOAD)
+    # torch 2.13's own inf norm raises on a rank holding an empty shard (below): not on 4 ranks
+    labels = tuple(label for label, _, _ in lesson05.CLIP_CALLS if world_size == 2 or label != "inf")
+    ranks = run_ranks(_torch_clips_the_sharded_model, (3, labels), world_size=world_size, echo=False)
+    for label in labels:
+        for norm, grads in (run[label] for run in ranks):
+            assert norm == pytest.approx(expected[label]["norm"].item(), rel=1e-12)
+            for name, want in expected[label]["grads"].items():
+                if want is None:  # the frozen and the unused unit
+                    assert grads[name] is None, name
+                else:
+                    torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-12)
+    # the clipping cases' model really is split unevenly: on 4 ranks some shards are empty
+    rows = [run["local rows"] for run in ranks]
+    assert any(len({r[n] for r in rows}) > 1 for n in rows[0])
+    assert (world_size == 4) == any(r[n] == 0 for r in rows for n in r)
+    assert {n for n, g in expected["2"]["grads"].items() if g is None} == {
+        "frozen.weight", "frozen.bias", "unused.weight", "unused.bias"}
+
+
+def test_torch_clip_grad_norm_inf_raises_on_a_rank_with_an_empty_shard():
+    """What Lesson 05 says of torch 2.13: its inf norm fails where an uneven split leaves a rank
+    an empty piece (ranks 2 and 3 of 4 here), the task's clip_grad_norm_ does not."""
+    preload_modules(lesson05.PRELOAD)
+    with pytest.raises(LaunchError, match="infinity norm on an empty tensor") as failed:
+        run_ranks(_torch_clips_the_sharded_model, (3, ("inf",)), world_size=4, echo=False,
+                  timeout=60)
+    raised = {f.rank for f in failed.value.failures if "infinity norm on an empty tensor" in f.summary}
+    assert raised == {2, 3}  # the others only lose their peers
+
+
+def test_task_5_5_clipping_cases_are_active_and_idle_as_they_say():
+    expected = references.clip_expected_4(0)
+    for label, _, max_norm in lesson05.CLIP_CALLS:
+        assert (expected[label]["norm"].item() > max_norm) == (max_norm == lesson05.CLIP_TINY)
+
+
+# A clip that moves more than one number, with right values: only the communication cases fail.
+TRAFFIC_BUGS = ("one all-reduce per parameter", "all-reduces a vector of per-parameter norms",
+                "all-gathers the ranks' local sums")
+
+
+@pytest.mark.parametrize("bug", TRAFFIC_BUGS)
+def test_a_clip_with_right_values_and_more_traffic_fails_only_the_recorder_cases(bugs, bug):
+    report = run_checks("5.5", dict(bugs["5.5"])[bug])
+    failed = sorted(c.name for c in report.cases if c.status != "passed")
+    assert failed == sorted(c.name for c in get_task("5.5").cases
+                            if "all-reduce" in c.name or "bytes" in c.name), report.to_text()
+    assert all(c.status == "failed" for c in report.cases if c.name in failed)
+
+
 # --------------------------------------------------------------------------- the bounds, measured
 
 # A seeded bug with right values that keeps memory the technique saves: (task, bug) -> the bound
@@ -298,6 +377,13 @@ def test_lesson05_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert "reshard_after_forward=False: {'all_gather_single': 5, 'reduce_scatter_single': 5}" in printed
     assert "prefetch=False: 38 all-gathers, 0 of them started ahead" in printed
     assert "prefetch=True: 38 all-gathers, 18 of them started ahead" in printed
+    yours, torchs = (re.search(rf"{who}: norm ([\d.]+), collectives \[(.*)\]", printed).groups()
+                     for who in ("yours", "torch"))
+    assert yours[0] == torchs[0] and yours[1] == "('all_reduce', 4)"  # one float32 element
+    n_grads = sum(1 for _ in TinyTransformer(vocab=256, dim=64, layers=4, heads=4, context=32).parameters())
+    assert torchs[1] == f"('all_reduce', {4 * n_grads})"  # torch's: one element per gradient
+    step = re.search(r"train_step, rank 0: (\{.*\})", printed).group(1)
+    assert "'all_reduce': 1" in step and "'reduce_scatter_single': 5" in step  # 4 blocks + root
     full, mine = re.search(r"the model: (\d+) MiB .* rank 0 holds (\d+) MiB", printed).groups()
     assert int(mine) == pytest.approx(int(full) / 4, rel=0.05)  # meta-device init: 1/4 per rank
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
@@ -312,7 +398,7 @@ def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
 
     monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
     fresh_runs()  # the shared runs forked earlier are not reused
-    for task_id in ("5.1", "5.2", "5.3", "5.4"):
+    for task_id in ("5.1", "5.2", "5.3", "5.4", "5.5"):
         task = get_task(task_id)
         case = task.cases[-1]
         case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))

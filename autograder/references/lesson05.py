@@ -1,7 +1,7 @@
 """The grader's answers for Lesson 05 (trusted only): task 5.1's count of the bytes a rank holds
 (storages once, a DTensor by its local shard), the one-process runs the sharded trainers of 5.2,
-5.3 and 5.4 must equal (each computed once per seed while a check runs, on one thread as the
-ranks run), and the bounds each technique promises, computed from the sizes of the models the
+5.3 and 5.4 must equal and torch's clipping of 5.5's unsharded model (each computed once per
+seed while a check runs, on one thread as the ranks run), and the bounds each technique promises, computed from the sizes of the models the
 memory runs use (the activations measured on the unwrapped model, in this process).
 """
 
@@ -231,3 +231,56 @@ def fsdp2_after_forward_bound(seed: int) -> dict[str, int]:
     root = sum(p.numel() * 4 for p in model.parameters() if id(p) not in blocks)
     block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
     return {"bound": _activations(model, x) + root + block}
+
+
+# --------------------------------------------------------------------------- task 5.5
+
+
+def _clip_compute(world_size: int, seed: int) -> dict[str, Any]:
+    """torch's clip_grad_norm_ on the unsharded model, the loss on the whole global batch (the
+    mean over equal slices is the mean of their means), each call of CLIP_CALLS afresh."""
+    model = L._clip_model(seed)
+    x, y = L._clip_batch(seed, world_size, L.CLIP_PER_RANK)
+    out = {}
+    for label, norm_type, max_norm in L.CLIP_CALLS:
+        model.zero_grad(set_to_none=True)
+        L._clip_loss(model(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm,
+                                              2.0 if norm_type is None else norm_type)
+        out[label] = {"norm": norm.detach().clone(),
+                      "grads": {n: None if p.grad is None else p.grad.detach().clone()
+                                for n, p in model.named_parameters()}}
+    return out
+
+
+clip_expected_2 = _once_per_seed(lambda seed: _clip_compute(2, seed))
+clip_expected_4 = _once_per_seed(lambda seed: _clip_compute(4, seed))
+
+
+def clip_bytes_bound(seed: int) -> dict[str, int]:
+    """The global norm needs one number per rank: one float64 element, 8 bytes."""
+    return {"bound": torch.empty((), dtype=torch.float64).element_size()}
+
+
+def _step_compute(seed: int) -> dict[str, Any]:
+    """One unsharded SGD step per train_step call on the concatenation of every rank's
+    micro-batches, clipped by torch; each rank's loss is the mean of its micro-batch losses."""
+    model = L._clip_model(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=L.STEP_LR, momentum=0.9)
+    rows = L.STEP_MICRO * L.STEP_MICRO_SIZE
+    steps = []
+    for step, max_norm in enumerate(L.STEP_NORMS):
+        x, y = L._clip_batch(seed + 101 * (step + 1), L.STEP_RANKS, rows)
+        with torch.no_grad():
+            per_row = (model(x) - y).square().mean(dim=1)  # (ranks * rows,)
+            micro = per_row.view(L.STEP_RANKS, L.STEP_MICRO, L.STEP_MICRO_SIZE).mean(dim=2)
+        L._clip_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append({"loss": list(micro.mean(dim=1)),
+                      "params": {n: p.detach().clone() for n, p in model.named_parameters()}})
+    return {"steps": steps}
+
+
+step_expected = _once_per_seed(_step_compute)

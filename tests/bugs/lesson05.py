@@ -1,4 +1,4 @@
-"""Seeded bugs for Lesson 05: the typical mistakes each check of tasks 5.1-5.4 must catch.
+"""Seeded bugs for Lesson 05: the typical mistakes each check of tasks 5.1-5.5 must catch.
 
 ``BUGS[task_id]`` lists ``(what is wrong, implementation)``; tests/test_checks.py proves every
 one of them fails its task's checks. Each bug is a working implementation with one step
@@ -8,6 +8,7 @@ replaced, and a few simply wrap what the task re-implements (the hard gates).
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.distributed as dist
@@ -529,6 +530,250 @@ def apply_fsdp2_borrows_lesson06(model, mesh, param_dtype=None, reduce_dtype=Non
     return shard_model(model)
 
 
+# --------------------------------------------------------------------------- task 5.5
+
+
+def _local_shards(model):
+    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in model.parameters() if p.grad is not None]
+
+
+def _local_power(shards, p):
+    """This rank's sum of |g|^p (p finite) or max |g| (p inf), 0 when it holds nothing."""
+    local = torch.zeros((), dtype=shards[0].dtype if shards else torch.float64)
+    for g in shards:
+        if g.numel():
+            local = torch.maximum(local, g.abs().max()) if p == math.inf else local + g.abs().pow(p).sum()
+    return local
+
+
+def _scale(shards, norm, max_norm, cap=True):
+    scale = max_norm / (norm + 1e-6)
+    scale = torch.clamp(scale, max=1.0) if cap else scale
+    for g in shards:
+        g.mul_(scale)
+    return norm
+
+
+def _global_norm(shards, p):
+    local = _local_power(shards, p)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)
+    return local if p == math.inf else local.pow(1.0 / p)
+
+
+def clip_correct(model, max_norm, norm_type=2.0):
+    shards = _local_shards(model)
+    return _scale(shards, _global_norm(shards, float(norm_type)), max_norm)
+
+
+def clip_local_norm(model, max_norm, norm_type=2.0):
+    """Each rank clips by the norm of its own shards: no rank sees the global norm."""
+    shards, p = _local_shards(model), float(norm_type)
+    local = _local_power(shards, p)
+    return _scale(shards, local if p == math.inf else local.pow(1.0 / p), max_norm)
+
+
+def clip_before_the_reduction(model, max_norm, norm_type=2.0):
+    """Clips each rank's shards by their local norm, then reduces the norm it returns."""
+    shards, p = _local_shards(model), float(norm_type)
+    local = _local_power(shards, p)
+    _scale(shards, local if p == math.inf else local.pow(1.0 / p), max_norm)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)
+    return local if p == math.inf else local.pow(1.0 / p)
+
+
+def clip_all_reduce_per_parameter(model, max_norm, norm_type=2.0):
+    """Right values, but one all-reduce for every parameter's partial norm."""
+    shards, p = _local_shards(model), float(norm_type)
+    parts = [_local_power([g], p) for g in shards]
+    for part in parts:
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)
+    total = torch.stack(parts).max() if p == math.inf else torch.stack(parts).sum().pow(1.0 / p)
+    return _scale(shards, total, max_norm)
+
+
+def clip_all_reduce_a_vector(model, max_norm, norm_type=2.0):
+    """One all-reduce, as torch's own does: a vector of every parameter's partial norm."""
+    shards, p = _local_shards(model), float(norm_type)
+    parts = torch.stack([_local_power([g], p) for g in shards])
+    dist.all_reduce(parts, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)
+    total = parts.max() if p == math.inf else parts.sum().pow(1.0 / p)
+    return _scale(shards, total, max_norm)
+
+
+def clip_all_gather_the_sums(model, max_norm, norm_type=2.0):
+    """All-gathers the ranks' local numbers and combines them on every rank: W elements, not one."""
+    shards, p = _local_shards(model), float(norm_type)
+    local = _local_power(shards, p)
+    gathered = torch.empty(dist.get_world_size(), dtype=local.dtype)
+    dist.all_gather_into_tensor(gathered, local.reshape(1))
+    total = gathered.max() if p == math.inf else gathered.sum().pow(1.0 / p)
+    return _scale(shards, total, max_norm)
+
+
+def clip_sums_the_maxima(model, max_norm, norm_type=2.0):
+    """The inf norm's local maxima added up over ranks instead of their maximum."""
+    shards, p = _local_shards(model), float(norm_type)
+    local = _local_power(shards, p)
+    dist.all_reduce(local)
+    return _scale(shards, local if p == math.inf else local.pow(1.0 / p), max_norm)
+
+
+def clip_every_norm_as_2(model, max_norm, norm_type=2.0):
+    """Ignores norm_type: always the 2-norm."""
+    shards = _local_shards(model)
+    return _scale(shards, _global_norm(shards, 2.0), max_norm)
+
+
+def clip_scales_up(model, max_norm, norm_type=2.0):
+    """No cap at 1: a small norm scales the gradients up to max_norm."""
+    shards = _local_shards(model)
+    return _scale(shards, _global_norm(shards, float(norm_type)), max_norm, cap=False)
+
+
+def clip_max_of_every_shard(model, max_norm, norm_type=2.0):
+    """Takes each shard's max, empty ones too: a rank with an empty piece raises."""
+    shards, p = _local_shards(model), float(norm_type)
+    if p == math.inf:
+        local = torch.stack([g.abs().max() for g in shards]).max()
+    else:
+        local = sum(g.abs().pow(p).sum() for g in shards)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)
+    return _scale(shards, local if p == math.inf else local.pow(1.0 / p), max_norm)
+
+
+def clip_gathers_full_gradients(model, max_norm, norm_type=2.0):
+    """Gathers every gradient whole and clips the full copies' norm: W times the traffic."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    full = [g.full_tensor() for g in grads]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in full]),
+                                    norm_type)
+    return _scale(_local_shards(model), norm, max_norm)
+
+
+def clip_wraps_torch(model, max_norm, norm_type=2.0):
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+clip_grad_norm_ = clip_correct  # what the train_step bugs call; _pair rebinds it per pair
+
+
+def step_correct(model, optimizer, micro_batches, loss_fn, max_norm):
+    losses = []
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        loss = loss_fn(model(x), y)
+        (loss / len(micro_batches)).backward()
+        losses.append(loss.detach())
+    clip_grad_norm_(model, max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return torch.stack(losses).mean()
+
+
+def step_syncs_every_micro_batch(model, optimizer, micro_batches, loss_fn, max_norm):
+    """Never turns gradient sync off: a reduce-scatter per unit in every micro-batch."""
+    losses = []
+    for x, y in micro_batches:
+        loss = loss_fn(model(x), y)
+        (loss / len(micro_batches)).backward()
+        losses.append(loss.detach())
+    clip_grad_norm_(model, max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return torch.stack(losses).mean()
+
+
+def step_never_syncs(model, optimizer, micro_batches, loss_fn, max_norm):
+    """Turns gradient sync off and never on again: nothing is reduced."""
+    model.set_requires_gradient_sync(False)
+    losses = []
+    for x, y in micro_batches:
+        loss = loss_fn(model(x), y)
+        (loss / len(micro_batches)).backward()
+        losses.append(loss.detach())
+    clip_grad_norm_(model, max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return torch.stack(losses).mean()
+
+
+def step_sums_the_losses(model, optimizer, micro_batches, loss_fn, max_norm):
+    """Backward of each micro-batch's mean loss undivided: the gradient of k times the batch loss."""
+    losses = []
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+    clip_grad_norm_(model, max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return torch.stack(losses).mean()
+
+
+def step_returns_the_last_loss(model, optimizer, micro_batches, loss_fn, max_norm):
+    loss = None
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        loss = loss_fn(model(x), y)
+        (loss / len(micro_batches)).backward()
+    clip_grad_norm_(model, max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def step_keeps_the_gradients(model, optimizer, micro_batches, loss_fn, max_norm):
+    """No zero_grad: the next step adds its gradients to this one's."""
+    losses = []
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        loss = loss_fn(model(x), y)
+        (loss / len(micro_batches)).backward()
+        losses.append(loss.detach())
+    clip_grad_norm_(model, max_norm)
+    optimizer.step()
+    return torch.stack(losses).mean()
+
+
+def step_one_big_batch(model, optimizer, micro_batches, loss_fn, max_norm):
+    """Right values and one reduce-scatter: but one forward on the whole batch, no accumulation."""
+    x = torch.cat([x for x, _ in micro_batches])
+    y = torch.cat([y for _, y in micro_batches])
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    clip_grad_norm_(model, max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def step_clips_after_the_step(model, optimizer, micro_batches, loss_fn, max_norm):
+    """Steps on the unclipped gradients, then clips them (too late)."""
+    losses = []
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        loss = loss_fn(model(x), y)
+        (loss / len(micro_batches)).backward()
+        losses.append(loss.detach())
+    optimizer.step()
+    clip_grad_norm_(model, max_norm)
+    optimizer.zero_grad()
+    return torch.stack(losses).mean()
+
+
+def _pair(clip, step=step_correct):
+    """A clip_grad_norm_ whose train_step is ``step``, each calling the other by its task name
+    (the check finds the companion in the clip function's globals)."""
+    names = dict(globals())
+    clip = types.FunctionType(clip.__code__, names, "clip_grad_norm_", clip.__defaults__)
+    names["clip_grad_norm_"] = clip
+    names["train_step"] = types.FunctionType(step.__code__, names, "train_step", step.__defaults__)
+    return clip
+
+
 BUGS = {
     "5.1": [
         ("counts numel * element_size per tensor, not storages", state_bytes_counts_numel),
@@ -566,5 +811,27 @@ BUGS = {
         ("keeps every block gathered until backward (reshard_after_forward=False)",
          apply_fsdp2_keeps_blocks_gathered),
         ("calls Lesson 06's kit.lessons.resume.shard_model", apply_fsdp2_borrows_lesson06),
+    ],
+    "5.5": [
+        ("a local norm per rank", _pair(clip_local_norm)),
+        ("clips each rank's shards before the norm is reduced", _pair(clip_before_the_reduction)),
+        ("one all-reduce per parameter", _pair(clip_all_reduce_per_parameter)),
+        ("all-reduces a vector of per-parameter norms", _pair(clip_all_reduce_a_vector)),
+        ("all-gathers the ranks' local sums", _pair(clip_all_gather_the_sums)),
+        ("adds up the ranks' maxima for the inf norm", _pair(clip_sums_the_maxima)),
+        ("ignores norm_type", _pair(clip_every_norm_as_2)),
+        ("scales gradients up when the norm is below max_norm", _pair(clip_scales_up)),
+        ("takes the max of every shard, empty ones too", _pair(clip_max_of_every_shard)),
+        ("gathers every gradient whole (full_tensor)", _pair(clip_gathers_full_gradients)),
+        ("wraps torch.nn.utils.clip_grad_norm_", _pair(clip_wraps_torch)),
+        ("train_step: a reduce-scatter on every micro-step",
+         _pair(clip_correct, step_syncs_every_micro_batch)),
+        ("train_step: never turns gradient sync back on", _pair(clip_correct, step_never_syncs)),
+        ("train_step: sums the micro-batch losses", _pair(clip_correct, step_sums_the_losses)),
+        ("train_step: returns the last micro-batch's loss",
+         _pair(clip_correct, step_returns_the_last_loss)),
+        ("train_step: never zeroes the gradients", _pair(clip_correct, step_keeps_the_gradients)),
+        ("train_step: one forward on the whole batch", _pair(clip_correct, step_one_big_batch)),
+        ("train_step: clips after the optimizer step", _pair(clip_correct, step_clips_after_the_step)),
     ],
 }
