@@ -45,7 +45,37 @@ def _compare_shards(got: Any, expected: dict[str, list[list[int]]]) -> None:
     for key, want in expected.items():
         for rank, (g, e) in enumerate(zip(got[key], want)):
             if g != e:
-                raise CheckFailed(f"{key}: rank {rank} gets the wrong items", expected=e, got=g)
+                hint, cause = _diagnose_shards(got[key], want)
+                raise CheckFailed(f"{key}: rank {rank} gets the wrong items", expected=e, got=g,
+                                  hint=hint, cause=cause)
+
+
+def _diagnose_shards(got: list[list[int]], want: list[list[int]]) -> tuple[str, str]:
+    """(hint, cause) for shards that differ from the balanced split, read from what they hold:
+    the hint names the mistake the data shows, not the one the case was written for."""
+    sizes, wanted = [len(g) for g in got], [len(e) for e in want]
+    items = [i for g in got for i in g]
+    n = sum(wanted)
+    if sorted(sizes) == sorted(wanted) and sizes != wanted and sorted(items) == list(range(n)):
+        return ("The sizes are right but the extra items sit on the last ranks: the remainder goes "
+                "to the first n % world_size ranks.", "remainder on the last ranks")
+    if all(g == e[:-1] for g, e in zip(got, want) if e) and any(len(e) > 1 for e in want):
+        return ("Every shard stops one item early: range(start, stop) excludes stop, so stop is "
+                "where the next rank starts.", "stops one early")
+    if len(items) < n and len(set(items)) == len(items):
+        missing = sorted(set(range(n)) - set(items))
+        return (f"{len(missing)} of the {n} items are in no shard ({missing[:6]}"
+                f"{' ...' if len(missing) > 6 else ''}): every item belongs to exactly one rank, "
+                "so the n % world_size leftover items go one each to the first ranks.",
+                "items dropped")
+    if len(set(items)) < len(items) or any(i not in range(n) for i in items):
+        return ("Some items are in two shards, or past n - 1: the shards must cover 0 .. n-1 "
+                "exactly once.", "items repeated")
+    if max(sizes, default=0) - min(sizes, default=0) > 1:
+        return (f"Shard sizes {sizes} differ by more than one: chunks of ceil(n / world_size) "
+                "leave the last ranks short. Balanced means sizes differ by at most one.",
+                "unbalanced")
+    return ("", "")
 
 
 def _shard_case(name: str, pairs: list[tuple[int, int]], hint: str = "") -> None:
@@ -103,20 +133,64 @@ def _mean_on_rank(global_mean: Any, seed: int, shapes: list[tuple[int, ...]]) ->
     return plain(global_mean(local))
 
 
-def _compare_means(got: Any, expected: list[float]) -> None:
-    for rank, (g, e) in enumerate(zip(per_rank(got, len(expected), "mean"), expected)):
+def _wrong_means(seed: int, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    """The values the typical mistakes give on these blocks, so a wrong mean is named by what it
+    equals (not an answer: each is a mistake)."""
+    blocks = [b.double() for b in local_blocks(seed, shapes)]
+    means = [b.mean().item() if b.numel() else float("nan") for b in blocks]
+    full = [m for m in means if m == m]
+    rows = [len(b) for b in blocks]
+    return {"local means": means,
+            "mean of the rank means": sum(full) / len(full),
+            "rows for the count": sum(b.sum().item() for b in blocks) / max(sum(rows), 1)}
+
+
+_DIAGNOSES = {
+    "local means": ("every rank returned the mean of its own block: nothing was added up across "
+                    "ranks", "The global mean needs every rank's sum and count: one all_reduce "
+                    "adds them up, so every rank ends with the same value."),
+    "mean of the rank means": ("the value is the mean of the per-rank means",
+                               "Weight each rank by how many elements it holds: add up sums and "
+                               "counts, then divide; the mean of means is right only for equal "
+                               "counts."),
+    "rows for the count": ("the value divides by the number of rows, not of elements",
+                           "Count elements, not rows: len() of a 2-D tensor is its number of rows."),
+}
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
+
+
+def _compare_means(got: Any, expected: dict[str, Any]) -> None:
+    want, wrong = expected["mean"], expected["wrong"]
+    values = []
+    for rank, g in enumerate(per_rank(got, len(want), "mean")):
         if not isinstance(g, torch.Tensor):
             raise CheckFailed(f"rank {rank} returned {describe(g, 80)}, not a tensor",
-                              expected="a 0-d tensor", got=g,
+                              expected="a 0-d tensor", got=g, cause="not a tensor",
                               hint="Return a tensor, e.g. total / count, not .item().")
         if g.numel() != 1:
             raise CheckFailed(f"rank {rank} returned a tensor of shape {tuple(g.shape)}, not a single "
                               "value", expected="a 0-d tensor, like torch.mean returns",
-                              got=f"shape {tuple(g.shape)}")
-        value = g.double().item()
-        if not abs(value - e) <= 1e-5 * max(1.0, abs(e)):
-            raise CheckFailed(f"rank {rank} returned the wrong mean", expected=round(e, 6),
-                              got=round(value, 6) if value == value else value)
+                              got=f"shape {tuple(g.shape)}", cause="not one value")
+        values.append(g.double().item())
+    for rank, (value, e) in enumerate(zip(values, want)):
+        if _close(value, e):
+            continue
+        shown = round(value, 6) if value == value else value
+        if all(_close(v, m) or (v != v and m != m) for v, m in zip(values, wrong["local means"])):
+            what, hint, cause = (*_DIAGNOSES["local means"], "local means")
+        elif value != value:
+            what, hint, cause = ("the mean is nan", "", "nan")  # the case's hint: an empty rank
+        else:
+            what, hint, cause = "", "", ""
+            for name in ("mean of the rank means", "rows for the count"):
+                if _close(value, wrong[name]):
+                    what, hint, cause = (*_DIAGNOSES[name], name)
+                    break
+        raise CheckFailed(f"rank {rank} returned the wrong mean" + (f": {what}" if what else ""),
+                          expected=round(e, 6), got=shown, hint=hint, cause=cause)
 
 
 def _mean_case(name: str, shapes: list[tuple[int, ...]], hint: str = "", recipe: str = "") -> None:
@@ -124,7 +198,8 @@ def _mean_case(name: str, shapes: list[tuple[int, ...]], hint: str = "", recipe:
     on_ranks = MEAN.shared(partial(_mean_on_rank, shapes=shapes), world_size=len(shapes),
                            timeout=20.0)
     MEAN.case(name, uses=on_ranks, compare=_compare_means, hint=hint, recipe=recipe,
-              expect=lambda seed: MEAN.trusted("mean_in_one_process")(seed, shapes))
+              expect=lambda seed: {"mean": MEAN.trusted("mean_in_one_process")(seed, shapes),
+                                   "wrong": _wrong_means(seed, shapes)})
 
 
 _mean_case("4 ranks holding 6 elements each", [(6,)] * 4)

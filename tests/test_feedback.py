@@ -115,7 +115,7 @@ def test_expected_and_got_are_two_rows_of_one_table_and_code_spans_render():
     page = report._repr_html_()
     tables = _Tables()
     tables.feed(page)
-    failed = [c for c in report.cases if c.expected is not None]
+    failed = [c for c in report.cases if c.expected is not None and not c.follows]
     assert failed and len(tables.tables) == len(failed)
     for table, case in zip(tables.tables, failed):
         assert [row[0] for row in table] == ["expected", "got"]
@@ -167,3 +167,37 @@ def test_9_1_labels_everywhere_is_not_called_selecting_special_tokens():
     first = run_checks("9.1", _bug("labels hold the original token everywhere")).cases[0]
     assert "special token (cls, eos or pad) was selected" not in first.message
     assert first.message.split(": ", 1)[1].startswith("labels hold a token")
+
+
+def _bug0(task_id, description):
+    return dict(seeded_bugs(0)[task_id])[description]
+
+
+@pytest.mark.parametrize(("description", "says"), [
+    ("gives the remainder to the last ranks", "extra items sit on the last ranks"),
+    ("stops one item early (off by one)", "stops one item early"),
+    ("drops the n % world_size leftover items", "are in no shard"),
+    ("uses ceil-sized chunks", "differ by more than one"),
+])
+def test_0_1_hint_names_the_mistake_the_shards_show(description, says):
+    report = run_checks("0.1", _bug0("0.1", description))
+    failed = [c for c in report.cases if c.status == "failed"]
+    first = failed[0]
+    assert says in first.hint, first.hint
+    assert all(c.follows == first.name for c in failed[1:] if c.cause == first.cause)
+    # the case written for "remainder on the last ranks" says so only when that is the mistake
+    wrong = "The remainder goes to the first n % world_size ranks, not the last ones."
+    assert all(c.hint != wrong for c in failed)
+
+
+@pytest.mark.parametrize(("description", "says"), [
+    ("averages the per-rank means", "mean of the per-rank means"),
+    ("counts rows with len() instead of elements", "number of rows"),
+    ("returns the local mean without communicating", "nothing was added up across ranks"),
+])
+def test_0_2_a_wrong_mean_is_named_by_what_it_equals(description, says):
+    report = run_checks("0.2", _bug0("0.2", description))
+    first = next(c for c in report.cases if c.status == "failed")
+    assert says in first.message
+    if description.startswith("averages"):  # its 2-D case failed for the same reason, not rows
+        assert report.cases[3].follows == first.name and "len()" not in report.to_text()
