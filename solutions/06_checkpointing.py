@@ -202,8 +202,19 @@ for chunk in tok.chunks:
 # At load time every rank says which pieces *it* needs (its own shards, for its own world size
 # and sharding), the planner intersects those requests with the map, and each rank reads only
 # the byte ranges that overlap. That is why a checkpoint saved on 4 ranks loads on 2, or on 3,
-# or into an unsharded model: the saver never needs to know the loader's layout.
-#
+# or into an unsharded model: the saver never needs to know the loader's layout. Here is the
+# whole flow, with the pieces of `model.tok.weight` saved above and the rows FSDP2 gives each
+# of 3 loading ranks (it splits dimension 0 as `torch.chunk` does):
+
+# %%
+from kit.lessons import figures
+
+saved = sorted((chunk.offsets[0], chunk.sizes[0]) for chunk in tok.chunks)  # (first row, rows)
+loaded = [(int(rows[0]), len(rows)) for rows in torch.arange(tok.size[0]).chunk(3)]
+figures.dcp_flow(saved, loaded, tok.size[0], name="model.tok.weight")
+plt.show()
+
+# %% [markdown]
 # ## 3. Task 6.1: sharded save and load, by hand
 #
 # Build DCP's core idea for 1-D tensors.

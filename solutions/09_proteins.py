@@ -499,7 +499,16 @@ plt.show()
 # rank again) and, with plain attention, a chunk × L block of scores. **Ring attention**
 # (Liu et al. 2023) never holds more than one block: in W − 1 steps each rank passes the K/V
 # block it holds to its right neighbour and receives the next from its left, computing with
-# each block as it arrives. Softmax is not computed block by block directly, but it can be
+# each block as it arrives (left; torch's default, one all-gather, on the right):
+
+# %%
+from kit.lessons import figures
+
+figures.ring_rotation(world_size=4)
+plt.show()
+
+# %% [markdown]
+# Softmax is not computed block by block directly, but it can be
 # merged with the **online softmax** trick (Milakov and Gimelshein 2018, the heart of
 # FlashAttention): keep, per query row, the running max `m`, the running sum `l` of
 # `exp(score - m)` and the unnormalised output `o`. A new block with scores `S` and values
@@ -675,6 +684,10 @@ plt.show()
 # (`chunk_size` in OpenFold and in AF2's `global_config.subbatch_size`): row i of the
 # output needs row i of `z` and the bias, so the logits in flight shrink to
 # heads · chunk · L².
+
+# %%
+figures.triangle_geometry(length=8, i=1, j=5, k=3)
+plt.show()
 
 # %%
 alphafold_memory_widget()
