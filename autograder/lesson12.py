@@ -1,0 +1,269 @@
+"""Checks for Lesson 12, "Where the time goes": tasks 12.1 to 12.3.
+
+Task 12.1 ``training_flops`` runs in this process on shapes where the MLPs, the attention scores
+or the tied output layer dominate, and on shapes drawn from the seed; each count is compared with
+``FlopCounterMode``'s count of a real forward and backward of that ``TinyTransformer`` under the
+math attention backend (:mod:`autograder.references.lesson12`). Task 12.2 ``step_traffic`` is
+asked for every layout on 2 and 4 ranks, for a model whose sizes the seed draws so that FSDP pads;
+the answers are the recorder's bytes of the third step of real runs of each layout (DDP,
+``ZeroRedundancyOptimizer``, ``fully_shard``, ``parallelize_module``). Task 12.3
+``find_straggler`` reads the profiler traces of one 4-rank run of three scenarios, each with one
+rank made slow in its data loader, its forward or its send, on ranks the seed draws.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+from typing import Any
+
+from autograder.compare import CheckFailed, describe
+from autograder.registry import plain, task
+
+LAYOUTS = ("ddp", "zero1", "fsdp", "tp")
+WORLD_SIZES = (2, 4)
+# What 12.2's trusted runs import before ranks fork: DDP's constructor imports torch._dynamo
+# (2 s), FSDP2 and DTensor take seconds more.
+TRAFFIC_PRELOAD = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.optim",
+                   "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
+
+# --------------------------------------------------------------------------- task 12.1
+
+# (vocab, dim, layers, heads, batch, seq_len) -> what dominates its FLOPs
+FLOP_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "the lesson's model": (256, 64, 4, 4, 8, 64),
+    "long sequences (attention's scores dominate)": (64, 16, 2, 2, 2, 512),
+    "a large vocabulary (the tied output layer dominates)": (8192, 16, 1, 2, 4, 16),
+    "one layer, one head, one sequence": (50, 8, 1, 1, 1, 7),
+}
+
+
+def seeded_flop_shapes(seed: int) -> list[tuple[int, int, int, int, int, int]]:
+    """Three shapes drawn from the seed (dim a multiple of heads)."""
+    rng = random.Random(seed * 7919 + 12)
+    shapes = []
+    for _ in range(3):
+        heads = rng.choice([1, 2, 3, 4])
+        shapes.append((rng.randint(20, 900), heads * rng.randint(2, 12), rng.randint(1, 3), heads,
+                       rng.randint(1, 5), rng.randint(3, 80)))
+    return shapes
+
+
+FLOPS = task(
+    "12.1", "training_flops", points=3,
+    forbidden=("torch.utils.flop_counter", "kit.meter.count_flops",
+               "kit.lessons.models.TinyTransformer"),
+    hint="Count the matrix multiplications, layer by layer: a (m, k) @ (k, n) product costs "
+         "2mkn FLOPs. Per token and layer: the QKV, output and two MLP projections; per sequence "
+         "and layer, the scores Q K^T and their product with V over all T x T positions (the "
+         "math backend computes every one, masked or not); then the tied output layer over the "
+         "vocabulary. Backward costs twice forward: one product for the input's gradient, one "
+         "for the weight's.",
+    recipe="With N = batch * seq_len tokens and D = dim: per layer 2N(3D)D + 2N D D + 2 * 2N D(4D) "
+           "for the projections, plus 2 * 2 batch seq_len^2 D for the two attention products "
+           "(heads split D, they do not change the total); add 2 N D vocab for the output layer. "
+           "Embeddings, layer norms, GELU, softmax and the loss cost no matmul. Multiply the "
+           "forward's sum by 3 and return an int.",
+)
+
+
+@FLOPS.shared
+def _flop_answers(training_flops: Any, seed: int) -> dict[str, Any]:
+    out = {name: plain(training_flops(*shape)) for name, shape in FLOP_SHAPES.items()}
+    out["seeded"] = [plain(training_flops(*shape)) for shape in seeded_flop_shapes(seed)]
+    return out
+
+
+def _compare_flops(got: Any, expected: Any, shapes: list[tuple[int, ...]]) -> None:
+    got = got if isinstance(got, list) else [got]
+    for shape, g, e in zip(shapes, got, expected["counts"]):
+        v, d, n_layers, h, b, t = shape
+        where = f"vocab={v}, dim={d}, layers={n_layers}, heads={h}, batch={b}, seq_len={t}"
+        if not isinstance(g, int) or isinstance(g, bool):
+            raise CheckFailed(f"{where}: training_flops returned {describe(g, 60)}, not an int",
+                              expected=e, got=describe(g, 60))
+        if g != e:
+            parts = expected["parts"][shapes.index(shape)]
+            raise CheckFailed(f"{where}: {g:,} FLOPs, FlopCounterMode counts {e:,} "
+                              f"({g / e:.3f}x); of the forward's {parts['forward']:,}, the "
+                              f"projections are {parts['projections']:,}, attention's two "
+                              f"products {parts['attention']:,}, the output layer "
+                              f"{parts['head']:,}", expected=e, got=g)
+
+
+for _name, _shape in FLOP_SHAPES.items():
+    FLOPS.case(f"{_name}: {_shape}", uses=_flop_answers, pick=_name,
+               compare=partial(_compare_flops, shapes=[_shape]),
+               expect=partial(lambda seed, s: FLOPS.trusted("counted_flops")([s]), s=_shape))
+FLOPS.case("three shapes drawn from the seed", uses=_flop_answers, pick="seeded",
+           compare=lambda got, expected, seed=None: _compare_flops(got, expected, expected["shapes"]),
+           expect=lambda seed: FLOPS.trusted("counted_flops")(seeded_flop_shapes(seed)))
+
+
+# --------------------------------------------------------------------------- task 12.2
+
+
+def traffic_sizes(seed: int) -> dict[str, int]:
+    """The model and batch of 12.2's runs: vocabularies, widths and contexts no world size divides."""
+    rng = random.Random(seed * 104729 + 122)
+    dim = rng.choice([10, 14, 18])
+    return {"vocab": rng.choice([37, 41, 43, 53]), "dim": dim, "layers": 2, "heads": 2,
+            "seq_len": rng.choice([5, 6, 7]), "batch": 3}
+
+
+def traffic_model(sizes: dict[str, int]) -> Any:
+    from kit.lessons.models import TinyTransformer
+
+    return TinyTransformer(sizes["vocab"], sizes["dim"], sizes["layers"], sizes["heads"],
+                           context=sizes["seq_len"])
+
+
+TRAFFIC = task(
+    "12.2", "step_traffic", points=4,
+    # forbids nothing: the answer is a formula of shapes; running a layout would only be slower
+    hint="Each layout moves a fixed set of tensors per step, and the recorder counts each "
+         "collective's buffer: DDP all-reduces every gradient once (the tied weight is one "
+         "parameter); ZeRO-1 adds one broadcast of every parameter from its owner after the "
+         "step; FSDP all-gathers each unit's padded parameters in forward, again for every block "
+         "in backward (the root unit stays gathered), and reduce-scatters each unit's padded "
+         "gradients; tensor parallelism all-reduces one (batch, seq_len, dim) activation per "
+         "block in forward and its gradient in backward.",
+    recipe="Sum the bytes of model.parameters() (numel x element_size): that is DDP's all_reduce "
+           "and ZeRO-1's broadcast. For FSDP pad every parameter's first dimension up to a "
+           "multiple of world_size (ceil(rows / W) * W rows); all_gather_single is the root unit's "
+           "padded bytes once plus every block's twice, reduce_scatter_single every unit's once. "
+           "For TP, all_reduce is 2 x layers x batch x seq_len x dim x element_size. Use the "
+           "recorder's op names as keys and leave out zeros.",
+)
+
+
+@TRAFFIC.shared
+def _traffic_answers(step_traffic: Any, seed: int) -> dict[str, Any]:
+    sizes = traffic_sizes(seed)
+    out: dict[str, Any] = {}
+    for layout in LAYOUTS:
+        for world_size in WORLD_SIZES:
+            got = step_traffic(layout, traffic_model(sizes), world_size, sizes["batch"],
+                               sizes["seq_len"])
+            if isinstance(got, dict):
+                got = {str(k): plain(v) for k, v in got.items()}
+            else:
+                got = plain(got)
+            out[f"{layout}@{world_size}"] = got
+    return out
+
+
+LAYOUT_HINTS = {
+    "ddp": "DDP all-reduces each gradient once per step, in buckets: their sizes add up to the "
+           "bytes of the parameters, each counted once (the embedding and the output layer share "
+           "one).",
+    "zero1": "ZeRO-1 keeps DDP's all-reduce and adds, after the optimizer step, one broadcast of "
+             "each parameter from the rank that owns its optimizer state: every parameter once, "
+             "and the recorder counts a broadcast's whole tensor on every rank.",
+    "fsdp": "FSDP2 pads every parameter's first dimension to a multiple of the world size before "
+            "sharding; each unit is all-gathered in forward, each block again in backward (it was "
+            "resharded after forward; the root unit was not), and every unit's gradients are "
+            "reduce-scattered. The recorder counts the whole gathered (or scattered) buffer.",
+    "tp": "Column-wise then row-wise parallel MLPs need no communication inside the pair: the "
+          "row-wise layer all-reduces its (batch, seq_len, dim) output in forward, and the "
+          "column-wise layer all-reduces its input's gradient in backward: two per block. "
+          "Nothing else is sharded, so nothing else moves.",
+}
+
+
+def _compare_traffic(got: Any, expected: dict[str, Any], layout: str) -> None:
+    sizes = expected["sizes"]
+    for world_size in WORLD_SIZES:
+        key = f"{layout}@{world_size}"
+        g, e = (got or {}).get(key) if isinstance(got, dict) else None, expected[key]
+        if g != e:
+            if isinstance(g, dict) and set(g) == set(e):
+                diff = ", ".join(f"{op}: {g[op]:,} instead of {e[op]:,} ({g[op] / e[op]:.3f}x)"
+                                 for op in e if g[op] != e[op])
+            else:
+                diff = f"ops {sorted(g) if isinstance(g, dict) else describe(g, 60)}, the " \
+                       f"recorder saw {sorted(e)}"
+            raise CheckFailed(f"{layout} on {world_size} ranks (vocab={sizes['vocab']}, "
+                              f"dim={sizes['dim']}, layers={sizes['layers']}, "
+                              f"seq_len={sizes['seq_len']}, batch={sizes['batch']}): {diff}",
+                              expected=e, got=g, hint=LAYOUT_HINTS[layout])
+
+
+for _layout, _what in (("ddp", "torch DDP"), ("zero1", "ZeroRedundancyOptimizer under DDP"),
+                       ("fsdp", "fully_shard per block, then the root (padded shards)"),
+                       ("tp", "parallelize_module, column-wise then row-wise MLPs")):
+    TRAFFIC.case(f"{_layout} ({_what}) on 2 and 4 ranks: the recorder's bytes of the third step",
+                 uses=_traffic_answers, compare=partial(_compare_traffic, layout=_layout),
+                 expect="measured_traffic", hint=LAYOUT_HINTS[_layout])
+
+
+# --------------------------------------------------------------------------- task 12.3
+
+PHASES = ("data", "compute", "communication")
+STRAGGLER_DELAY_S = 0.5  # ~20x a profiled step of the model on a busy 2-core machine
+STRAGGLER_RANKS = 4
+
+
+def slow_ranks(seed: int) -> dict[str, int]:
+    """The rank each scenario slows down: three different ranks, drawn from the seed."""
+    ranks = random.Random(seed * 31337 + 123).sample(range(STRAGGLER_RANKS), len(PHASES))
+    return dict(zip(PHASES, ranks))
+
+
+def _straggler_ranks(seed: int) -> list[dict[str, Any]]:
+    """Runs on each rank: the three scenarios in turn, one parsed trace each."""
+    from kit.lessons.profiling import straggler_run
+
+    return [straggler_run(rank, phase, STRAGGLER_DELAY_S, steps=1, seed=seed)
+            for phase, rank in slow_ranks(seed).items()]
+
+
+STRAGGLER = task(
+    "12.3", "find_straggler", points=4, preload=("kit.lessons.profiling",),
+    # forbids nothing: torch has no straggler finder; HTA's (GPU traces) is not installed
+    hint="Everyone waits for the slowest rank inside the collective, so the slow rank is the one "
+         "that waits least in its gloo: events (the others' waits are long). Its phase is where "
+         "it spent more time than the others: in the DataLoader's __next__ (data), in aten and "
+         "autograd ops (compute), or in a gap before its send, on no event at all "
+         "(communication). gloo: events run on gloo's own threads, the others on the main "
+         "thread.",
+    recipe="For each rank take the complete ('X') events. Communication wait: the total duration "
+           "of the events named gloo:*. Data: the DataLoader __next__ events. Compute: the "
+           "outermost aten:: / autograd events of the main thread (the one with most ops) outside "
+           "the data events. Gap: the main thread's span minus the union of all three. The "
+           "straggler has the smallest communication wait; its phase is the one (data, compute, "
+           "gap = communication) where it exceeds the other ranks' median the most.",
+)
+
+
+@STRAGGLER.shared
+def _straggler_answers(find_straggler: Any, seed: int) -> dict[str, Any]:
+    from kit.launcher import run_ranks
+    from kit.lessons.profiling import warm_profiler
+
+    warm_profiler()  # forked ranks then start their profilers in ms, not seconds each
+    ranks = run_ranks(_straggler_ranks, (seed,), world_size=STRAGGLER_RANKS, timeout=60,
+                      echo=False, preload=("kit.lessons.profiling",))
+    out = {}
+    for i, phase in enumerate(PHASES):
+        answer = find_straggler([r[i] for r in ranks])
+        out[phase] = ({str(k): plain(v) for k, v in answer.items()} if isinstance(answer, dict)
+                      else plain(answer))
+    return out
+
+
+def _compare_straggler(got: Any, expected: dict[str, Any], phase: str) -> None:
+    where = (f"4 ranks, rank {expected['rank']} made {STRAGGLER_DELAY_S} s slower in its "
+             f"{ {'data': 'data loader', 'compute': 'forward', 'communication': 'send'}[phase]}")
+    if got != expected:
+        g = got if isinstance(got, dict) else describe(got, 80)
+        raise CheckFailed(f"{where}: find_straggler returned {g}", expected=expected, got=g)
+
+
+for _phase, _how in (("data", "a slow data loader (the dataset sleeps)"),
+                     ("compute", "extra matrix products in forward"),
+                     ("communication", "a slow link (a sleep before the all-reduce)")):
+    STRAGGLER.case(f"{_how}: the slow rank and phase {_phase!r}", uses=_straggler_answers,
+                   pick=_phase, compare=partial(_compare_straggler, phase=_phase),
+                   expect=partial(lambda seed, p: {"rank": slow_ranks(seed)[p], "phase": p},
+                                  p=_phase))

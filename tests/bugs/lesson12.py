@@ -1,0 +1,245 @@
+"""Seeded bugs for Lesson 12: the typical mistakes each check of tasks 12.1-12.3 must catch.
+
+``BUGS[task_id]`` lists ``(what is wrong, implementation)``; tests/test_checks.py proves every one
+fails its task's checks. Each bug is a correct implementation with one step replaced, written as
+a student would write it, plus the cheats the checks must stop: FlopCounterMode on the real
+model, the recorder's bytes read off a real run, and blaming the rank that waits longest.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+from torch.nn import functional as F
+
+# --------------------------------------------------------------------------- task 12.1
+
+
+def _flops(vocab, dim, layers, heads, batch, seq_len, *, backward=2, attention=True, head=True,
+           causal_half=False, mlp=4):
+    tokens = batch * seq_len
+    projections = 2 * tokens * dim * (3 * dim + dim + mlp * dim * 2)
+    scores = 2 * 2 * batch * seq_len * seq_len * dim
+    if causal_half:
+        scores //= 2
+    forward = layers * (projections + (scores if attention else 0))
+    forward += 2 * tokens * dim * vocab if head else 0
+    return (1 + backward) * forward
+
+
+def flops_backward_equals_forward(vocab, dim, layers, heads, batch, seq_len):
+    return _flops(vocab, dim, layers, heads, batch, seq_len, backward=1)
+
+
+def flops_without_attention_scores(vocab, dim, layers, heads, batch, seq_len):
+    return _flops(vocab, dim, layers, heads, batch, seq_len, attention=False)
+
+
+def flops_without_lm_head(vocab, dim, layers, heads, batch, seq_len):
+    return _flops(vocab, dim, layers, heads, batch, seq_len, head=False)
+
+
+def flops_causal_half(vocab, dim, layers, heads, batch, seq_len):
+    return _flops(vocab, dim, layers, heads, batch, seq_len, causal_half=True)
+
+
+def flops_six_n_tokens(vocab, dim, layers, heads, batch, seq_len):
+    params = vocab * dim + seq_len * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim
+    return 6 * params * batch * seq_len
+
+
+def flops_as_float(vocab, dim, layers, heads, batch, seq_len):
+    return float(_flops(vocab, dim, layers, heads, batch, seq_len))
+
+
+def flops_counted_on_the_model(vocab, dim, layers, heads, batch, seq_len):
+    """The cheat: build the model and let FlopCounterMode count it (forbidden)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kit.lessons.models import TinyTransformer
+
+    model = TinyTransformer(vocab, dim, layers, heads, context=seq_len)
+    x = torch.zeros(batch, seq_len, dtype=torch.long)
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        F.cross_entropy(model(x).reshape(-1, vocab), x.reshape(-1)).backward()
+    return counter.get_total_flops()
+
+
+# --------------------------------------------------------------------------- task 12.2
+
+
+def _traffic(layout, model, world_size, batch, seq_len, *, tied_twice=False, fsdp_backward=True,
+             pad=True, ring=False, tp_backward=True, zero_shard=False, zeros=False):
+    def nbytes(p, padded=False):
+        rows = p.shape[0]
+        if padded and pad:
+            rows = -(-rows // world_size) * world_size
+        return rows * p[0].numel() * p.element_size()
+
+    params = ([p for _, p in model.named_parameters(remove_duplicate=False)] if tied_twice
+              else list(model.parameters()))
+    total = sum(nbytes(p) for p in params)
+    if ring:  # the wire bytes of a ring, not the recorder's buffer size
+        total = total * 2 * (world_size - 1) // world_size
+    extra = {"broadcast": 0, "all_gather_single": 0} if zeros else {}
+    if layout == "ddp":
+        return {"all_reduce": total, **extra}
+    if layout == "zero1":
+        return {"all_reduce": total, "broadcast": total // world_size if zero_shard else total}
+    if layout == "fsdp":
+        in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+        root = sum(nbytes(p, True) for p in params if id(p) not in in_blocks)
+        blocks = sum(nbytes(p, True) for b in model.blocks for p in b.parameters())
+        return {"all_gather_single": root + (2 if fsdp_backward else 1) * blocks,
+                "reduce_scatter_single": root + blocks}
+    activation = batch * seq_len * model.tok.weight.shape[1] * model.tok.weight.element_size()
+    return {"all_reduce": (2 if tp_backward else 1) * len(model.blocks) * activation}
+
+
+def traffic_tied_weight_twice(layout, model, world_size, batch, seq_len):
+    return _traffic(layout, model, world_size, batch, seq_len, tied_twice=True)
+
+
+def traffic_fsdp_no_backward_all_gather(layout, model, world_size, batch, seq_len):
+    return _traffic(layout, model, world_size, batch, seq_len, fsdp_backward=False)
+
+
+def traffic_no_padding(layout, model, world_size, batch, seq_len):
+    return _traffic(layout, model, world_size, batch, seq_len, pad=False)
+
+
+def traffic_ring_wire_bytes(layout, model, world_size, batch, seq_len):
+    return _traffic(layout, model, world_size, batch, seq_len, ring=True)
+
+
+def traffic_tp_forward_only(layout, model, world_size, batch, seq_len):
+    return _traffic(layout, model, world_size, batch, seq_len, tp_backward=False)
+
+
+def traffic_zero1_broadcasts_a_shard(layout, model, world_size, batch, seq_len):
+    return _traffic(layout, model, world_size, batch, seq_len, zero_shard=True)
+
+
+def traffic_keeps_zero_entries(layout, model, world_size, batch, seq_len):
+    return _traffic(layout, model, world_size, batch, seq_len, zeros=True)
+
+
+# --------------------------------------------------------------------------- task 12.3
+
+
+def _union(spans):
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _span(e):
+    return e["ts"], e["ts"] + e["dur"]
+
+
+def _inside(s, spans):
+    return any(a <= s[0] and s[1] <= b for a, b in spans)
+
+
+def _rows(traces, *, main_only=False, thread="main"):
+    rows = []
+    for trace in traces:
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+        counts = {}
+        for e in events:
+            if e.get("cat") == "cpu_op":
+                counts[e["tid"]] = counts.get(e["tid"], 0) + 1
+        main = max(counts, key=counts.get)
+        if thread == "first":  # the thread of the trace's first event: a gloo thread here
+            main = events[0]["tid"]
+        mine = [e for e in events if e["tid"] == main]
+        data = [_span(e) for e in mine if "DataLoader" in e["name"]]
+        compute = [_span(e) for e in mine if e["name"].startswith(("aten::", "autograd::"))
+                   and not _inside(_span(e), data)]
+        comm = [_span(e) for e in (mine if main_only else events) if e["name"].startswith("gloo:")]
+        if not mine:
+            rows.append({"data": 0.0, "compute": 0.0, "communication": 0.0, "wait": 0.0})
+            continue
+        start = min(e["ts"] for e in mine)
+        end = max(e["ts"] + e["dur"] for e in mine)
+        covered = _union(data + compute + [s for s in comm if start <= s[0] <= end])
+        rows.append({"data": _union(data), "compute": _union(compute),
+                     "communication": (end - start) - covered, "wait": _union(comm)})
+    return rows
+
+
+def _verdict(rows, slow):
+    others = [row for r, row in enumerate(rows) if r != slow]
+    excess = {p: rows[slow][p] - statistics.median(o[p] for o in others)
+              for p in ("data", "compute", "communication")}
+    return {"rank": slow, "phase": max(excess, key=excess.get)}
+
+
+def straggler_longest_waiter(traces):
+    """Blames the rank that waits longest in all_reduce: a victim, never the slow one."""
+    rows = _rows(traces)
+    return _verdict(rows, max(range(len(rows)), key=lambda r: rows[r]["wait"]))
+
+
+def straggler_main_thread_only(traces):
+    """Reads gloo: waits from the main thread only: they live on gloo's threads."""
+    rows = _rows(traces, main_only=True)
+    return _verdict(rows, min(range(len(rows)), key=lambda r: rows[r]["wait"]))
+
+
+def straggler_first_events_thread(traces):
+    """Reads the phases from the thread of the trace's first event (a gloo thread)."""
+    rows = _rows(traces, thread="first")
+    return _verdict(rows, min(range(len(rows)), key=lambda r: rows[r]["wait"]))
+
+
+def straggler_most_total_time(traces):
+    """Blames the rank whose events last longest in all: waiting counts as busy."""
+    totals = [sum(e.get("dur", 0) for e in t["traceEvents"] if e.get("ph") == "X")
+              for t in traces]
+    rows = _rows(traces)
+    return _verdict(rows, max(range(len(totals)), key=totals.__getitem__))
+
+
+def straggler_phase_by_largest_share(traces):
+    """Finds the rank, then names its largest phase outright (compute, always), not its excess."""
+    rows = _rows(traces)
+    slow = min(range(len(rows)), key=lambda r: rows[r]["wait"])
+    phases = {p: rows[slow][p] for p in ("data", "compute")}
+    return {"rank": slow, "phase": max(phases, key=phases.get)}
+
+
+BUGS = {
+    "12.1": [
+        ("backward counted as equal to the forward", flops_backward_equals_forward),
+        ("attention's score matmuls forgotten", flops_without_attention_scores),
+        ("the LM head (tied output layer) forgotten", flops_without_lm_head),
+        ("causal attention counted as half the scores", flops_causal_half),
+        ("6 N tokens with the embeddings in N", flops_six_n_tokens),
+        ("returns a float", flops_as_float),
+        ("FlopCounterMode on the real model", flops_counted_on_the_model),
+    ],
+    "12.2": [
+        ("the tied output weight counted twice", traffic_tied_weight_twice),
+        ("FSDP's second all-gather in backward forgotten", traffic_fsdp_no_backward_all_gather),
+        ("no padding counted", traffic_no_padding),
+        ("ring wire bytes instead of the recorder's buffer size", traffic_ring_wire_bytes),
+        ("TP's backward all-reduce forgotten", traffic_tp_forward_only),
+        ("ZeRO-1 broadcasts only a 1/W shard", traffic_zero1_broadcasts_a_shard),
+        ("entries of zero kept", traffic_keeps_zero_entries),
+    ],
+    "12.3": [
+        ("the longest waiter blamed", straggler_longest_waiter),
+        ("phases read from the wrong thread (gloo waits looked for on the main thread)",
+         straggler_main_thread_only),
+        ("phases read from the wrong thread (the first event's)", straggler_first_events_thread),
+        ("the rank with the most event time blamed", straggler_most_total_time),
+        ("the phase named by its largest share, not its excess", straggler_phase_by_largest_share),
+    ],
+}
