@@ -304,7 +304,10 @@ def _html_table(rows: list[LayoutCost], memory_limit_gb: float) -> str:
         cells += [f"{sum(r.comm_seconds.values()):.2f}", f"{r.bubble:.0%}"]
         body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells)
                     + "</tr>")
-    return f"<table>{head}{''.join(body)}</table>"
+    legend = (f"<div style='font-size:0.9em;margin-top:2px'><span style='color:#999'>grey rows"
+              f"</span>: do not fit in {memory_limit_gb:g} GB per GPU (weights, gradients, optimizer "
+              "state and activations); sorted by communication time, fastest first.</div>")
+    return f"<table>{head}{''.join(body)}</table>{legend}"
 
 
 def layout_widget(model: Model = Model(), world_size: int = 64, memory_limit_gb: float = 80.0,

@@ -37,6 +37,7 @@ __all__ = [
     "alphafold_memory_widget",
     "alphafold_pair_memory",
     "esm2_parameter_count",
+    "init_weights",
     "load_peptides",
     "load_pretrained_esm2",
     "padded_tokens",
@@ -158,6 +159,30 @@ def esm2_parameter_count(name: str) -> int:
     with torch.device("meta"):
         model = ESM2(num_layers=layers, embed_dim=dim, attention_heads=heads, alphabet=alphabet())
     return sum(p.numel() for p in model.parameters())
+
+
+def init_weights(module: nn.Module) -> None:
+    """Initialise one module of an ESM-2 built on the meta device, after ``to_empty``: every
+    parameter and buffer is uninitialised memory then. Use as ``model.apply(init_weights)``.
+
+    Layers get torch's default initialisation (``reset_parameters``, what fair-esm's ``ESM2``
+    gets when built on a device), sharded DTensors included; the rotary embedding's
+    ``inv_freq`` buffer, computed in its ``__init__``, is computed again, and the LM head's
+    bias starts at zero.
+    """
+    from esm.modules import RobertaLMHead
+    from esm.rotary_embedding import RotaryEmbedding
+
+    if isinstance(module, RotaryEmbedding):
+        half = module.inv_freq.numel()  # head_dim / 2
+        steps = torch.arange(0, 2 * half, 2, device=module.inv_freq.device).float()
+        with torch.no_grad():
+            module.inv_freq.copy_(1.0 / (10000 ** (steps / (2 * half))))
+    elif isinstance(module, RobertaLMHead):  # its weight is the embedding's; its bias starts at 0
+        with torch.no_grad():
+            module.bias.zero_()
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
 
 
 def load_pretrained_esm2(name: str, path: str | Path | None = None) -> tuple[nn.Module, Any]:
@@ -287,12 +312,18 @@ def alphafold_memory_widget() -> Any:
         import ipywidgets as w
     except ImportError:
         return table(384, 128, 4, 64, "bf16")
+    # Labels in full: the default description width (about 8 characters) cuts longer ones.
+    label = {"style": {"description_width": "initial"}, "layout": w.Layout(width="420px")}
     sliders = {
-        "length": w.IntSlider(384, min=64, max=4096, step=64, description="L"),
-        "c_z": w.IntSlider(128, min=16, max=256, step=16, description="c_z"),
-        "heads": w.IntSlider(4, min=1, max=16, description="heads"),
-        "chunk": w.IntSlider(64, min=0, max=1024, step=16, description="chunk (0: none)"),
-        "precision": w.ToggleButtons(options=["fp32", "bf16"], value="bf16"),
+        "length": w.IntSlider(384, min=64, max=4096, step=64, description="L (residues)", **label),
+        "c_z": w.IntSlider(128, min=16, max=256, step=16, description="c_z (pair channels)",
+                           **label),
+        "heads": w.IntSlider(4, min=1, max=16, description="heads", **label),
+        "chunk": w.IntSlider(64, min=0, max=1024, step=16, description="chunk rows (0 = unchunked)",
+                             **label),
+        "precision": w.ToggleButtons(options=["fp32", "bf16"], value="bf16",
+                                     description="precision", style={"description_width": "initial"},
+                                     tooltips=["4 bytes per value", "2 bytes per value"]),
     }
     out = w.HTML()
 

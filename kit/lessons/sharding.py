@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRECISIONS", "STAGES", "memory_calculator", "plot_stage_bars", "stage_bytes",
-           "stage_traffic"]
+__all__ = ["MODEL_SIZES", "PRECISIONS", "STAGES", "memory_calculator", "params_label",
+           "plot_stage_bars", "stage_bytes", "stage_traffic"]
 
 # Bytes per parameter of (parameters, gradients, optimizer state) with Adam.
 PRECISIONS = {"fp32": (4, 4, 8), "mixed (bf16 + fp32 master)": (2, 2, 12)}
@@ -89,15 +89,29 @@ def _unit(bytes_by_kind: dict[str, float]) -> tuple[str, float]:
     return "bytes", 1
 
 
+# The calculator's model sizes: log-spaced, with the sizes of well-known models among them.
+MODEL_SIZES = (1e6, 3e6, 1e7, 3e7, 1e8, 3e8, 1e9, 3e9, 7e9, 1.3e10, 3e10, 7e10, 1.75e11, 4.05e11,
+               1e12)
+
+
+def params_label(params: float) -> str:
+    """A parameter count as people write it: ``7e9`` -> ``"7B"``, ``1.3e10`` -> ``"13B"``."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if params >= scale:
+            return f"{params / scale:.3g}{suffix}"
+    return f"{params:.3g}"
+
+
 def memory_calculator() -> Any:
     """An ipywidgets calculator: model size, world size and precision; bars for every stage."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
-    size = widgets.FloatLogSlider(value=7e9, base=10, min=6, max=12, description="parameters",
-                                  readout_format=".2e", continuous_update=False)
-    world = widgets.IntSlider(value=8, min=1, max=1024, description="world size",
-                              continuous_update=False)
+    # Both sliders step through log-spaced stops: a linear 1..1024 slider puts 8 at the far left.
+    size = widgets.SelectionSlider(options=[(params_label(p), p) for p in MODEL_SIZES], value=7e9,
+                                   description="parameters", continuous_update=False)
+    world = widgets.SelectionSlider(options=[2**k for k in range(11)], value=8,
+                                    description="world size", continuous_update=False)
     precision = widgets.Dropdown(options=list(PRECISIONS), description="precision")
     out = widgets.Output()
 
