@@ -714,25 +714,43 @@ for length in (32, 64, 96):
 #
 # ### Task 9.4: `chunked`
 #
-# Write `chunked(module, z, chunk_size)`: the module's output on the whole pair
-# representation `z` (L, L, c_z), computed `chunk_size` rows at a time. The checks compare
-# with the unchunked module, and read what the module recorded: how many rows each call saw
-# (at most `chunk_size`, every row once) and the largest logits it held
-# (at most heads · chunk_size · L²).
+# Write `chunked(module, z, chunk_size)`: Algorithm 13 on the whole pair representation `z`
+# (L, L, c_z), computed `chunk_size` rows at a time, with the module's weights. Write the
+# attention yourself: the module's layers are yours to use (`module.norm`, `module.qkv`,
+# `module.bias`, `module.gate`, `module.out`, and `module.heads`, `module.c`), its `forward`
+# (`module(z)`) and `pair_bias` are not. The checks compare your output with the module's
+# (float64 within 1e-10) and measure, from torch's allocator, the largest tensor your call
+# allocates: at most one block's logits, heads · chunk_size · L² values.
 
 # %% tags=["task-9.4"]
 def chunked(module, z, chunk_size):
-    """Triangle attention of the pair representation ``z`` ``(L, L, c_z)``, ``chunk_size`` rows at
-    a time: the same ``(L, L, c_z)`` as ``module(z)``.
+    """Triangle attention around the starting node of ``z`` ``(L, L, c_z)``, ``chunk_size`` rows
+    at a time: the same ``(L, L, c_z)`` as ``module(z)``.
 
-    ``module`` is a :class:`TriangleAttentionStartingNode`: ``module.pair_bias(z)`` is the bias
-    ``(heads, L, L)`` from the whole of ``z``, and ``module(z_rows, bias)`` evaluates a block of
-    rows ``z_rows = z[a:b]``. The module must never see more than ``chunk_size`` rows at once.
+    ``module`` is a :class:`TriangleAttentionStartingNode` (AlphaFold 2, Algorithm 13); use its
+    layers, not its forward or pair_bias. No tensor larger than one block's logits
+    (heads · chunk_size · L² values) may be allocated, besides the output.
     """
     ### BEGIN SOLUTION
-    bias = module.pair_bias(z)  # (heads, L, L), from every edge jk
-    return torch.cat([module(z[start:start + chunk_size], bias)
-                      for start in range(0, z.shape[0], chunk_size)])
+    length = z.shape[0]
+    h, c = module.heads, module.c
+    bias = z.new_empty(h, length, length)  # b_jk^h for every edge jk, built by rows j
+    for a in range(0, length, chunk_size):
+        bias[:, a:a + chunk_size] = module.bias(module.norm(z[a:a + chunk_size])).permute(2, 0, 1)
+
+    def attend(z_rows):  # a function, so that one block's tensors are freed before the next's
+        rows = z_rows.shape[0]
+        x = module.norm(z_rows)  # (rows, L, c_z)
+        q, k, v = module.qkv(x).view(rows, length, 3, h, c).permute(2, 0, 3, 1, 4)  # (rows, h, L, c)
+        logits = q @ k.transpose(-1, -2) / math.sqrt(c) + bias  # (rows, h, L_j, L_k)
+        o = logits.softmax(dim=-1) @ v  # over the edges ik of each row i: (rows, h, L, c)
+        g = torch.sigmoid(module.gate(x)).view(rows, length, h, c).transpose(1, 2)
+        return module.out((g * o).transpose(1, 2).reshape(rows, length, h * c))
+
+    out = torch.empty_like(z)
+    for a in range(0, length, chunk_size):
+        out[a:a + chunk_size] = attend(z[a:a + chunk_size])
+    return out
     ### END SOLUTION
 
 
@@ -769,6 +787,11 @@ for chunk in (96, 32, 8, 1):
 # > ```
 # >
 # > ```python
+# > from esm.model.esm2 import ESM2
+# > from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+# > from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+# > from kit.lessons.proteins import ESM2_FAMILY, alphabet, init_weights
+# >
 # > dist.init_process_group("nccl")
 # > torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 # > layers, dim, heads = ESM2_FAMILY["esm2_t36_3B_UR50D"]      # or esm2_t33_650M_UR50D
@@ -782,11 +805,17 @@ for chunk in (96, 32, 8, 1):
 # > fully_shard(model, mp_policy=mp)
 # > model.to_empty(device="cuda")                              # each GPU allocates its shard
 # > model.apply(init_weights)                                  # then initialise (or load)
+# > with torch.autocast("cuda", dtype=torch.bfloat16):         # see below
+# >     logits = model(tokens.cuda())["logits"]                # (B, T, 33)
 # > ```
 # >
-# > - On GPUs FSDP2's `MixedPrecisionPolicy` casts the gathered parameters to bf16 and
-# >   reduce-scatters gradients in fp32, instead of `torch.autocast`; the fp32 shards stay the
-# >   optimizer's master weights.
+# > - FSDP2's `MixedPrecisionPolicy` casts the gathered parameters to bf16 and reduce-scatters
+# >   gradients in fp32; the fp32 shards stay the optimizer's master weights. Keep
+# >   `torch.autocast` around the forward all the same: fair-esm's rotary embedding multiplies
+# >   q and k by fp32 cos/sin tables, so they come out fp32 beside a bf16 v, and `torch.bmm`
+# >   refuses the mix ("expected m1 and m2 to have the same dtype"). `init_weights` (in
+# >   `kit.lessons.proteins`) initialises what `to_empty` left uninitialised, the rotary
+# >   tables included. `benchmarks/gpu_smoke.py` runs this code.
 # > - ESM-2 650M (33 layers × 1280) trains with DDP on 80 GB GPUs; 3B (36 × 2560) wants FSDP
 # >   over at least 2 GPUs, 15B over 8 or more (Section 1's table). Use
 # >   `reshard_after_forward=False` on the last layer, as torchtitan does, to skip one

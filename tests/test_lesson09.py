@@ -217,7 +217,7 @@ def test_chunked_equals_the_whole_module(solution, length, chunk_size):
     z = torch.randn(length, length, 8, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(solution.chunked(module, z, chunk_size), module(z), rtol=0, atol=1e-12)
-    assert max(module.rows_seen[:-1]) <= chunk_size  # the last call is module(z) itself
+    assert module.rows_seen == [length]  # only module(z) itself: chunked writes its own attention
 
 
 # --------------------------------------------------------------------------- the meter's bounds
@@ -225,7 +225,7 @@ def test_chunked_equals_the_whole_module(solution, length, chunk_size):
 # Each mistake gives the right values (and, for the ring, the right traffic): only the meter sees it.
 BOUND_ONLY = [("9.3", "keeps every block it received (right values and traffic)",
                "its memory grows with the whole sequence L"),
-              ("9.4", "computes the whole logits itself, the chunked calls only for show",
+              ("9.4", "every row's logits at once",
                "chunking's heads·chunk·L² in place of heads·L³ is lost")]
 
 
@@ -233,12 +233,13 @@ BOUND_ONLY = [("9.3", "keeps every block it received (right values and traffic)"
 def test_a_mistake_that_keeps_what_the_technique_frees_fails_only_its_bound(bugs, task_id, bug, lost):
     task = get_task(task_id)
     report = run_checks(task_id, dict(bugs[task_id])[bug])
-    (bound,) = [c for c in report.cases if " is within " in c.name]
-    values = [c for c in report.cases if c is not bound]
-    assert all(c.status == "passed" for c in values), report.to_text()
-    assert bound.status == "failed" and bound.points == 0, report.to_text()
-    assert lost in bound.message, bound.message
-    assert float(re.search(r"holds ([\d.]+)x the bound", bound.message)[1]) >= 2.0, bound.message
+    bounds = [c for c in report.cases if " is within " in c.name]
+    values = [c for c in report.cases if c not in bounds]
+    assert bounds and all(c.status == "passed" for c in values), report.to_text()
+    for bound in bounds:
+        assert bound.status == "failed" and bound.points == 0, report.to_text()
+        assert lost in bound.message, bound.message
+        assert float(re.search(r"holds ([\d.]+)x the bound", bound.message)[1]) >= 2.0, bound.message
     value_share = sum(task.case_points(c) for c in task.cases if " is within " not in c.name)
     assert report.score == pytest.approx(value_share) and report.score < task.points
 

@@ -96,6 +96,11 @@ def unchunked_outputs(seed: int) -> dict[str, Any]:
     return out
 
 
+def chunked_largest_bound(seed: int) -> dict[str, float]:
+    """One block's logits: heads·chunk·L² values in float32, the largest tensor chunking needs."""
+    return {"bound": HEADS_TRI * METERED_CHUNK * METERED_L**2 * 4}
+
+
 def chunked_peak_bound(seed: int) -> dict[str, float]:
     """One block's logits and their softmax (heads·chunk·L² each), the output and its
     concatenation (L²·c_z each) and the bias (heads·L²), in float32."""

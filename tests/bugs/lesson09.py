@@ -288,45 +288,93 @@ def ring_by_direct_sends(q, k, v, key_padding_mask=None, group=None):
 # --------------------------------------------------------------------------- task 9.4
 
 
-def chunks_along_the_wrong_axis(module, z, chunk_size):
-    """Blocks of columns z[:, a:b] (with the matching block of the bias): attention then only
-    sees the edges inside each block."""
-    bias = module.pair_bias(z)
-    return torch.cat([module(z[:, a:a + chunk_size], bias[:, a:a + chunk_size, a:a + chunk_size])
-                      for a in range(0, z.shape[1], chunk_size)], dim=1)
+def _attend(module, z, chunk_size, *, axis=0, with_bias=True, softmax_dim=-1, transpose_bias=False,
+            whole_logits=False):
+    """The chunked triangle attention with one step replaceable, as a student writes it."""
+    length = z.shape[0]
+    bias = module.bias(module.norm(z)).permute(2, 0, 1)  # (h, L_j, L_k)
+    if transpose_bias:
+        bias = bias.transpose(1, 2)
+    if not with_bias:
+        bias = torch.zeros_like(bias)
+    if axis == 1:  # blocks of columns: each block attends only among its own columns
+        blocks = []
+        for a in range(0, length, chunk_size):
+            part = z[:, a:a + chunk_size]
+            blocks.append(_block(module, part, bias[:, a:a + chunk_size, a:a + chunk_size],
+                                 softmax_dim))
+        return torch.cat(blocks, dim=1)
+    step = length if whole_logits else chunk_size
+    return torch.cat([_block(module, z[a:a + step], bias, softmax_dim)
+                      for a in range(0, length, step)])
 
 
-def whole_then_sliced(module, z, chunk_size):
-    out = module(z)
-    return torch.cat([out[a:a + chunk_size] for a in range(0, z.shape[0], chunk_size)])
-
-
-def one_row_too_many(module, z, chunk_size):
-    """Overlapping blocks of chunk_size + 1 rows, the extra row dropped afterwards."""
-    bias = module.pair_bias(z)
-    return torch.cat([module(z[a:a + chunk_size + 1], bias)[:chunk_size] for a in range(0, z.shape[0], chunk_size)])
-
-
-def full_logits_outside(module, z, chunk_size):
-    """Calls the module on blocks of rows for show, then computes the whole attention itself
-    with the module's weights: right values and rows, and heads·L³ logits alive at once."""
-    bias = module.pair_bias(z)
-    for a in range(0, z.shape[0], chunk_size):
-        module(z[a:a + chunk_size], bias)
-    rows, length, _ = z.shape
+def _block(module, z_rows, bias, softmax_dim=-1):
+    rows, length, _ = z_rows.shape
     h, c = module.heads, module.c
-    x = module.norm(z)
+    x = module.norm(z_rows)
     q, k, v = module.qkv(x).view(rows, length, 3, h, c).permute(2, 0, 3, 1, 4)
-    logits = q @ k.transpose(-1, -2) / math.sqrt(c) + bias  # (L, h, L, L): every row at once
-    o = logits.softmax(dim=-1) @ v
+    logits = q @ k.transpose(-1, -2) / math.sqrt(c) + bias
+    o = logits.softmax(dim=softmax_dim) @ v
     g = torch.sigmoid(module.gate(x)).view(rows, length, h, c).transpose(1, 2)
     return module.out((g * o).transpose(1, 2).reshape(rows, length, h * c))
 
 
+def chunks_along_the_wrong_axis(module, z, chunk_size):
+    """Blocks of columns z[:, a:b] (with the matching block of the bias): attention then only
+    sees the edges inside each block."""
+    return _attend(module, z, chunk_size, axis=1)
+
+
 def bias_left_out(module, z, chunk_size):
-    """A zero bias in place of the bias of the whole z (b_jk^h carries the third edge)."""
-    zero = torch.zeros(module.heads, z.shape[0], z.shape[0], dtype=z.dtype)
-    return torch.cat([module(z[a:a + chunk_size], zero) for a in range(0, z.shape[0], chunk_size)])
+    """The triangle bias b_jk^h dropped: plain attention along each row."""
+    return _attend(module, z, chunk_size, with_bias=False)
+
+
+def bias_transposed(module, z, chunk_size):
+    """b_kj in place of b_jk: the bias indexed by (key, query)."""
+    return _attend(module, z, chunk_size, transpose_bias=True)
+
+
+def softmax_over_the_queries(module, z, chunk_size):
+    """The softmax over the queries j instead of the keys k."""
+    return _attend(module, z, chunk_size, softmax_dim=-2)
+
+
+def whole_logits_at_once(module, z, chunk_size):
+    """Right values, but every row's logits at once: heads·L³ values alive."""
+    return _attend(module, z, chunk_size, whole_logits=True)
+
+
+def one_row_too_many(module, z, chunk_size):
+    """Overlapping blocks of chunk_size + 1 rows, the extra row dropped afterwards."""
+    bias = module.bias(module.norm(z)).permute(2, 0, 1)
+    return torch.cat([_block(module, z[a:a + chunk_size + 1], bias)[:chunk_size]
+                      for a in range(0, z.shape[0], chunk_size)])
+
+
+def broadcast_logits(module, z, chunk_size):
+    """The logits as a broadcast product summed over c: right values, a (rows, h, L, L, c)
+    tensor per block."""
+    length = z.shape[0]
+    h, c = module.heads, module.c
+    bias = module.bias(module.norm(z)).permute(2, 0, 1)
+    blocks = []
+    for a in range(0, length, chunk_size):
+        x = module.norm(z[a:a + chunk_size])
+        rows = x.shape[0]
+        q, k, v = module.qkv(x).view(rows, length, 3, h, c).permute(2, 0, 3, 1, 4)
+        logits = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) / math.sqrt(c) + bias
+        o = logits.softmax(dim=-1) @ v
+        g = torch.sigmoid(module.gate(x)).view(rows, length, h, c).transpose(1, 2)
+        blocks.append(module.out((g * o).transpose(1, 2).reshape(rows, length, h * c)))
+    return torch.cat(blocks)
+
+
+def calls_the_module(module, z, chunk_size):
+    """The module's own forward on blocks of rows (what the task writes)."""
+    bias = module.pair_bias(z)
+    return torch.cat([module(z[a:a + chunk_size], bias) for a in range(0, z.shape[0], chunk_size)])
 
 
 BUGS = {
@@ -363,9 +411,12 @@ BUGS = {
     ],
     "9.4": [
         ("chunks along the wrong axis (columns)", chunks_along_the_wrong_axis),
-        ("runs the whole module, then slices its output", whole_then_sliced),
+        ("the triangle bias dropped", bias_left_out),
+        ("the bias transposed (b_kj for b_jk)", bias_transposed),
+        ("the softmax over the queries, not the keys", softmax_over_the_queries),
         ("blocks of chunk_size + 1 rows", one_row_too_many),
-        ("a zero bias instead of the bias of the whole z", bias_left_out),
-        ("computes the whole logits itself, the chunked calls only for show", full_logits_outside),
+        ("every row's logits at once", whole_logits_at_once),
+        ("the logits as a broadcast product summed over c", broadcast_logits),
+        ("calls the module's own forward and pair_bias", calls_the_module),
     ],
 }
