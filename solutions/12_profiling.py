@@ -138,7 +138,161 @@ def training_flops(vocab: int, dim: int, layers: int, heads: int, batch: int, se
 check("12.1", training_flops)
 
 # %% [markdown]
-# ## 2. Bytes per layout
+# Your count against `FlopCounterMode`'s, and against the rule of thumb, at the lesson's size
+# and at one where the sequence is long:
+
+# %%
+print("training_flops equals FlopCounterMode:", training_flops(vocab, dim, layers, heads, batch, seq_len) == math_total)
+for shape in [(vocab, dim, layers, heads, batch, seq_len), (256, 64, 4, 4, 1, 1024)]:
+    v, d, n_layers, h, b, t = shape
+    n = v * d + t * d + n_layers * (12 * d * d + 13 * d) + 2 * d
+    print(f"{shape}: exact {training_flops(*shape):>14,}   6 N tokens {6 * n * b * t:>14,}"
+          f"   ({6 * n * b * t / training_flops(*shape):.2f}x)")
+
+# %% [markdown]
+# ## 2. This machine's peak, MFU and the roofline
+#
+# **Model FLOPs utilisation** (MFU, from the PaLM paper,
+# [Chowdhery et al., 2022](https://arxiv.org/abs/2204.02311)) is the FLOPs the model needs per
+# second divided by the hardware's peak. Datasheet peaks are for dense matrix products at the
+# best shape; on a CPU we measure ours with one large matmul, with one thread per rank (the
+# ranks below each get one core's thread).
+
+# %%
+torch.set_num_threads(1)
+peak = matmul_peak(n=512)
+copy_src, copy_dst = torch.randn(8 * 2**20), torch.empty(8 * 2**20)  # 32 MB: beyond the caches
+copy_dst.copy_(copy_src)  # first touch of the pages
+start = time.perf_counter()
+for _ in range(5):
+    copy_dst.copy_(copy_src)
+bandwidth = 5 * 2 * copy_src.numel() * 4 / (time.perf_counter() - start)  # read + write
+torch.set_num_threads(2)
+print(f"achieved peak, one thread: {peak / 1e9:.1f} GFLOP/s; memory bandwidth ~{bandwidth / 1e9:.1f} GB/s")
+
+
+# %%
+def timed_steps(layout, dim_, batch_, steps=4, warmup=2):
+    """Runs on each rank: the fastest of ``steps`` training steps of the lesson's model under
+    ``layout`` (the minimum: other processes on shared cores only ever add time)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    m = TinyTransformer(vocab, dim_, 2, 4, context=seq_len)
+    world = dist.get_world_size()
+    if layout == "ddp":
+        m = nn.parallel.DistributedDataParallel(m)
+    elif layout == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in m.blocks:
+            fully_shard(block)
+        fully_shard(m)
+    elif layout == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in m.blocks:
+            parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    xb, yb = token_batch(batch_, seq_len, vocab, seed=0 if layout == "tp" else dist.get_rank())
+    times = []
+    for _ in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        F.cross_entropy(m(xb).reshape(-1, vocab), yb.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    return min(times[warmup:])
+
+
+def mfu_run(dim_, batch_):
+    peak_here = matmul_peak(n=512)  # measured while the other rank measures too: shared cores
+    return {"peak": peak_here, "ddp": timed_steps("ddp", dim_, batch_),
+            "fsdp": timed_steps("fsdp", dim_, batch_)}
+
+
+mfu = launch(mfu_run, 128, 8, world_size=2)
+flops_per_rank = training_flops(vocab, 128, 2, 4, 8, seq_len)
+utilisation = {}
+for layout in ("ddp", "fsdp"):
+    step = max(r[layout] for r in mfu)  # a step ends when its slowest rank does
+    achieved = flops_per_rank / step
+    utilisation[layout] = achieved / statistics.mean(r["peak"] for r in mfu)
+    print(f"{layout:>4}: step {step * 1e3:6.1f} ms, {achieved / 1e9:5.2f} GFLOP/s per rank, "
+          f"MFU {utilisation[layout]:.0%}")
+print(f"FSDP's MFU is {utilisation['fsdp'] / utilisation['ddp']:.2f}x DDP's")
+
+# %% [markdown]
+# Both are well below the matmul's peak: the model is small, so layer norms, GELU, softmax and
+# Python overhead (none of which are FLOPs the model "needs") take much of the step. The two
+# layouts do the same FLOPs per rank; FSDP adds its all-gathers, reduce-scatters and hooks to
+# the critical path, DDP its one all-reduce, which it overlaps with backward. On two shared
+# cores the ratio above moves from run to run by tens of percent: measure several times before
+# you believe a difference smaller than that. Which operators are slow, and
+# why? The **roofline** ([Williams et al., 2009](https://doi.org/10.1145/1498765.1498785))
+# plots each operator's arithmetic intensity (FLOPs per byte it reads and writes) against the
+# FLOP/s it reaches: below the ridge, memory bandwidth bounds it; above, compute does.
+
+
+# %%
+def op_point(name, fn, flops, nbytes, repeats=5):
+    fn()
+    best = min(measure_once(fn) for _ in range(repeats))
+    return name, flops / nbytes, flops / best
+
+
+def measure_once(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+torch.set_num_threads(1)
+d, n_tok, t_len = 128, 8 * seq_len, seq_len
+a, w_qkv, w_up, w_head = (torch.randn(n_tok, d), torch.randn(d, 3 * d), torch.randn(d, 4 * d),
+                          torch.randn(d, vocab))
+q = torch.randn(8 * 4, t_len, d // 4)
+h4 = torch.randn(n_tok, 4 * d)
+big = torch.randn(512, 512)
+points = [
+    op_point("qkv projection", lambda: a @ w_qkv, 2 * n_tok * d * 3 * d, 4 * (n_tok * d + d * 3 * d + n_tok * 3 * d)),
+    op_point("MLP up", lambda: a @ w_up, 2 * n_tok * d * 4 * d, 4 * (n_tok * d + 4 * d * d + n_tok * 4 * d)),
+    op_point("output layer", lambda: a @ w_head, 2 * n_tok * d * vocab, 4 * (n_tok * d + d * vocab + n_tok * vocab)),
+    op_point("scores Q K^T", lambda: q @ q.transpose(1, 2), 2 * 32 * t_len * t_len * (d // 4),
+             4 * (2 * q.numel() + 32 * t_len * t_len)),
+    op_point("residual add", lambda: a + a, a.numel(), 4 * 3 * a.numel()),
+    op_point("GELU (~8 FLOPs/elt)", lambda: F.gelu(h4), 8 * h4.numel(), 4 * 2 * h4.numel()),
+    op_point("512 x 512 matmul", lambda: big @ big, 2 * 512**3, 4 * 3 * 512**2),
+]
+torch.set_num_threads(2)
+fig, ax = plt.subplots(figsize=(7, 4))
+intensity = torch.logspace(-2, 3, 100)
+ax.loglog(intensity, torch.clamp(intensity * bandwidth, max=peak), "k-", label="roofline (measured peak, bandwidth)")
+for name, ai, achieved in points:
+    ax.loglog(ai, achieved, "o")
+    ax.annotate(name, (ai, achieved), fontsize="small", xytext=(4, -10), textcoords="offset points")
+ax.set_xlabel("arithmetic intensity (FLOPs / byte)")
+ax.set_ylabel("achieved FLOP/s, one thread")
+ax.legend(loc="lower right", fontsize="small")
+ax.set_title("Roofline of the step's main operators")
+fig.savefig(WORK / "roofline.png", dpi=90, bbox_inches="tight")
+plt.show()
+
+# %% [markdown]
+# The projections sit near the compute roof; the residual add and GELU sit far left, where
+# bytes, not FLOPs, set the pace. They land above the DRAM slope because this step's operands
+# (a few hundred kB) fit in the caches, which are faster than the 32 MB copy that measured it. The GELU's "8 FLOPs per element" is
+# a convention of this plot: `FlopCounterMode` gives elementwise ops no FLOPs at all, which is
+# why MFU counts only the matrix products.
+
+# %% [markdown]
+# ## 3. Bytes per layout
 #
 # **Task 12.2.** Every layout of Lessons 04-08 moves a fixed set of tensors per step. Say which
 # and how big, per rank, as the recorder counts them: its convention is nccl-tests' message size
@@ -196,7 +350,288 @@ def step_traffic(layout: str, model: nn.Module, world_size: int, batch: int, seq
 check("12.2", step_traffic)
 
 # %% [markdown]
-# ## 3. Finding the straggler
+# Your answer against the recorder, on real runs of the four layouts (the third step of each):
+
+
+# %%
+def recorded_traffic(dim_, batch_):
+    """Runs on each rank: the recorder's bytes per op in the third step of each layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.set_num_threads(1)
+    out = {}
+    for layout in ("ddp", "zero1", "fsdp", "tp"):
+        torch.manual_seed(0)
+        m = TinyTransformer(vocab, dim_, 2, 2, context=seq_len)
+        if layout in ("ddp", "zero1"):
+            m = nn.parallel.DistributedDataParallel(m)
+        elif layout == "fsdp":
+            for block in m.blocks:
+                fully_shard(block)
+            fully_shard(m)
+        else:
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for block in m.blocks:
+                parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = (ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW)
+               if layout == "zero1" else torch.optim.AdamW(m.parameters()))
+        xb, yb = token_batch(batch_, seq_len, vocab, seed=0 if layout == "tp" else dist.get_rank())
+        for _ in range(3):
+            with trace() as t:
+                F.cross_entropy(m(xb).reshape(-1, vocab), yb.reshape(-1)).backward()
+                opt.step()
+                opt.zero_grad()
+        totals = {}
+        for e in t.events:
+            totals[e.op] = totals.get(e.op, 0) + e.nbytes
+        out[layout] = {op: n for op, n in totals.items() if n}
+    return out
+
+
+recorded = launch(recorded_traffic, 30, 4, world_size=2)[0]
+model30 = TinyTransformer(vocab, 30, 2, 2, context=seq_len)
+agree = all(step_traffic(layout, model30, 2, 4, seq_len) == recorded[layout] for layout in recorded)
+for layout, ops in recorded.items():
+    print(f"{layout:>5}: {ops}")
+print("the recorder agrees with step_traffic on every layout:", agree)
+
+# %% [markdown]
+# These are *buffer* sizes. What crosses each rank's link is what Lesson 01's ring sends: an
+# all-reduce of `n` bytes sends `2(W-1)/W · n` per rank, an all-gather or reduce-scatter of a
+# whole buffer `n` sends `(W-1)/W · n`, and a broadcast tree its `n`. So per rank and step, on
+# `W` ranks, with `P` the parameter bytes and `A = batch · seq_len · dim` activation bytes:
+#
+# | layout | recorder (buffers) | on the wire per rank (ring) |
+# | --- | --- | --- |
+# | DDP | all-reduce `P` | `2(W-1)/W · P` |
+# | ZeRO-1 | all-reduce `P`, broadcast `P` | `2(W-1)/W · P + P` (torch broadcasts each parameter from its owner) |
+# | FSDP | all-gather `2P`, reduce-scatter `P` (root: `P_root` once) | `3(W-1)/W · P` |
+# | TP | all-reduce `2 · layers · A` | `4(W-1)/W · layers · A` |
+#
+# FSDP moves 1.5x the bytes of DDP to hold `1/W` of the state; TP moves activations, not
+# parameters, so it wins when the batch is small and the model wide.
+
+# %%
+def wire_bytes(layout, model_, world, batch_, seq):
+    """Bytes each rank sends per step under the ring algorithm, from step_traffic's buffers."""
+    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather_single": (world - 1) / world,
+              "reduce_scatter_single": (world - 1) / world, "broadcast": 1.0}
+    return sum(factor[op] * n for op, n in step_traffic(layout, model_, world, batch_, seq).items())
+
+
+for world in (2, 4, 8):
+    row = {layout: wire_bytes(layout, model30, world, 4, seq_len) / 1e3 for layout in ("ddp", "zero1", "fsdp", "tp")}
+    print(f"W={world}: " + ", ".join(f"{k} {v:6.1f} kB" for k, v in row.items()))
+
+# %% [markdown]
+# ## 4. A step-time model, calibrated here
+#
+# A step takes its compute time, FLOPs over achieved FLOP/s, plus the communication that nothing
+# hides: with α-β (Lesson 01) each collective costs its latency per ring step plus its wire
+# bytes times β. Calibrate on this machine, inside the ranks, with the cores as shared as in
+# training: the matmul peak, α and β from all-reduces of two sizes, and one efficiency factor
+# (what fraction of the peak an un-wrapped step reaches, at the middle size). Then predict
+# DDP, FSDP and TP at three sizes on 2 and 4 ranks, and measure.
+
+# %%
+SIZES = (32, 64, 128)
+
+
+def calibrate_and_time():
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    peak_here = matmul_peak(n=384)
+    ring_times = {}
+    for numel in (256, 2**20):
+        buf = torch.ones(numel)
+        samples = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buf)
+            samples.append(time.perf_counter() - start)
+        ring_times[4 * numel] = statistics.median(samples)
+    (n1, t1), (n2, t2) = sorted(ring_times.items())
+    beta = (t2 - t1) / ((n2 - n1) * 2 * (world - 1) / world)
+    alpha = max((t1 - 2 * (world - 1) / world * n1 * beta) / (2 * (world - 1)), 0.0)
+    plain = {}
+    for d_ in SIZES:  # one rank's step with no wrapper: what compute alone costs here
+        torch.manual_seed(0)
+        m = TinyTransformer(vocab, d_, 2, 4, context=seq_len)
+        xb, yb = token_batch(4, seq_len, vocab, seed=0)
+        samples = []
+        for _ in range(4):
+            start = time.perf_counter()
+            F.cross_entropy(m(xb).reshape(-1, vocab), yb.reshape(-1)).backward()
+            samples.append(time.perf_counter() - start)
+        plain[d_] = statistics.median(samples[1:])
+    measured = {(layout, d_): timed_steps(layout, d_, 4) for layout in ("ddp", "fsdp", "tp") for d_ in SIZES}
+    return {"peak": peak_here, "alpha": alpha, "beta": beta, "plain": plain, "measured": measured}
+
+
+def collective_seconds(op, nbytes, world, alpha, beta, calls):
+    if op == "all_reduce":
+        return calls * 2 * (world - 1) * alpha + 2 * (world - 1) / world * nbytes * beta
+    return calls * (world - 1) * alpha + (world - 1) / world * nbytes * beta
+
+
+def predict(layout, d_, world, cal):
+    flops = training_flops(vocab, d_, 2, 4, 4, seq_len)
+    if layout == "tp":  # the MLPs (16 N D^2 of the 24 N D^2 per layer) are split W ways
+        tokens = 4 * seq_len
+        flops -= 3 * 2 * 16 * tokens * d_ * d_ * (1 - 1 / world)
+    efficiency = training_flops(vocab, 64, 2, 4, 4, seq_len) / (cal["plain"][64] * cal["peak"])
+    compute = flops / (efficiency * cal["peak"])
+    m = TinyTransformer(vocab, d_, 2, 4, context=seq_len)
+    calls = {"ddp": 1, "fsdp": 5 + 3, "tp": 4}[layout]  # buckets; FSDP's units; TP's all-reduces
+    comm = sum(collective_seconds(op, n, world, cal["alpha"], cal["beta"], calls)
+               for op, n in step_traffic(layout, m, world, 4, seq_len).items())
+    return compute + comm
+
+
+predicted, measured = [], []
+for world in (2, 4):
+    cal = launch(calibrate_and_time, world_size=world)
+    cal0 = {k: statistics.median(c[k] for c in cal) if k in ("peak", "alpha", "beta") else cal[0][k]
+            for k in cal[0]}
+    print(f"W={world}: peak {cal0['peak'] / 1e9:.1f} GFLOP/s per rank, alpha {cal0['alpha'] * 1e6:.0f} us, "
+          f"beta {1 / cal0['beta'] / 1e9:.2f} GB/s")
+    for (layout, d_), _ in cal[0]["measured"].items():
+        seconds = max(c["measured"][(layout, d_)] for c in cal)  # the step ends with the slowest rank
+        predicted.append((layout, d_, world, predict(layout, d_, world, cal0)))
+        measured.append(seconds)
+
+ratios = [m_ / p[3] for p, m_ in zip(predicted, measured)]
+for (layout, d_, world, p), m_ in zip(predicted, measured):
+    print(f"{layout:>4} dim {d_:>3} on {world} ranks: predicted {p * 1e3:6.1f} ms, measured {m_ * 1e3:6.1f} ms")
+fig, ax = plt.subplots(figsize=(5, 4))
+for (layout, _, world, p), m_ in zip(predicted, measured):
+    ax.scatter(p * 1e3, m_ * 1e3, marker={"ddp": "o", "fsdp": "s", "tp": "^"}[layout],
+               color="tab:blue" if world == 2 else "tab:red")
+lim = [0, 1.1e3 * max(max(measured), max(p[3] for p in predicted))]
+ax.plot(lim, lim, "k--", lw=0.8)
+ax.set_xlabel("predicted step (ms)")
+ax.set_ylabel("measured step (ms)")
+ax.set_title("o DDP, s FSDP, ^ TP; blue 2 ranks, red 4")
+fig.savefig(WORK / "predicted_vs_measured.png", dpi=90, bbox_inches="tight")
+plt.show()
+print(f"measured / predicted: median {statistics.median(ratios):.2f}, from {min(ratios):.2f} to {max(ratios):.2f}")
+
+# %% [markdown]
+# The spread printed above is the model's honesty on this machine: ranks share two cores, so
+# compute does not split cleanly, gloo's latency varies with load, and DTensor and FSDP add
+# Python overhead per op that no FLOP count sees. The model is still the right shape: compute
+# grows with `D^2`, communication with `P`, and the layout that moves fewer bytes per FLOP
+# wins as the world grows.
+#
+# ### Picking a layout for a 7B model at 8, 64 and 512 GPUs
+#
+# The same model with **published H100 SXM numbers** (NVIDIA's datasheet: 989 TFLOP/s dense
+# BF16, 80 GB HBM3, NVLink 900 GB/s total, so 450 GB/s each way, inside a node of 8; one
+# 400 Gb/s NDR InfiniBand port, 50 GB/s, per GPU between nodes). The assumptions are ours and
+# stated: 7B parameters in 32 layers of width 4096; BF16 weights and gradients with FP32 Adam
+# (16 bytes per parameter, as in ZeRO's paper); a global batch of 2^20 tokens of 4096 each;
+# 40 % MFU; ring collectives at link speed; gradient communication hidden behind the backward
+# (two thirds of the compute) where it fits, while FSDP's forward gathers and TP's activations
+# are not hidden. Activations' memory is left out.
+
+# %%
+H100 = {"flops": 989e12, "memory": 80e9, "nvlink": 450e9, "ib": 50e9}  # published, per GPU
+N7B, LAYERS7B, WIDTH7B, SEQ7B, TOKENS7B, MFU7B = 7e9, 32, 4096, 4096, 2**20, 0.4
+
+
+def layout_7b(layout, gpus, tp=8):
+    dp = gpus // tp if layout == "tp+fsdp" else gpus
+    link = H100["nvlink"] if dp <= 8 else H100["ib"]  # data-parallel traffic crosses nodes
+    compute = 6 * N7B * TOKENS7B / gpus / (MFU7B * H100["flops"])
+    grads = 2 * N7B / (tp if layout == "tp+fsdp" else 1)  # bf16 bytes a rank reduces
+    ring = (dp - 1) / dp
+    memory = {"ddp": 16 * N7B, "zero1": 4 * N7B + 12 * N7B / dp,
+              "fsdp": 16 * N7B / dp, "tp+fsdp": 16 * N7B / gpus}[layout]
+    hidden_comm = 2 * ring * grads / link  # the gradients' all-reduce (or reduce-scatter + gather)
+    # ZeRO-1's parameter broadcast after the step and FSDP's forward all-gathers wait in line
+    exposed = 0.0 if layout == "ddp" else ring * grads / link
+    if layout == "tp+fsdp":  # 4 activation all-reduces per layer (2 forward, 2 backward), NVLink
+        tokens_per_group = TOKENS7B / dp
+        exposed += 4 * LAYERS7B * 2 * (tp - 1) / tp * tokens_per_group * WIDTH7B * 2 / H100["nvlink"]
+    step = compute + exposed + max(0.0, hidden_comm - 2 / 3 * compute)
+    return step, memory
+
+
+rows = []
+for gpus in (8, 64, 512):
+    options = {layout: layout_7b(layout, gpus) for layout in ("ddp", "zero1", "fsdp", "tp+fsdp")}
+    fits = {k: v for k, v in options.items() if v[1] <= H100["memory"]}
+    best = min(fits, key=lambda k: (round(fits[k][0], 1), fits[k][1]))  # a tie: less memory
+    print(f"{gpus:>3} GPUs: " + ", ".join(
+        f"{k} {v[0]:.2f} s/{v[1] / 1e9:.0f} GB{'' if k in fits else ' (does not fit)'}" for k, v in options.items())
+        + f"  ->  {best}")
+    rows.append((gpus, options, best))
+
+# %% [markdown]
+# DDP never fits: 16 bytes for each of 7B parameters is 112 GB. At 8 GPUs everything rides
+# NVLink and the gradients hide behind a 9 s backward; at 64 they cross InfiniBand, at a ninth
+# of NVLink's speed, and still hide. ZeRO-1 and FSDP tie on time there, so FSDP wins on memory,
+# and tensor parallelism only adds its activation all-reduces. At 512 GPUs each GPU computes
+# for a fraction of a second and the gradient traffic no longer hides: tensor parallelism
+# inside the node divides the gradient bytes that cross nodes by 8, at the price of activation
+# all-reduces that stay on NVLink.
+# This is why large runs use 2-D (and more) meshes: TP within a node, FSDP across nodes.
+# Real choices also weigh activation memory, pipeline bubbles and the batch size that
+# converges; the [Ultra-Scale Playbook](https://huggingface.co/spaces/nanotron/ultrascale-playbook)
+# works through them with measured numbers.
+
+# %% [markdown]
+# ## 5. Profiling every rank
+#
+# [`torch.profiler.profile`](https://pytorch.org/docs/stable/profiler.html) records every aten
+# op, autograd node, `record_function` span and, with gloo, a `gloo:<op>` event per collective;
+# `export_chrome_trace` writes them as a Chrome/Perfetto trace. `kit.lessons.profiling.profiled`
+# does that on each rank (CPU activities; `shapes=`, `memory=`, `stack=` turn on
+# `record_shapes`, `profile_memory`, `with_stack`), into this lesson's folder, one
+# `rank<r>.json` per rank. Below, four ranks train a small transformer; rank 2 reads its data
+# from a slow loader (half a second per batch). The recorder (`launch_traced`) sees the same
+# run's collectives; `merge_traces` writes one trace with a row per rank, which Perfetto opens
+# (`ui.perfetto.dev`, drag the file in), and `plot_traces` draws it here.
+
+# %%
+warm_profiler()  # the first profiler of a process starts Kineto (seconds); forked ranks inherit it
+straggler_dir = WORK / "traces_data"
+run = launch_traced(straggler_run, 2, "data", 0.5, steps=2, folder=str(straggler_dir), world_size=4)
+traces = load_traces(straggler_dir)
+merged = merge_traces(traces, run.events, WORK / "merged_trace.json")
+fig, ax = plt.subplots(figsize=(10, 3.8))
+plot_traces(traces, run.events, ax=ax, title="4 ranks, rank 2's data loader sleeps 0.5 s per batch")
+fig.savefig(WORK / "merged_timeline.png", dpi=90, bbox_inches="tight")
+plt.show()
+print(f"merged trace: {len(merged['traceEvents'])} events in {WORK / 'merged_trace.json'}")
+
+# %% [markdown]
+# Reading it: each rank's top lane is its main thread (green: `DataLoader.__next__`; blue:
+# forward, backward and the optimizer's ops); below, gloo's own threads (red: `gloo:all_reduce`,
+# from the moment the op is queued until it completes); at the bottom, the recorder's
+# `all_reduce` calls (orange). Rank 2's green bar is long; the other ranks' red bars are just
+# as long, because they are waiting for rank 2 to contribute. **The rank that waits longest in
+# a collective is a victim; the straggler is the one that waits least.**
+#
+# What each rank did, in numbers (ms, from the trace):
+
+# %%
+for rank, tr in enumerate(traces):
+    spans = [e for e in tr["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gloo = sum(e["dur"] for e in spans if e["name"].startswith("gloo:")) / 1e3
+    data = sum(e["dur"] for e in spans if "DataLoader" in e["name"]) / 1e3
+    print(f"rank {rank}: data {data:6.1f} ms, waiting in gloo: {gloo:6.1f} ms")
+
+# %% [markdown]
+# ## 6. Finding the straggler
 #
 # **Task 12.3.** One slow rank makes every other rank wait inside its collectives: their
 # `gloo:all_reduce` events grow long while the slow rank's stays short, since by the time it
@@ -256,3 +691,94 @@ def find_straggler(traces: list[dict]) -> dict:
 
 # %% tags=["check-12.3"]
 check("12.3", find_straggler)
+
+# %% [markdown]
+# The three scenarios the check runs, on other ranks, and the tempting wrong answer:
+
+# %%
+def three_stragglers(plan):
+    return [straggler_run(slow, phase, 0.5, steps=1) for phase, slow in plan]
+
+
+plan = [("data", 1), ("compute", 3), ("communication", 0)]
+per_rank = launch(three_stragglers, plan, world_size=4)
+found = []
+for i, (phase, slow) in enumerate(plan):
+    rank_traces = [r[i] for r in per_rank]
+    waits = [sum(e["dur"] for e in t["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("gloo:"))
+             for t in rank_traces]
+    got = find_straggler(rank_traces)
+    found.append(got == {"rank": slow, "phase": phase})
+    print(f"slow rank {slow} ({phase}): find_straggler says {got}; the longest waiter is rank "
+          f"{waits.index(max(waits))}")
+print("find_straggler blames the slow rank:", all(found))
+
+# %% [markdown]
+# The injected delay is half a second per step, at least 20 times a profiled step of this
+# model on two busy cores, and every comparison is relative: the slow rank waits least, and its phase
+# is the one where it exceeds the *median* of the others. Noise of tens of milliseconds, from
+# four ranks sharing two cores, moves neither.
+#
+# ## Running at scale
+#
+# > On GPUs the same code profiles CUDA kernels too; add the activity and write one trace per
+# > rank under `torchrun`:
+# >
+# > ```python
+# > # torchrun --standalone --nproc_per_node=8 train.py
+# > from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+# >
+# > with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+# >              schedule=schedule(wait=1, warmup=1, active=3),
+# >              on_trace_ready=tensorboard_trace_handler(f"traces/rank{rank}")) as prof:
+# >     for step, batch in enumerate(loader):
+# >         train_step(batch)
+# >         prof.step()
+# > ```
+# >
+# > - With NCCL, collectives are kernels (`ncclDevKernel_AllReduce...`) on their own CUDA
+# >   stream, so a GPU trace shows how much communication *overlaps* compute, which a CPU gloo
+# >   trace cannot: gloo runs on host threads and the CPU ops are all there is.
+# > - [Holistic Trace Analysis](https://hta.readthedocs.io/) (`pip install HolisticTraceAnalysis`)
+# >   reads a folder of such per-rank traces: temporal breakdown (compute, communication,
+# >   idle) per rank, kernel breakdown, communication-computation overlap, CUDA kernel launch
+# >   statistics and queue length. It needs the GPU kernels and streams, so it does not read
+# >   this lesson's CPU traces.
+# > - MFU on GPUs is quoted against the datasheet's dense BF16 peak (989 TFLOP/s on an H100
+# >   SXM); 35-55 % is typical of well-tuned large runs.
+# > - `TORCH_NCCL_ENABLE_TIMING=1` and the flight recorder (Lesson 02) time every collective per
+# >   rank in production, where a profiler is too heavy to leave on.
+#
+# ## Summary
+#
+# - A training step costs 3x its forward's matrix-product FLOPs; `6 N tokens` forgets the
+#   attention scores and counts embeddings that cost nothing. On CPU, `FlopCounterMode` counts
+#   fused attention as 0: count under `sdpa_kernel(SDPBackend.MATH)`.
+# - MFU compares the model's FLOPs per second with a peak you measured or a datasheet states;
+#   the roofline says whether an operator is bound by memory or by compute.
+# - Per step and rank (recorder buffers): DDP all-reduces `P`; ZeRO-1 adds a broadcast of `P`;
+#   FSDP all-gathers `2P` and reduce-scatters `P`, padded to the world size; TP all-reduces two
+#   activations per block. The ring multiplies them by `2(W-1)/W` or `(W-1)/W` on the wire.
+# - Step time ≈ compute + exposed communication; calibrate it where you run, then extrapolate
+#   with published numbers, and let memory rule out what does not fit.
+# - The rank waiting longest in a collective is waiting *for* the straggler.
+#
+# **Read more:** [torch.profiler](https://pytorch.org/docs/stable/profiler.html) and its
+# [recipe](https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html),
+# [`FlopCounterMode`](https://github.com/pytorch/pytorch/blob/main/torch/utils/flop_counter.py),
+# [Perfetto](https://perfetto.dev/docs/), [HTA](https://hta.readthedocs.io/),
+# [nccl-tests' performance notes](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md),
+# the [Ultra-Scale Playbook](https://huggingface.co/spaces/nanotron/ultrascale-playbook),
+# PaLM's MFU ([Chowdhery et al., 2022](https://arxiv.org/abs/2204.02311)),
+# ZeRO ([Rajbhandari et al., 2020](https://arxiv.org/abs/1910.02054)).
+#
+# ## Exercises (not graded)
+#
+# 1. Profile with `shapes=True, memory=True` and find the largest allocation of a step in the
+#    merged trace. Which op made it?
+# 2. Add `"hsdp"` (FSDP within groups of 2, replicated across them, on a 2-D `DeviceMesh`) to
+#    `step_traffic` and check it against the recorder on 4 ranks.
+# 3. Put a delay in *every* rank's data loader, one rank twice as long as the others. Does
+#    `find_straggler` still find it? What does "the others' median" assume?
+# 4. Extend the 7B model with activation memory (Lesson 07's count) and find the batch at which
+#    FSDP stops fitting on 8 GPUs.

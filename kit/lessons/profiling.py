@@ -201,7 +201,7 @@ def plot_traces(traces: Sequence[dict[str, Any]], events: Sequence[Sequence[Any]
     if not starts:
         ax.set_title(title or "no events")
         return ax
-    t0 = min(starts)
+    t0, t1 = min(starts), max(e["ts"] + e["dur"] for t in traces for e in _spans(t))
     for rank, trace in enumerate(traces):
         spans = _top_level(_spans(trace))
         tids = sorted({e.get("tid") for e in spans}, key=lambda t: -sum(
@@ -219,9 +219,10 @@ def plot_traces(traces: Sequence[dict[str, Any]], events: Sequence[Sequence[Any]
             offset = _offset_us(trace)
             for ev in events[rank]:
                 ev = ev if isinstance(ev, dict) else ev.to_dict()
-                if ev["kind"] != "region":
+                ts = ev["start"] * 1e6 + offset
+                if ev["kind"] != "region" and t0 <= ts <= t1:  # the profiled window only
                     ax.barh(y, max(ev["end"] - ev["start"], 1e-6) * 1e3,
-                            left=(ev["start"] * 1e6 + offset - t0) / 1e3, height=height * 0.9,
+                            left=(ts - t0) / 1e3, height=height * 0.9,
                             color=PHASE_COLOURS["collective (recorder)"], linewidth=0)
     ax.set_yticks(range(len(traces)), [f"rank {r}" for r in range(len(traces))])
     ax.set_ylim(len(traces) - 0.5, -0.5)
