@@ -4,8 +4,10 @@ Task 2.1 ``dist_info_from_env`` is compared with a trusted reader on torchrun's 
 (one process, one node, the second of two nodes) and on malformed ones, which must raise a
 ``ValueError`` naming the variable. Task 2.2 ``resumable_train`` must reproduce, bit for bit,
 an uninterrupted single-process run of the trusted training loop: in this process after a
-simulated crash, and under real ``torchrun --max-restarts=1`` with rank 1 killed (SIGKILL)
-partway through the first attempt. Task 2.3 ``first_mismatch`` is compared with a trusted
+simulated crash, and under torchrun's own elastic agent (``kit.torchrun.elastic_run``: the
+``LocalElasticAgent`` and c10d rendezvous of ``torchrun --standalone --max-restarts=1``, forked
+from the grader so no Python starts afresh) with rank 1 killed (SIGKILL) partway through the
+first attempt. Task 2.3 ``first_mismatch`` is compared with a trusted
 finder on hand-made call sequences. The trusted reader, training loop and finder live in
 :mod:`autograder.references.lesson02`, named here by string.
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import sys
 import tempfile
 import types
 from collections.abc import Callable, Mapping
@@ -244,14 +245,7 @@ def _(resumable_train: Any, seed: int) -> Any:
     return {"steps": attempts, "params": params}
 
 
-# ---- under real torchrun: the worker script, the kill, and the trusted side reading results
-
-_WORKER = '''\
-import sys
-from autograder.lesson02 import torchrun_worker
-torchrun_worker(sys.argv[1])
-'''
-
+# ---- under torchrun's elastic agent: the worker, the kill, and the trusted side reading results
 
 def torchrun_worker(workdir: str) -> None:
     """Inside a torchrun worker: run the pickled resumable_train with rank 1 killed at
@@ -289,10 +283,11 @@ def _steps(work: Path, rank: int, attempt: int) -> list[int]:
     return [int(s) for s in path.read_text().split()] if path.exists() else []
 
 
-@TRAIN.case(f"under torchrun --max-restarts=1, rank 1 killed at step {CRASH_STEP}: resumes exactly",
+@TRAIN.case(f"under torchrun's elastic agent, --max-restarts=1, rank 1 killed at step {CRASH_STEP}: "
+            "resumes exactly",
             compare=_compare_resumed, expect="uninterrupted_run", weight=2.0)
 def _(resumable_train: Any, seed: int) -> Any:
-    from kit.torchrun import TorchrunError, torchrun
+    from kit.torchrun import TorchrunError, elastic_run
 
     if _hooked(resumable_train, lambda f: f) is None:
         return _NO_TRAIN_STEP
@@ -300,13 +295,9 @@ def _(resumable_train: Any, seed: int) -> Any:
         work = Path(tmp)
         (work / "ckpt").mkdir()
         (work / "impl.pkl").write_bytes(pickle_for_worker(resumable_train))
-        script = work / "worker.py"
-        script.write_text(_WORKER)
-        # The worker imports what this process can: the same sys.path (loaded lesson modules too).
-        env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
-            torchrun(script, str(work), nproc_per_node=2, max_restarts=1, env=env, timeout=120.0,
-                     echo=False)
+            # torchrun's own agent and restart policy, forked from this process (no new Python)
+            elastic_run(torchrun_worker, str(work), nproc_per_node=2, max_restarts=1, timeout=120.0)
         except TorchrunError as e:
             return "torchrun failed:\n" + (e.summary or e.output[-2000:])
         per_rank = [torch.load(work / f"params-rank{r}.pt", weights_only=True) for r in range(2)]

@@ -8,9 +8,10 @@ more bytes than those pieces (``/proc/self/io``). Task 6.2 ``TrainingState`` mus
 trusted loop, for DDP (with a GradScaler) and FSDP2, with dropout, three RNGs and a shuffling
 sampler; an FSDP2 checkpoint of 4 ranks must load on 2. Task 6.3 ``train_with_checkpoints``
 runs with the notebook's own TrainingState (Task 6.2's, its companion): under ``kit.launch``
-with a half-written newest checkpoint and lying mtimes, then under real ``torchrun
---max-restarts=2`` with one rank SIGKILLed mid-save and one at a step picked from the seed; it
-must end bit-identical to an uninterrupted trusted run.
+with a half-written newest checkpoint and lying mtimes, then under torchrun's own elastic agent
+(``kit.torchrun.elastic_run``: ``torchrun --standalone --max-restarts=2``'s agent and rendezvous,
+forked, with forked workers) with one rank SIGKILLed mid-save and one at a step picked from the
+seed; it must end bit-identical to an uninterrupted trusted run.
 
 Each task's cases judge shared runs (the saves and loads of 6.1, the saves and resumes of 6.2,
 6.3's launch and its torchrun run), each made once per implementation and seed; the trusted
@@ -41,8 +42,8 @@ import torch.distributed as dist
 from autograder.compare import CheckFailed, assert_same
 from autograder.registry import pickle_for_worker, task
 
-# DDP's Dynamo, FSDP2's, DCP's and the lesson's modules, imported once before ranks fork (and
-# before torchrun's workers are started: they import them themselves).
+# DDP's Dynamo, FSDP2's, DCP's and the lesson's modules, imported once before ranks fork (the
+# elastic agent's workers are forked too, so they start with them).
 PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
            "torch.distributed.fsdp", "kit.lessons.resume")
 # DCP's save and load entry points, new and old (deprecated aliases, the private functions under
@@ -858,14 +859,7 @@ LOOP.case(f"with step-{QUICK_FIRST:06d} half-written and mtimes that lie, a reru
           expect=_uninterrupted(QUICK_TOTAL), weight=2)
 
 
-# ---- under real torchrun: two kills, three attempts
-
-_WORKER = '''\
-import sys
-from autograder.lesson06 import torchrun_worker
-torchrun_worker(sys.argv[1])
-'''
-
+# ---- under torchrun's elastic agent: two kills, three attempts
 
 def _kill_plan(seed: int) -> dict[str, int]:
     """Secret from the seed: kill which rank during which save, then which at which step."""
@@ -935,7 +929,7 @@ def _log(work: Path, rank: int, attempt: int, watch: _Watch) -> None:
 def _torchrun_run(impl: Any, seed: int) -> dict[str, Any]:
     """The loop under torchrun --max-restarts=2 with the seed's two kills: each attempt's log and
     the final parameters of both ranks."""
-    from kit.torchrun import TorchrunError, torchrun
+    from kit.torchrun import TorchrunError, elastic_run
 
     QUICK_RUN(impl, seed)  # a stub or a crash is reported from there, without torchrun
     plan = _kill_plan(seed)
@@ -944,12 +938,10 @@ def _torchrun_run(impl: Any, seed: int) -> dict[str, Any]:
         (work / "ckpt").mkdir()
         (work / "plan.json").write_text(json.dumps(plan))
         (work / "impl.pkl").write_bytes(pickle_for_worker(impl))
-        (work / "worker.py").write_text(_WORKER)
-        env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         result: dict[str, Any] = {"error": None}
         try:
-            torchrun(work / "worker.py", str(work), nproc_per_node=2, max_restarts=2, env=env,
-                     timeout=150.0, echo=False)
+            # torchrun's own agent and restart policy, forked from this process (no new Python)
+            elastic_run(torchrun_worker, str(work), nproc_per_node=2, max_restarts=2, timeout=150.0)
         except TorchrunError as e:
             result["error"] = "torchrun failed:\n" + (e.summary or e.output[-2000:])
         result["attempts"] = []
@@ -984,7 +976,7 @@ def _compare_torchrun_params(got: Any, expected: Any) -> None:
                     path=f"rank {rank}: final parameters after two kills")
 
 
-LOOP.case("under torchrun --nproc-per-node=2 --max-restarts=2: a rank SIGKILLed in the middle "
+LOOP.case("under torchrun's elastic agent, 2 workers, --max-restarts=2: a rank SIGKILLed in the middle "
           "of a save, then one at a secret step; the final parameters equal an uninterrupted "
           "run's bit for bit", uses=TORCHRUN_RUN, compare=_compare_torchrun_params,
           expect=_uninterrupted(RUN_TOTAL), weight=2)

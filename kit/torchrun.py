@@ -21,6 +21,7 @@ import inspect
 import linecache
 import os
 import re
+import select
 import selectors
 import signal
 import socket
@@ -36,7 +37,7 @@ from typing import Any, TextIO
 import psutil
 
 __all__ = ["TorchrunError", "TorchrunResult", "TorchrunTimeout", "free_port",
-           "init_process_group_per_attempt", "torchrun", "torchrun_command", "torchrun_nodes", "write_script"]
+           "elastic_run", "init_process_group_per_attempt", "torchrun", "torchrun_command", "torchrun_nodes", "write_script"]
 
 _SUMMARY_RE = re.compile(r"ChildFailedError:?\s*\n(=+\n.*?\n=+)", re.S)
 
@@ -318,5 +319,184 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
             p.wait()
     for worker in workers:
         # psutil checks the process's start time: a pid reused meanwhile is never killed.
+        with contextlib.suppress(psutil.Error):
+            worker.kill()
+
+
+# --------------------------------------------------------------------------- the agent, forked
+
+
+def elastic_run(fn: Any, *args: Any, nproc_per_node: int = 2, max_restarts: int = 0,
+                env: Mapping[str, str] | None = None, timeout: float = 120.0,
+                echo: bool = False) -> TorchrunResult:
+    """What ``torchrun --standalone --nproc-per-node=N --max-restarts=R`` runs, without starting
+    a Python: torch's own elastic agent (``elastic_launch``, a ``LocalElasticAgent`` with a c10d
+    rendezvous on a free port, as ``--standalone`` sets up) in a process forked from this one,
+    starting its workers by fork, so neither the agent nor a worker imports torch again.
+
+    ``fn(*args)`` runs on every worker with torchrun's environment (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``, ``TORCHELASTIC_RESTART_COUNT``, ...). A worker that
+    dies (even by SIGKILL) makes the agent stop the others and restart them all, up to
+    ``max_restarts`` times, exactly as under torchrun. Each output line is labelled like
+    torchrun's ``--tee=3`` (``[default0]:``). The checks of Lessons 02 and 06 use it: the same
+    restarts and kills as a torchrun command, at a fraction of its start-up cost.
+
+    Raises:
+        TorchrunError: the workers still failed after the restarts (``summary``: the agent's
+            ChildFailedError report); TorchrunTimeout: not done within ``timeout`` seconds
+            (the agent and every worker are stopped).
+    """
+    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be a positive int, got {nproc_per_node!r}")
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    import tempfile
+
+    log_dir = tempfile.mkdtemp(prefix="kit-elastic-")
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the agent: never returns into the caller's stack
+        code = 1
+        try:
+            os.close(read_fd)
+            os.setsid()  # its own session: an interrupt of the caller reaches it only through us
+            os.dup2(write_fd, 1)
+            os.dup2(write_fd, 2)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            os.environ.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+            code = _agent(fn, args, nproc_per_node, max_restarts, log_dir)
+        except BaseException:  # noqa: BLE001 - report anything, then leave
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+    os.close(write_fd)
+    lines: list[str] = []
+    start = time.monotonic()
+    buf = bytearray()
+    try:
+        while True:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                raise TorchrunTimeout(
+                    f"the elastic agent did not finish within {timeout:g} s; it and every worker "
+                    "were stopped. A hang usually means ranks wait in different collectives.",
+                    returncodes=[-1], output="\n".join(lines), summary="")
+            ready, _, _ = select.select([read_fd], [], [], min(left, 0.5))
+            if not ready:
+                continue
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            *complete, rest = buf.split(b"\n")
+            buf[:] = rest
+            for raw in complete:
+                line = raw.decode("utf-8", "replace").rstrip("\r")
+                lines.append(line)
+                if echo:
+                    print(line, flush=True)
+        if buf:
+            lines.append(buf.decode("utf-8", "replace"))
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+        code = os.waitstatus_to_exitcode(status)
+    except BaseException:
+        if pid:
+            _stop_pid(pid)
+        raise
+    finally:
+        os.close(read_fd)
+        import shutil
+
+        shutil.rmtree(log_dir, ignore_errors=True)
+    output = "\n".join(lines)
+    if code:
+        summary = _failure_summary(output)
+        message = f"the elastic agent failed (exit code {code})."
+        message += f"\n{summary}" if summary else "\n" + "\n".join(lines[-15:])
+        raise TorchrunError(message, returncodes=[code], output=output, summary=summary)
+    return TorchrunResult([0], output, time.monotonic() - start, [])
+
+
+def _agent(fn: Any, args: tuple, nproc_per_node: int, max_restarts: int, log_dir: str) -> int:
+    """In the forked agent: ``torchrun --standalone``'s launch, with a function as entry point."""
+    import logging
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, force=True)
+    threads = None
+    if nproc_per_node > 1:
+        # torchrun sets OMP_NUM_THREADS=1 for several workers unless it is set, so they do not
+        # oversubscribe the cores; forked workers already run torch, so they are told directly.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        with contextlib.suppress(ValueError):
+            threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()), role="default",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"rank": 0},
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="fork",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL))
+    try:
+        elastic_launch(config, entrypoint=_Worker(fn, threads))(*args)
+    except ChildFailedError as e:
+        print(f"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              f"{e.format_msg()}", flush=True)
+        return 1
+    return 0
+
+
+class _Worker:
+    """A forked worker starts as a fresh torchrun worker would: with the default signal
+    dispositions, not the handlers the agent installed (which would turn the agent's SIGTERM into
+    a Python exception that waits for a blocked collective to return)."""
+
+    def __init__(self, fn: Any, threads: int | None = None) -> None:
+        self.fn = fn
+        self.threads = threads
+        self.__name__ = getattr(fn, "__name__", "worker")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, *args: Any) -> Any:
+        for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        if self.threads:  # torchrun's OMP_NUM_THREADS=1, for a process that already runs torch
+            import torch
+
+            torch.set_num_threads(self.threads)
+        return self.fn(*args)
+
+
+def _stop_pid(pid: int, grace: float = 5.0) -> None:
+    """SIGTERM the forked agent (it stops its workers), then SIGKILL whatever is left."""
+    workers = set(_descendants(pid))
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        workers.update(_descendants(pid))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    for worker in workers:
         with contextlib.suppress(psutil.Error):
             worker.kill()

@@ -19,6 +19,7 @@ from kit.torchrun import (
     TorchrunError,
     TorchrunTimeout,
     _failure_summary,
+    elastic_run,
     init_process_group_per_attempt,
     torchrun,
     torchrun_command,
@@ -158,6 +159,87 @@ def test_an_interrupt_while_streaming_leaves_no_process_behind(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         _run([cmd], [""], None, 120, True, stdout=_InterruptOnFirstLine())
     assert _processes_running(str(script)) == []
+
+
+# --------------------------------------------------------------------------- the agent, forked
+
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+            "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+            "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+
+
+def _killed_once(folder: str) -> None:
+    """A worker: rank 1 SIGKILLs itself on the first attempt; every attempt records its env."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    init_process_group_per_attempt("gloo")
+    rank = dist.get_rank()
+    seen = {k: os.environ.get(k) for k in ENV_KEYS}
+    seen["threads"] = torch.get_num_threads()
+    Path(folder, f"rank{rank}-attempt{attempt}.json").write_text(__import__("json").dumps(seen))
+    for step in range(4):
+        if attempt == "0" and rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    print(f"finished rank={rank} attempt={attempt} sum={t.item():g}")
+    dist.destroy_process_group()
+
+
+def test_elastic_run_is_torchruns_agent_restarting_after_a_kill(tmp_path):
+    import json
+
+    result = elastic_run(_killed_once, str(tmp_path), nproc_per_node=2, max_restarts=1, timeout=120)
+    finished = sorted(re.findall(r"\[default\d\]:finished rank=\d attempt=\d sum=\d", result.output))
+    assert finished == ["[default0]:finished rank=0 attempt=1 sum=2",
+                        "[default1]:finished rank=1 attempt=1 sum=2"]
+    second = [json.loads((tmp_path / f"rank{r}-attempt1.json").read_text()) for r in range(2)]
+    assert [s["RANK"] for s in second] == ["0", "1"] and {s["WORLD_SIZE"] for s in second} == {"2"}
+    assert {s["TORCHELASTIC_MAX_RESTARTS"] for s in second} == {"1"}
+    assert all(v is not None for s in second for k, v in s.items()), second  # every variable set
+    assert {s["OMP_NUM_THREADS"] for s in second} == {"1"} and {s["threads"] for s in second} == {1}
+    # the same variables as a real torchrun worker gets
+    script = write_script(tmp_path / "env.py", "import os\n", f"""
+        keys = {ENV_KEYS!r}
+        print("missing=" + ",".join(k for k in keys if k not in os.environ))
+    """)
+    real = torchrun(script, nproc_per_node=2, timeout=120, echo=False)
+    assert re.findall(r"missing=(.*)", real.output) == ["", ""]
+
+
+def _fails_on_rank_1() -> None:
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 gives up")
+
+
+def test_elastic_run_failure_names_the_rank_and_the_error():
+    with pytest.raises(TorchrunError) as info:
+        elastic_run(_fails_on_rank_1, nproc_per_node=2, timeout=60)
+    summary = info.value.summary
+    assert "_fails_on_rank_1 FAILED" in summary and "rank      : 1" in summary
+    assert "ValueError: rank 1 gives up" in info.value.output
+
+
+def _sleeps(folder: str) -> None:
+    import time
+
+    Path(folder, f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_elastic_run_timeout_stops_the_agent_and_every_worker(tmp_path):
+    import psutil
+
+    with pytest.raises(TorchrunTimeout):
+        elastic_run(_sleeps, str(tmp_path), nproc_per_node=2, timeout=10)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    assert len(pids) == 2
+    assert not [p for p in pids if psutil.pid_exists(p) and
+                psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 # --------------------------------------------------------------------------- no torchrun needed
