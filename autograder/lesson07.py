@@ -9,7 +9,9 @@ block. Task 7.3 ``apply_checkpointing`` (with the student's ``checkpoint``) must
 gradients of the plain model bit for bit with dropout on, save the bytes a trusted
 checkpointing saves and run each checkpointed block twice. Task 7.4 ``compile_ready`` must
 compile with ``fullgraph=True`` (``backend="eager"``: Dynamo's capture without Inductor's
-code generation) in one graph across lengths, and match :class:`kit.lessons.precision.GraphBreakNet`.
+code generation) in one graph across the lengths of one shape, in at most two across three
+sequence lengths (none compiled for the third: dynamic shapes), and match
+:class:`kit.lessons.precision.GraphBreakNet`.
 
 The untrusted ``run`` halves also notice when torch's own scaler or checkpoint is called
 (the registry's ``forbidden`` gate names them for the batch grader). The trusted answers
@@ -604,10 +606,14 @@ READY = task(
            "compile_ready returns that module.",
 )
 
-BATCHES = [(4, 7, 11), (4, 7, 12), (4, 7, 13)]  # same shapes, different lengths
+# Three batches of one shape (different lengths inside), then two more sequence lengths: with
+# automatic dynamic shapes the second length compiles once more with T symbolic, and the third
+# reuses that graph.
+BATCHES = [(4, 7, 11), (4, 7, 12), (4, 7, 13), (4, 9, 14), (4, 12, 15)]
+SAME_SHAPE = 3  # the first SAME_SHAPE batches share (B, T)
 # Scaling the embeddings between batches puts the pooled norm below, above, then far above
 # max_norm, so both sides of the branch are taken.
-EMBED_FACTORS = (0.05, 40.0, 2.0)
+EMBED_FACTORS = (0.05, 40.0, 2.0, 0.1, 10.0)
 
 
 def _graph_break_model(seed: int) -> GraphBreakNet:
@@ -630,10 +636,13 @@ def _forward_backward(module: Callable[..., torch.Tensor], model: nn.Module, see
     return {"batches": out}
 
 
-def _forwards(module: Callable[..., torch.Tensor], seed: int) -> None:
-    """The forwards of the checks' batches alone (what the FLOPs are counted on)."""
+def _forwards(module: Callable[..., torch.Tensor], seed: int,
+              after: Callable[[], None] = lambda: None) -> None:
+    """The forwards of the checks' batches alone (what the FLOPs are counted on); ``after`` runs
+    after each."""
     for b, t, s in BATCHES:
         module(*padded_batch(b, t, 32, seed * 31 + s))
+        after()
 
 
 def _opaque(node: torch.fx.Node) -> bool:
@@ -692,21 +701,29 @@ def _compiled_run(compile_ready: Any, seed: int) -> dict[str, Any]:
     torch._dynamo.reset()
     compiled = torch.compile(ready, fullgraph=True, backend=backend)
     flops = {"eager flops": eager.total, "flops in the graph": 0}
+    per_batch: list[int] = []  # graphs compiled so far, after each batch's forward
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            _forwards(compiled, seed)  # counted: forwards only, as the eager model's
+            # counted: forwards only, as the eager model's
+            _forwards(compiled, seed, after=lambda: per_batch.append(len(graphs)))
             flops["flops in the graph"] = shown[0]
             result = _forward_backward(compiled, model, seed)
     except Exception as e:  # Dynamo's Unsupported / UserError: a graph break under fullgraph
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return {"compiled": f"{type(e).__name__}: {first[:300]}", "graphs": len(graphs), **flops}
+        return {"compiled": f"{type(e).__name__}: {first[:300]}", "graphs": len(graphs),
+                "graphs after each batch": per_batch, **flops}
     finally:
         torch._dynamo.reset()
-    return {"compiled": "yes", "graphs": len(graphs), **flops, **result}
+    return {"compiled": "yes", "graphs": len(graphs), "graphs after each batch": per_batch,
+            **flops, **result}
 
 
 # One compile serves the task's cases.
 COMPILED = READY.shared(_compiled_run)
+
+
+def _lengths() -> str:
+    return ", ".join(str(t) for t in dict.fromkeys(t for _, t, _ in BATCHES))
 
 
 def _compare_graph(got: Any, expected: dict[str, Any]) -> None:
@@ -716,16 +733,37 @@ def _compare_graph(got: Any, expected: dict[str, Any]) -> None:
                           hint="print, .item() / int() on a tensor that decides Python control flow, "
                                "and loops whose trip count comes from tensor data all break the "
                                "graph. torch._dynamo.explain(module)(tokens, lengths) lists them.")
-    if got["graphs"] != 1:
-        raise CheckFailed(f"Dynamo compiled {got['graphs']} graphs for 3 batches of the same shape "
-                          "with different lengths: it recompiled", expected=1, got=got["graphs"],
+    counts = got["graphs after each batch"]
+    if counts[SAME_SHAPE - 1] != 1:
+        raise CheckFailed(f"Dynamo compiled {counts[SAME_SHAPE - 1]} graphs for {SAME_SHAPE} "
+                          "batches of the same shape with different lengths: it recompiled",
+                          expected=1, got=counts[SAME_SHAPE - 1],
                           hint="A guard on a tensor's value (a Python int or bool taken from "
                                "lengths) fails for the next batch; keep lengths a tensor.")
 
 
+def _compare_dynamic(got: Any, expected: dict[str, Any]) -> None:
+    _compare_graph(got, expected)
+    counts = got["graphs after each batch"]
+    if got["graphs"] > 2 or counts[-1] != counts[-2]:
+        raise CheckFailed(
+            f"sequence lengths {_lengths()}: after each batch Dynamo had compiled {counts} graphs; "
+            "with dynamic shapes the second length makes the sequence dimension symbolic (at "
+            "most 2 graphs) and the third length reuses that graph",
+            expected=[1] * SAME_SHAPE + [2] * (len(BATCHES) - SAME_SHAPE), got=counts,
+            hint="Dynamo compiles once more for a new size and then treats that dimension as a "
+                 "symbol; code that needs the size as a plain Python number (a list or a Python "
+                 "range built from it) pins it again, and every new length compiles again.",
+            recipe="Build everything that depends on the sequence length with tensor operations "
+                   "that take the size directly (torch.arange of the dimension, comparisons, "
+                   "masked sums), never through Python lists or loops over range(T).")
+
+
 READY.case("torch.compile(fullgraph=True, backend='eager') captures it in one graph, reused "
-           "for 3 batches of different lengths", uses=COMPILED, compare=_compare_graph,
-           expect="eager_run")
+           f"for {SAME_SHAPE} batches of one shape with different lengths", uses=COMPILED,
+           compare=_compare_graph, expect="eager_run")
+READY.case(f"sequence lengths {_lengths()}: at most 2 graphs, no recompile on the third length "
+           "(dynamic shapes)", uses=COMPILED, compare=_compare_dynamic, expect="eager_run")
 
 
 def _compare_values(got: Any, expected: dict[str, Any]) -> None:

@@ -714,7 +714,11 @@ torch._dynamo.reset()
 # `compile_ready(model)`, returning a module that computes the same thing with the model's own
 # parameters and no graph break (`CompileReady` is a start). The checks compile it with
 # `fullgraph=True` and `backend="eager"` (Dynamo's capture only, fast), call it on batches of
-# different lengths, and compare outputs and gradients with the eager model.
+# one shape with different lengths inside, then on sequence lengths 9 and 12, and compare
+# outputs and gradients with the eager model. One graph must serve every batch of one shape;
+# across the three sequence lengths at most two may exist (the second length makes the
+# sequence dimension dynamic, see "Guards and recompiles" below), so the third length must
+# not compile again: nothing in your forward may need the length as a Python number.
 
 # %% tags=["task-7.4"]
 class CompileReady(nn.Module):

@@ -188,6 +188,22 @@ def test_compile_ready_matches_eager_with_inductor_too(solution):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_compile_ready_compiles_twice_over_three_sequence_lengths_and_a_python_range_once_per_length(
+        solution, bugs):
+    """The second length makes T dynamic (automatic dynamic shapes), the third reuses that graph;
+    positions built from range(T) pin T, and the third length compiles again. Only the dynamic
+    shapes case catches that: the values are right."""
+    from autograder import lesson07
+
+    fixed = lesson07.COMPILED(solution.compile_ready, 0)
+    assert fixed["graphs after each batch"] == [1, 1, 1, 2, 2]
+    bug = dict(bugs["7.4"])["recompiles per sequence length (positions from a Python range)"]
+    assert lesson07.COMPILED(bug, 0)["graphs after each batch"] == [1, 1, 1, 2, 3]
+    report = run_checks("7.4", bug)
+    assert [c.name for c in report.cases if c.status != "passed"] == [
+        c.name for c in get_task("7.4").cases if "no recompile on the third length" in c.name]
+
+
 # --------------------------------------------------------------------------- the bounds, measured
 
 # A seeded bug with right values that loses the technique's saving: (task, bug) -> what its failing

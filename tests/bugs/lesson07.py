@@ -278,6 +278,16 @@ class ReadyMeansOverPadding(_Ready):
         return (h * mask.unsqueeze(2)).sum(1) / h.shape[1]  # divides by T, not the length
 
 
+class ReadyRecompilesPerLength(_Ready):
+    """Builds the positions from a Python range: the length becomes a constant of the graph,
+    so every new sequence length compiles again."""
+
+    def _pool(self, h, lengths):
+        positions = torch.tensor(list(range(h.shape[1])))  # (T,) from Python ints
+        mask = positions < lengths.unsqueeze(1)
+        return (h * mask.unsqueeze(2)).sum(1) / lengths.unsqueeze(1)
+
+
 class ReadyAlwaysClips(_Ready):
     def _clip(self, pooled):
         return pooled * (self.model.max_norm / pooled.norm())
@@ -376,6 +386,7 @@ BUGS = {
         ("a graph break left in: the print", ReadyKeepsPrint),
         ("a graph break left in: the loop up to the longest length", ReadyKeepsLengthLoop),
         ("averages over padding (divides by T)", ReadyMeansOverPadding),
+        ("recompiles per sequence length (positions from a Python range)", ReadyRecompilesPerLength),
         ("always rescales to max_norm", ReadyAlwaysClips),
         ("copies the model: its parameters get no gradient", ReadyCopiesTheModel),
         ("returns the model unchanged", lambda model: model),
