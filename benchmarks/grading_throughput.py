@@ -1,16 +1,17 @@
-"""Batch grading speed: one full submission of every lesson, and throughput with 1 vs 2 workers.
+"""Batch grading speed of full submissions: one alone, and throughput with 1 and 2 workers.
 
-    .venv/bin/python benchmarks/grading_throughput.py                 # full submission + 6 x Lesson 00
-    .venv/bin/python benchmarks/grading_throughput.py --copies 10
+    .venv/bin/python benchmarks/grading_throughput.py               # 3 full submissions per batch
+    .venv/bin/python benchmarks/grading_throughput.py --copies 6 --lessons 00,01
 
 Submissions are the lessons' solutions as notebooks (every check runs to the end, the slow
-path). Reported, measured in this one run on this machine:
+path), one notebook per lesson with checks. Reported, measured in this one run on this machine:
 
-* the wall time of ``kit grade`` on one submission of every lesson with checks, sandboxed,
-  against the same notebooks checked in this process with no sandbox (the trusting
-  ``kit grade NOTEBOOK`` path): the sandbox's overhead as a ratio;
-* submissions per minute for ``--copies`` Lesson 00 submissions with ``--workers 1`` and
-  ``--workers 2``, and their ratio (2 workers / 1 worker; 2.0 would be perfect scaling).
+* the wall time of one full submission graded sandboxed (``kit grade --out``), against the same
+  notebooks checked in this process with no sandbox (the trusting ``kit grade NOTEBOOK`` path),
+  and the in-process seconds of each lesson;
+* submissions per minute for ``--copies`` full submissions with ``--workers 1`` and
+  ``--workers 2``, their ratio (2.0 would be perfect scaling), and what a 300-student class
+  would take at that rate.
 
 Each batch grades into a fresh output folder, so nothing is resumed. Timing only: correctness
 is tests/test_grading*.py's job.
@@ -54,7 +55,8 @@ def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int) -> tu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--copies", type=int, default=6, help="Lesson 00 submissions per batch")
+    parser.add_argument("--copies", type=int, default=3, help="full submissions per batch")
+    parser.add_argument("--lessons", help="only these lessons, e.g. 00,01 (default: all with checks)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kit-grade-bench-"))
     try:
@@ -62,23 +64,36 @@ def main() -> None:
         if note := isolation_note():
             print(f"note: {note}")
         lessons = _full_submission(tmp / "alice")
-        in_process = time.perf_counter()
-        scores = [grade_notebook(nb, lessons=[lesson_of(nb)]).score for nb in sorted((tmp / "alice").glob("*.ipynb"))]
-        in_process = time.perf_counter() - in_process
+        if args.lessons:
+            wanted = {int(x) for x in args.lessons.split(",")}
+            for nb in (tmp / "alice").glob("*.ipynb"):
+                if lesson_of(nb) not in wanted:
+                    nb.unlink()
+            lessons = [n for n in lessons if n in wanted]
+        per_lesson = {}
+        for nb in sorted((tmp / "alice").glob("*.ipynb")):
+            start = time.perf_counter()
+            per_lesson[lesson_of(nb)] = (grade_notebook(nb, lessons=[lesson_of(nb)]).score,
+                                         time.perf_counter() - start)
+        in_process = sum(t for _, t in per_lesson.values())
         sandboxed, points = _batch([tmp / "alice"], tmp / "out-full", lessons, 1)
+        print("in-process seconds per lesson: " + ", ".join(
+            f"{n:02d} {t:.1f}" for n, (_, t) in sorted(per_lesson.items())))
         print(f"one full submission (lessons {','.join(f'{n:02d}' for n in lessons)}): sandboxed "
-              f"{sandboxed:.1f} s ({points:g} points), in-process {in_process:.1f} s ({sum(scores):g} points), "
-              f"ratio {sandboxed / in_process:.2f}")
+              f"{sandboxed:.1f} s ({points:g} points), in-process {in_process:.1f} s "
+              f"({sum(p for p, _ in per_lesson.values()):g} points), ratio {sandboxed / in_process:.2f}")
 
         copies = tmp / "copies"
-        copies.mkdir()
         for i in range(args.copies):
-            shutil.copy(tmp / "alice" / "00_launching_ranks.ipynb", copies / f"student{i:02d}.ipynb")
-        one, _ = _batch([copies], tmp / "out-1", [0], 1)
-        two, _ = _batch([copies], tmp / "out-2", [0], 2)
-        print(f"{args.copies} Lesson 00 submissions: 1 worker {one:.1f} s ({60 * args.copies / one:.1f}/min), "
-              f"2 workers {two:.1f} s ({60 * args.copies / two:.1f}/min), speed-up {one / two:.2f}x; "
-              f"load average now {os.getloadavg()[0]:.1f}")
+            shutil.copytree(tmp / "alice", copies / f"student{i:02d}")
+        rates = {}
+        for workers in (1, 2):
+            seconds, _ = _batch([copies], tmp / f"out-{workers}", lessons, workers)
+            rates[workers] = 60 * args.copies / seconds
+            print(f"{args.copies} full submissions, {workers} worker(s): {seconds:.1f} s "
+                  f"({rates[workers]:.2f}/min; 300 students in {300 / rates[workers] / 60:.1f} h)")
+        print(f"speed-up with 2 workers: {rates[2] / rates[1]:.2f}x; load average now "
+              f"{os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
