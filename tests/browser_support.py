@@ -29,7 +29,7 @@ from typing import Any
 
 import nbformat
 
-from kit.lab import lab_command
+from kit.lab import lab_command, lab_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts" / "screenshots"
@@ -95,12 +95,14 @@ class LabServer:
     (a test uses it to show what a lab without the widget extension looks like).
     ``open_first`` and ``browser_command`` run ``kit lab`` exactly: the first lesson is opened
     in the "browser" given by ``browser_command`` (a program called with the page's URL).
+    ``instructor`` runs ``kit lab --instructor`` (nbgrader's instructor tools shown).
     """
 
     root: Path
     disabled_extensions: list[str] = field(default_factory=list)
     open_first: bool = False
     browser_command: str | None = None
+    instructor: bool = False
     port: int = field(default_factory=_free_port)
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     startup_timeout: float = 90.0
@@ -119,18 +121,18 @@ class LabServer:
         (config / "labconfig").mkdir(parents=True)
         (config / "labconfig" / "page_config.json").write_text(json.dumps(
             {"disabledExtensions": {name: True for name in self.disabled_extensions}}))
-        env = dict(os.environ, JUPYTER_CONFIG_DIR=str(config),
-                   JUPYTER_RUNTIME_DIR=str(self._home / "runtime"),
-                   JUPYTERLAB_SETTINGS_DIR=str(settings),
-                   JUPYTERLAB_WORKSPACES_DIR=str(self._home / "workspaces"),
-                   PYTHONUNBUFFERED="1")
+        env = lab_environment(dict(os.environ, JUPYTER_CONFIG_DIR=str(config),
+                                   JUPYTER_RUNTIME_DIR=str(self._home / "runtime"),
+                                   JUPYTERLAB_SETTINGS_DIR=str(settings),
+                                   JUPYTERLAB_WORKSPACES_DIR=str(self._home / "workspaces"),
+                                   PYTHONUNBUFFERED="1"), instructor=self.instructor)
         cmd = lab_command(self.root, [
             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
             "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
             "--LabApp.news_url=None",
             *([f"--ServerApp.browser={self.browser_command} %s"] if self.browser_command
               else ["--ServerApp.open_browser=False"]),
-            ], open_first=self.open_first)  # lab_command adds --allow-root when run as root
+            ], open_first=self.open_first, instructor=self.instructor)  # + --allow-root as root
         self._log = open(self._home / "server.log", "wb")
         self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
