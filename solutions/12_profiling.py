@@ -104,6 +104,10 @@ params = sum(p.numel() for p in model.parameters())
 print(f"fused attention kernel: {fused_total:,} FLOPs  {fused_ops}")
 print(f"math attention backend: {math_total:,} FLOPs  {math_ops}")
 print(f"6 N tokens rule:        {6 * params * batch * seq_len:,} FLOPs (N = {params:,} parameters, embeddings included)")
+from torch.utils.flop_counter import flop_registry  # noqa: E402
+
+print("FlopCounterMode has a formula for the CPU flash kernel:",
+      torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in flop_registry)
 
 # %% [markdown]
 # On CPU, `scaled_dot_product_attention` runs a fused flash kernel
@@ -535,7 +539,7 @@ print(f"measured / predicted: median {statistics.median(ratios):.2f}, from {min(
 #
 # The same model with **published H100 SXM numbers** (NVIDIA's datasheet: 989 TFLOP/s dense
 # BF16, 80 GB HBM3, NVLink 900 GB/s total, so 450 GB/s each way, inside a node of 8; one
-# 400 Gb/s NDR InfiniBand port, 50 GB/s, per GPU between nodes). The assumptions are ours and
+# 400 Gb/s NDR InfiniBand port, 50 GB/s, per GPU between nodes, as in a DGX H100). The assumptions are ours and
 # stated: 7B parameters in 32 layers of width 4096; BF16 weights and gradients with FP32 Adam
 # (16 bytes per parameter, as in ZeRO's paper); a global batch of 2^20 tokens of 4096 each;
 # 40 % MFU; ring collectives at link speed; gradient communication hidden behind the backward

@@ -207,7 +207,11 @@ def test_lesson12_runs_headless_and_shows_what_it_claims():
     assert result.ok, str(result.failure)
     assert result.seconds < 300
     printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    assert "FlopCounterMode has a formula for the CPU flash kernel: False" in printed
     assert "training_flops equals FlopCounterMode: True" in printed
+    assert "ddp" in printed and "112 GB (does not fit)" in printed  # 7B under DDP: 16 B x 7e9
+    choices = [line.rsplit("->", 1)[1].strip() for line in printed.splitlines() if "GPUs:" in line]
+    assert choices == ["fsdp", "fsdp", "tp+fsdp"], choices
     assert "the recorder agrees with step_traffic on every layout: True" in printed
     assert "find_straggler blames the slow rank: True" in printed
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
