@@ -553,18 +553,21 @@ def _compare_invalid(got: Any, expected: Any) -> None:
 SCAFFOLD = task(
     "10.3", "scaffold_split", points=3, reference="reference_scaffold_split",
     hint="A scaffold split keeps every molecule of one Bemis-Murcko scaffold in the same split, "
-         "so the test set holds chemistry the model never saw; DeepChem fills the splits "
-         "greedily, biggest scaffold sets first.",
+         "so the test set holds chemistry the model never saw; train takes the biggest scaffold "
+         "sets that fit, valid and test what is left. Compare your order with DeepChem's split "
+         "of the lesson's 10 molecules.",
     recipe="Group the indices by their Murcko scaffold SMILES without chirality; order the groups "
            "as DeepChem does (by size, ties by first index, both descending); give each group to "
            "train while train stays within its fraction of n, else to valid while train and "
-           "valid together stay within their summed fraction, else to test.",
+           "valid together stay within their summed fraction, else to test; a group that does "
+           "not fit does not stop the walk.",
     forbidden=("deepchem.splits.ScaffoldSplitter", "deepchem.splits.splitters.ScaffoldSplitter",
                "autograder.references.lesson10.reference_scaffold_split"),
 )
 
-ORDER_HINT = ("DeepChem sorts the scaffold sets with key (len(set), set[0]) and reverse=True: "
-              "larger sets first, and among equal sizes the set whose first index is larger first.")
+ORDER_HINT = ("Equal-sized scaffold sets are not handed out in the order their first molecules "
+              "appear: in the lesson's 10 molecules, pyridine (first at index 2) goes before "
+              "cyclohexane (first at index 1).")
 _split_case("FreeSolv (642 molecules), 80/10/10", lambda: {"FreeSolv": _freesolv_smiles()},
             hint=ORDER_HINT)
 _split_case("365 EGFR ligands, 70/20/10", lambda: {"EGFR": _egfr_smiles()}, hint=ORDER_HINT,
@@ -573,6 +576,43 @@ _split_case("adversarial lists: one scaffold, acyclic only, duplicates and ties"
             lambda: ADVERSARIAL,
             hint="Acyclic molecules share the empty scaffold ''; duplicates share a set; "
                  "chirality is ignored. " + ORDER_HINT)
+# Three big scaffold sets (benzene 8, pyridine 6, cyclohexane 2) fill train to exactly 80% of 20;
+# four scaffolds occur once (naphthalene, thiophene, furan, cyclopropane): valid and test get them.
+SINGLETONS = ["c1ccccc1C", "c1ccncc1C", "c1ccc2ccccc2c1", "c1ccccc1O", "C1CCCCC1C", "c1ccncc1O",
+              "c1ccccc1N", "c1ccsc1C", "c1ccncc1N", "c1ccccc1Cl", "C1CCCCC1O", "c1ccccc1F",
+              "c1ccncc1Cl", "c1ccoc1C", "c1ccccc1Br", "c1ccncc1F", "c1ccccc1CC", "C1CC1C",
+              "c1ccncc1CC", "c1ccccc1OC"]
+
+
+def _singletons_run(impl: Any, seed: int) -> Any:
+    return _split_lists(impl(list(SINGLETONS)))
+
+
+def _singletons_expected(seed: int) -> dict[str, Any]:
+    from rdkit.Chem.Scaffolds import MurckoScaffold
+
+    scaffolds = [MurckoScaffold.MurckoScaffoldSmiles(smiles=s) for s in SINGLETONS]
+    reference = SCAFFOLD.trusted(SCAFFOLD.reference)
+    return {"split": _split_lists(reference(list(SINGLETONS))),
+            "singletons": sorted(i for i, sc in enumerate(scaffolds) if scaffolds.count(sc) == 1)}
+
+
+def _compare_singletons(got: Any, expected: dict[str, Any]) -> None:
+    if isinstance(got, list):  # the goal first, then DeepChem's exact lists
+        crowded = [i for i in got[2] if i not in expected["singletons"]]
+        if crowded:
+            raise CheckFailed(f"test holds molecules {crowded}, whose scaffolds occur more than "
+                              "once: the big scaffold sets belong in train",
+                              expected=f"test within the singletons {expected['singletons']}",
+                              got=got[2])
+    _compare_split({"20 molecules": got} if isinstance(got, list) else {},
+                   {"20 molecules": expected["split"]})
+
+
+SCAFFOLD.case("the test set gets singleton scaffolds (3 big scaffold sets fill train, 4 unique "
+              "scaffolds are left)", compare=_compare_singletons, expect=_singletons_expected,
+              hint="The largest scaffold sets go to train; the scaffolds that occur once are what "
+                   "is left for valid and test.")(_singletons_run)
 SCAFFOLD.case("an invalid SMILES raises a ValueError naming its index", compare=_compare_invalid,
               expect=lambda seed: None)(_invalid_run)
 

@@ -274,16 +274,9 @@ for name, partition in (("DistributedSampler", strided), ("node-balanced", node_
 # each split covers the label range.
 #
 # DeepChem's [`ScaffoldSplitter`](https://deepchem.readthedocs.io/en/latest/api_reference/splitters.html#scaffoldsplitter)
-# is the reference definition, and small details decide which molecule lands where:
-#
-# 1. the scaffold is `MurckoScaffold.MurckoScaffoldSmiles(mol=mol, includeChirality=False)`
-#    (acyclic molecules all get the empty scaffold `""`);
-# 2. scaffold sets (indices in ascending order) are sorted with the key
-#    `(len(set), set[0])` and `reverse=True`: the largest first, and among equal sizes the
-#    set whose first index is **larger** first;
-# 3. the sets are walked greedily: a set goes to train unless `len(train) + len(set)` would
-#    exceed `frac_train * n`; otherwise to valid unless `len(train) + len(valid) + len(set)`
-#    would exceed `(frac_train + frac_valid) * n`; otherwise to test.
+# is the reference definition. Its scaffold is
+# `MurckoScaffold.MurckoScaffoldSmiles(mol=mol, includeChirality=False)`; acyclic molecules all
+# get the empty scaffold `""`.
 
 # %%
 for s in ("CC(=O)Oc1ccccc1C(=O)O", "CCN(CC)C(=O)c1cccc(C)c1", "O=C1CCCCC1", "CCO"):
@@ -294,14 +287,37 @@ for s in ("CC(=O)Oc1ccccc1C(=O)O", "CCN(CC)C(=O)c1cccc(C)c1", "O=C1CCCCC1", "CCO
 # ### Task 10.3: `scaffold_split`
 #
 # Write `scaffold_split(smiles, frac_train=0.8, frac_valid=0.1, frac_test=0.1)` returning
-# `(train, valid, test)`, three lists of indices identical to DeepChem's `ScaffoldSplitter`
-# (rules 1–3 above). An unparsable SMILES raises a `ValueError` whose message names its index.
+# `(train, valid, test)`, three lists of indices, with DeepChem's goal:
+#
+# - **no scaffold in two splits**: all molecules of a scaffold set go to the same split;
+# - **train gets the largest scaffold sets**, as long as train stays within `frac_train · n`
+#   molecules;
+# - **valid and test get what is left**, valid as long as train and valid together stay within
+#   `(frac_train + frac_valid) · n`: the small and unique scaffolds, the chemistry least like
+#   the training set, end up in test.
+#
+# The checks compare your lists with DeepChem's, index by index, on FreeSolv, the EGFR ligands
+# and small adversarial lists; an unparsable SMILES raises a `ValueError` whose message names its
+# index. The goal leaves two choices open that decide where a molecule lands: which of two
+# equal-sized sets goes first, and what happens to a smaller set met after one that no longer
+# fit in train. Read DeepChem's answers off its split of these 10 molecules (60/20/20):
+#
+# | index | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 |
+# | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+# | SMILES | `c1ccccc1O` | `C1CCCCC1N` | `c1ccncc1C` | `c1ccccc1N` | `C1CCCCC1O` | `c1ccsc1C` | `c1ccccc1C` | `c1ccoc1C` | `c1ccncc1O` | `CCO` |
+# | scaffold | benzene | cyclohexane | pyridine | benzene | cyclohexane | thiophene | benzene | furan | pyridine | `""` |
+#
+# DeepChem gives train `[0, 3, 6, 2, 8, 9]`, valid `[1, 4]`, test `[7, 5]`: each split lists its
+# scaffold sets in the order they were handed out.
 
 # %% tags=["task-10.3"]
 def scaffold_split(smiles: list[str], frac_train: float = 0.8, frac_valid: float = 0.1,
                    frac_test: float = 0.1) -> tuple[list[int], list[int], list[int]]:
-    """Split indices of smiles into (train, valid, test) by Bemis-Murcko scaffold, as DeepChem does.
+    """Split the indices of smiles into (train, valid, test) by Bemis-Murcko scaffold, as
+    DeepChem's ScaffoldSplitter does.
 
+    No scaffold in two splits; train gets the largest scaffold sets within frac_train of the
+    molecules; valid and test get what is left, valid within frac_train + frac_valid of them.
     Raises ValueError naming the index of a SMILES that RDKit cannot parse.
     """
     ### BEGIN SOLUTION
@@ -314,11 +330,12 @@ def scaffold_split(smiles: list[str], frac_train: float = 0.8, frac_valid: float
             raise ValueError(f"SMILES at index {index} ({smi!r}) could not be parsed by RDKit")
         scaffold = MurckoScaffold.MurckoScaffoldSmiles(mol=mol, includeChirality=False)
         groups.setdefault(scaffold, []).append(index)  # indices arrive in ascending order
+    # Largest first; among equal sizes the set met last first (pyridine before cyclohexane).
     scaffold_sets = sorted(groups.values(), key=lambda s: (len(s), s[0]), reverse=True)
     n = len(smiles)
     train_cutoff, valid_cutoff = frac_train * n, (frac_train + frac_valid) * n
     train, valid, test = [], [], []
-    for s in scaffold_sets:
+    for s in scaffold_sets:  # a set that does not fit is passed on; later, smaller ones may fit
         if len(train) + len(s) > train_cutoff:
             if len(train) + len(valid) + len(s) > valid_cutoff:
                 test += s

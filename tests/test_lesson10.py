@@ -122,6 +122,25 @@ def test_scaffold_split_never_puts_one_scaffold_in_two_splits_and_respects_the_c
         assert (train, valid, test) == reference_scaffold_split(smiles, *fracs)
 
 
+def test_the_lessons_worked_example_is_deepchems_split():
+    import re
+
+    text = SOURCE.read_text(encoding="utf-8")
+    table = text[text.index("| SMILES |"):text.index("| scaffold |")]
+    smiles = re.findall(r"`([^`]+)`", table)
+    train, valid, test = (_json_list(x) for x in re.search(
+        r"DeepChem gives train `(\[[\d, ]*\])`, valid `(\[[\d, ]*\])`, test `(\[[\d, ]*\])`",
+        " ".join(text.replace("# ", "").split())).groups())
+    assert len(smiles) == 10
+    assert reference_scaffold_split(smiles, 0.6, 0.2, 0.2) == (train, valid, test)
+
+
+def _json_list(text):
+    import json
+
+    return json.loads(text)
+
+
 def test_deepchem_order_puts_the_later_of_two_equal_sets_first():
     # Two singleton scaffolds: DeepChem's key (len, first index) with reverse=True ranks index 1
     # (cyclohexane) before index 0 (benzene), so with room for one molecule, 1 goes to train.

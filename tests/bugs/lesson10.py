@@ -187,6 +187,10 @@ def _ties_first_index_ascending(groups):
     return sorted(groups.values(), key=lambda s: (-len(s), s[0]))
 
 
+def _smallest_first(groups):
+    return sorted(groups.values(), key=lambda s: (len(s), s[0]))
+
+
 def _with_chirality(mol):
     return MurckoScaffold.MurckoScaffoldSmiles(mol=mol, includeChirality=True)
 
@@ -324,6 +328,7 @@ BUGS = {
         ("scaffold sets ordered by size only", _bound(scaffold_split, _order=_size_only)),
         ("ties between equal-sized sets by ascending first index",
          _bound(scaffold_split, _order=_ties_first_index_ascending)),
+        ("the smallest scaffold sets first", _bound(scaffold_split, _order=_smallest_first)),
         ("scaffolds keep chirality", _bound(scaffold_split, _scaffold=_with_chirality)),
         ("valid filled without the cumulative cutoff", _bound(scaffold_split, _walk=_no_valid_cap)),
         ("invalid SMILES replaced silently", _skips_invalid),
