@@ -6,8 +6,10 @@ The browser tests open a lesson in each Lab (started with ``kit lab``'s own comm
 environment) and look for those pieces in the page; screenshots of both go to
 ``artifacts/screenshots/`` (``KIT_UPDATE_SCREENSHOTS=1``: also ``docs/screenshots/``). The
 terminal test runs ``kit lab`` itself, opens a lesson's kernel through the server's API and
-reads everything the command printed. A failure here means a student meets instructor tools
-or a wall of log lines they cannot act on.
+reads everything the command printed. The feedback test draws check() reports in the page:
+expected and got in boxes of one width, code spans as code, dependent failures saying so. A
+failure here means a student meets instructor tools, a wall of log lines they cannot act on, or
+feedback that reads wrong.
 """
 
 from __future__ import annotations
@@ -210,3 +212,58 @@ def test_the_session_config_hides_only_the_instructor_plugins_and_keeps_validate
     assert not any("jpserver_extensions" in a for a in lab.lab_command(ROOT, instructor=True))
     assert sum("jpserver_extensions" in a for a in lab.lab_command(ROOT)) == len(
         lab.INSTRUCTOR_SERVER_EXTENSIONS)
+
+
+# ---- check() feedback as the page draws it ---------------------------------------------------
+
+FEEDBACK_CELLS = [
+    # a stub: the headline's `raise NotImplementedError(...)` is a code span
+    "from kit import check\n"
+    "def shard_range(n, rank, world_size):\n"
+    "    raise NotImplementedError('Task 0.1: todo')\n"
+    "check('0.1', shard_range)",
+    # the remainder dropped: expected [0, 1, 2], got [0, 1]
+    "def shard_range(n, rank, world_size):\n"
+    "    base = n // world_size\n"
+    "    return range(rank * base, (rank + 1) * base)\n"
+    "check('0.1', shard_range)",
+    # 9.1 with special tokens selected: two cases follow the first failure
+    "import sys\n"
+    f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+    "from bugs.lesson09 import mask_special_tokens\n"
+    "check('9.1', mask_special_tokens)",
+]
+
+
+@pytest.mark.browser
+def test_feedback_boxes_align_code_spans_render_and_dependent_failures_say_so(
+        browser: Any, course: Path) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in FEEDBACK_CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, course / "feedback.ipynb")
+    from browser_support import cell_outputs, run_all_cells, wait_until_done
+
+    with LabServer(course) as server:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        try:
+            open_notebook(page, server, "feedback.ipynb")
+            run_all_cells(page)
+            wait_until_done(page, timeout=180)
+            stub, bug, masked = (cell_outputs(page, i) for i in range(3))
+            assert "not implemented yet" in stub and "`" not in stub, stub
+            code = page.locator(".jp-Notebook .jp-Cell").nth(0).locator(".kit-check code", has_text="raise NotImplementedError(...)")
+            assert code.count() == 1
+            boxes = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".kit-expected-got code")
+            assert boxes.count() >= 2, bug
+            widths = [boxes.nth(i).bounding_box()["width"] for i in range(boxes.count())]
+            assert max(widths) - min(widths) < 1, widths  # expected and got: one width
+            assert masked.count("follows from the failure above: fix that first") == 2, masked
+            assert "fixed" not in masked and "`" not in masked, masked
+            page.locator(".jp-Notebook .jp-Cell").nth(2).scroll_into_view_if_needed()
+            screenshot(page, "feedback_9_1_special_tokens", focus_index=2)
+        finally:
+            context.close()
