@@ -412,13 +412,10 @@ print(launch(fsdp2_bf16, world_size=2)[0])
 
 # %% tags=["task-7.2"]
 def saved_activation_bytes(fn, *args) -> int:
-    """Bytes that autograd saves for backward while ``fn(*args)`` runs.
+    """Bytes of activation memory autograd keeps for backward while ``fn(*args)`` runs.
 
-    Record every tensor packed for backward (``torch.autograd.graph.saved_tensors_hooks``).
-    Count each storage once, with all its bytes (``t.untyped_storage().nbytes()``), however
-    many tensors view it, and leave out parameters: a saved tensor that is an
-    ``nn.Parameter`` or a view of one (its ``._base`` is one). Inputs and intermediate results
-    count.
+    Memory, not tensors: memory that several saved tensors share counts once, whole. Parameters
+    are not activations; the inputs and intermediate results autograd keeps are.
     """
     ### BEGIN SOLUTION
     storages: dict[int, int] = {}
@@ -439,15 +436,32 @@ def saved_activation_bytes(fn, *args) -> int:
 check("7.2", saved_activation_bytes)
 
 # %% [markdown]
+# How much does one transformer layer keep? Derive it from your count. With fused attention
+# nothing grows faster than the tokens, so the bytes should be $\alpha\,sbh + \beta\,sb$ for
+# $s$ tokens, $b$ sequences and hidden size $h$ (4 heads). Two hidden sizes give two
+# equations for the two constants:
+
+# %%
+def per_token(h, s=16, b=2):
+    """Bytes one block keeps per token (s * b of them) at hidden size h."""
+    block_h = TinyTransformer(vocab=8, dim=h, layers=1, heads=4, context=s).blocks[0]
+    return saved_activation_bytes(block_h, torch.randn(b, s, h, requires_grad=True)) / (s * b)
+
+
+alpha = (per_token(64) - per_token(32)) / (64 - 32)  # bytes per token and hidden unit
+beta = per_token(32) - 32 * alpha  # bytes per token besides
+print(f"derived: alpha = {alpha:g} bytes ({alpha / 4:g} fp32 values) per token and hidden unit, "
+      f"beta = {beta:g} bytes per token")
+
+# %% [markdown]
 # Korthikanti et al., [*Reducing Activation Recomputation in Large Transformer Models*
-# (2022)](https://arxiv.org/abs/2205.05198), count one transformer layer's activations as
-# $sbh\,(34 + 5as/h)$ bytes in 16-bit with dropout ($s$ tokens, $b$ sequences, $h$ hidden
-# size, $a$ heads). Our block has no dropout (minus $2sbh$: two 1-byte masks) and uses
-# fused attention, which keeps its output and a log-sum-exp instead of the $a s^2$
-# attention matrix (the $5as/h$ term goes). That leaves 16 values per token and hidden unit:
-# LayerNorm inputs (2), the qkv input (1), Q, K, V (3), the attention output (1), the MLP's
-# input (1), GELU's input (4) and the second linear's input (4). In fp32: $64\,sbh$ bytes, plus
-# small per-token terms (each LayerNorm's mean and 1/std, the log-sum-exp per head).
+# (2022)](https://arxiv.org/abs/2205.05198), count one layer as $sbh\,(34 + 5as/h)$ bytes in
+# 16-bit with dropout ($a$ heads). Our block has no dropout (their $2sbh$ of two 1-byte masks
+# goes) and fused attention, which keeps its output and a log-sum-exp per head instead of the
+# $as^2$ attention matrix (their $5as/h$ goes): $32\,sbh$ bytes in 16-bit is 16 values per
+# token and hidden unit, your $\alpha$ in fp32. Your $\beta$ is the per-token terms they
+# neglect: each LayerNorm's mean and 1/std and the log-sum-exp of each head, $(2 \cdot 2 + a)$
+# fp32 values. Which tensors make the 16? Exercise 5 asks. The formula against your count:
 
 # %%
 def block_formula(s, b, h, a):
@@ -961,3 +975,6 @@ for cap in (25, 1):
 #    your all-reduce?
 # 4. Compile `TinyTransformer`'s whole training step with Inductor and measure the first step
 #    and the steady step against eager on your machine.
+# 5. Name the tensors behind the 16 values per token and hidden unit of Task 7.2's block
+#    (print the shape and `grad_fn` of the tensor each pack call sees), and say which of them
+#    a bf16 autocast saves in bf16.

@@ -256,6 +256,8 @@ def test_lesson07_runs_headless_with_its_solutions_and_shows_what_it_claims():
     printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
     formula = [line for line in printed.splitlines() if line.startswith("T=")]
     assert len(formula) == 4 and all(line.split()[3] == line.split()[6] for line in formula)
+    # the constants derived from the student's count: Korthikanti's 16 values, + (2 * 2 + a) per token
+    assert "derived: alpha = 64 bytes (16 fp32 values) per token and hidden unit, beta = 32 bytes" in printed
     memory = [float(line.split(":")[1].split()[0]) for line in printed.splitlines()
               if line.split(":")[0].strip() in ("none", "every 4", "every 2", "every 1")]
     assert len(memory) == 4 and memory == sorted(memory, reverse=True) and memory[0] > 4 * memory[3]
