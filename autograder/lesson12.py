@@ -118,9 +118,15 @@ def traffic_model(sizes: dict[str, int]) -> Any:
                            context=sizes["seq_len"])
 
 
+# What 12.2 must not do: run the layouts and read the bytes off the recorder. The answer is a
+# formula of the parameters' shapes.
+RUNNING_A_LAYOUT = ("kit.launcher", "kit.trace", "kit.recorder",
+                    "torch.nn.parallel.DistributedDataParallel", "torch.distributed.fsdp",
+                    "torch.distributed.optim.ZeroRedundancyOptimizer",
+                    "torch.distributed.tensor.parallel", "torch.distributed.init_process_group")
+
 TRAFFIC = task(
-    "12.2", "step_traffic", points=4,
-    # forbids nothing: the answer is a formula of shapes; running a layout would only be slower
+    "12.2", "step_traffic", points=4, forbidden=RUNNING_A_LAYOUT,
     hint="Each layout moves a fixed set of tensors per step, and the recorder counts each "
          "collective's buffer: DDP all-reduces every gradient once (the tied weight is one "
          "parameter); ZeRO-1 adds one broadcast of every parameter from its owner after the "

@@ -44,6 +44,16 @@ def test_every_forbidden_name_of_12_1_resolves():
         assert gates.resolve(name) is not None, name
 
 
+def test_every_forbidden_name_of_12_2_resolves_and_a_real_run_scores_0(bugs):
+    from autograder.checking import run_checks
+
+    for name in get_task("12.2").forbidden:
+        assert gates.resolve(name) is not None, name
+    cheat = dict(bugs["12.2"])["measured on real ranks with the recorder"]
+    report = run_checks("12.2", cheat)
+    assert {c.status for c in report.cases} == {"forbidden"}, [c.status for c in report.cases]
+
+
 def test_the_helpers_hold_no_answer():
     assert not {"training_flops", "step_traffic", "find_straggler"} & set(dir(profiling))
 
@@ -217,3 +227,5 @@ def test_lesson12_runs_headless_and_shows_what_it_claims():
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)
+    points = [o["data"]["text/plain"] for o in checks if o.get("output_type") == "execute_result"]
+    assert points == ["3.0", "4.0", "4.0"], points  # full marks on every task, in the kernel

@@ -127,6 +127,28 @@ def traffic_keeps_zero_entries(layout, model, world_size, batch, seq_len):
     return _traffic(layout, model, world_size, batch, seq_len, zeros=True)
 
 
+def traffic_measured_on_real_ranks(layout, model, world_size, batch, seq_len):
+    """The cheat: run the layout on real ranks and read the recorder (forbidden)."""
+    from kit import launch
+    from kit.trace import trace
+
+    def on_rank():
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        m = DistributedDataParallel(model)
+        x = torch.zeros(batch, seq_len, dtype=torch.long) + dist.get_rank()
+        for _ in range(3):
+            with trace() as t:
+                m(x).sum().backward()
+        totals = {}
+        for e in t.events:
+            totals[e.op] = totals.get(e.op, 0) + e.nbytes
+        return totals
+
+    return launch(on_rank, world_size=world_size, echo=False)[0]
+
+
 # --------------------------------------------------------------------------- task 12.3
 
 
@@ -233,6 +255,7 @@ BUGS = {
         ("TP's backward all-reduce forgotten", traffic_tp_forward_only),
         ("ZeRO-1 broadcasts only a 1/W shard", traffic_zero1_broadcasts_a_shard),
         ("entries of zero kept", traffic_keeps_zero_entries),
+        ("measured on real ranks with the recorder", traffic_measured_on_real_ranks),
     ],
     "12.3": [
         ("the longest waiter blamed", straggler_longest_waiter),
