@@ -1,16 +1,19 @@
-"""Run the "Running at scale" code of Lessons 00-04 with NCCL, one rank per GPU.
+"""Run the "Running at scale" code of Lessons 00-10 with NCCL, one rank per GPU.
 
 Each lesson ends with a note saying its functions run unchanged under ``torchrun`` with NCCL.
-This script is that note, executed: it loads the lessons' solutions (``solutions/0N_*.py``,
+This script is that note, executed: it loads the lessons' solutions (``solutions/NN_*.py``,
 setup and task cells only) and runs each snippet on CUDA tensors, checking the result against
-torch's own collectives. Run it on a machine with GPUs::
+torch's own collectives or an unsharded reference. Every call a snippet of Lessons 05-10 makes
+is made here too (``tests/test_gpu_smoke.py`` holds them equal); sizes shrink on CPU only.
+Run it on a machine with GPUs::
 
     python benchmarks/gpu_smoke.py                                   # one rank per visible GPU
     torchrun --standalone --nproc-per-node=gpu benchmarks/gpu_smoke.py
 
 Without CUDA it says so and exits 0. ``--cpu N`` runs the same code on N CPU ranks with gloo
-(the CUDA-only parts skipped), to test this script where there is no GPU. Every check prints
-one ``PASS``/``FAIL`` line from rank 0; the exit status is 1 if any failed.
+(the CUDA-only parts skipped, each saying so), to test this script where there is no GPU;
+``--only 5,9`` runs those lessons' snippets alone. Every check prints one ``PASS``/``FAIL``
+line from rank 0 with its seconds; the exit status is 1 if any failed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -27,6 +31,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# --only 5,9: the lessons whose snippets run (all when empty)
+ONLY = {int(n) for n in sys.argv[sys.argv.index("--only") + 1].split(",")} if "--only" in sys.argv else set()
 
 
 def _device() -> torch.device:
@@ -47,6 +53,10 @@ class Results:
         self.rank, self.failed = rank, 0
 
     def check(self, name: str, fn) -> None:
+        lesson = int(name.split()[1].rstrip(":"))
+        if ONLY and lesson not in ONLY:
+            return
+        start = time.perf_counter()
         try:
             detail = fn() or ""
             ok = torch.tensor([1], device=_device())
@@ -58,7 +68,9 @@ class Results:
         passed = bool(ok.item())
         self.failed += not passed
         if self.rank == 0:
-            print(f"{'PASS' if passed else 'FAIL'}  {name}" + (f": {detail}" if detail else ""), flush=True)
+            seconds = time.perf_counter() - start
+            print(f"{'PASS' if passed else 'FAIL'}  {name} [{seconds:.1f} s]" + (f": {detail}" if detail else ""),
+                  flush=True)
 
 
 def lesson00(device: torch.device) -> str:
@@ -182,6 +194,258 @@ def lesson04(device: torch.device) -> str:
     return "BucketedDDP gradients == torch DDP (device_ids, gradient_as_bucket_view); bf16 hook ran"
 
 
+def _one_step(model, device, vocab: int, length: int = 32) -> float:
+    """One forward, backward and SGD step of a token model on a batch of this rank's own."""
+    from torch.nn import functional as F
+
+    from kit.lessons.models import token_batch
+
+    x, y = token_batch(2, length, vocab, seed=dist.get_rank())
+    loss = F.cross_entropy(model(x.to(device)).flatten(0, 1).float(), y.to(device).flatten())
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=1e-3).step()
+    return loss.item()
+
+
+def lesson05(device: torch.device) -> str:
+    """train.py: FSDP2 from the meta device with your apply_fsdp2 (bf16 params, fp32 reduce);
+    HSDP on a ("replicate", "shard") mesh; CPUOffloadPolicy; forward prefetching."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from kit.lessons.models import TinyTransformer
+
+    m = _lesson(5)
+    world_size, cuda = dist.get_world_size(), device.type == "cuda"
+    dim, layers = (4096, 32) if cuda else (64, 2)  # the lesson's size on GPUs, a small one on CPU
+    mesh = init_device_mesh(device.type, (world_size,))
+    with torch.device("meta"):
+        model = TinyTransformer(dim=dim, layers=layers)
+    m.apply_fsdp2(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model.to_empty(device=device.type)
+    for module in model.modules():  # "initialise": every parameter is uninitialised after to_empty
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    loss = _one_step(model, device, vocab=256)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    # HSDP: shard within a "node", replicate across them (here nodes of at most 2 ranks)
+    shard = 2 if world_size % 2 == 0 else 1
+    hsdp = init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    model = m.apply_fsdp2(TinyTransformer(dim=64, layers=2).to(device), hsdp)
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+    hsdp_loss = _one_step(model, device, vocab=256)
+    if not cuda:
+        return (f"FSDP2 from meta, {params:,} parameters: loss {loss:.2f}; HSDP "
+                f"{tuple(hsdp.shape)}: {hsdp_loss:.2f}; CUDA only, skipped: CPUOffloadPolicy "
+                "(it copies shards to an accelerator)")
+    # CPU offload: shards, gradients and the optimizer step in CPU memory
+    offloaded = TinyTransformer(dim=64, layers=2)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in offloaded.blocks:
+        fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(), mp_policy=policy)
+    fully_shard(offloaded, mesh=mesh, offload_policy=CPUOffloadPolicy(), mp_policy=policy)
+    offload_loss = _one_step(offloaded, device, vocab=256)
+    where = {p.device.type for p in offloaded.parameters()}
+    assert where == {"cpu"}, f"offloaded shards live on {where}"
+    return (f"FSDP2 from meta, {params:,} parameters: loss {loss:.2f}; HSDP "
+            f"{tuple(hsdp.shape)}: {hsdp_loss:.2f}; CPU offload: {offload_loss:.2f}")
+
+
+def lesson06(device: torch.device, shared: str) -> str:
+    """train.py: your TrainingState saved with dcp.async_save on a gloo group of its own
+    (FileSystemWriter, thread_count=4), then with a DefaultStager (AsyncSaveResponse), reloaded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from kit.lessons.resume import VOCAB, make_model, make_optimizer, make_sampler, token_dataset
+
+    m = _lesson(6)
+    cuda = device.type == "cuda"
+    train_group = dist.new_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo")
+    ckpt_group = dist.new_group(backend="gloo")  # the background saves' own group
+
+    def training_state():
+        model = DDP(make_model().to(device), device_ids=[device.index] if cuda else None,
+                    process_group=train_group)
+        return m.TrainingState(model, make_optimizer(model), make_sampler(token_dataset()))
+
+    state = training_state()
+    _one_step(state.model, device, vocab=VOCAB, length=16)
+    state.optimizer.step()
+    state.step = step = 7
+    writer = dcp.FileSystemWriter(os.path.join(shared, f"step-{step:06d}"), thread_count=4)
+    future = dcp.async_save({"train": state}, storage_writer=writer, process_group=ckpt_group)
+    future.result()
+    # A stager of your own: pinned buffers kept between saves, copies off the GPU in a thread
+    options = StagingOptions(use_pinned_memory=cuda, use_non_blocking_copy=cuda)  # both need CUDA
+    stager = DefaultStager(options)
+    response = dcp.async_save({"train": state}, checkpoint_id=os.path.join(shared, "staged"),
+                              process_group=ckpt_group, async_stager=stager)
+    kind = type(response).__name__
+    response.staging_completion.result()  # before the next optimizer step changes parameters
+    response.upload_completion.result()  # before the next save
+    stager.close()
+    fresh = training_state()
+    for folder in (f"step-{step:06d}", "staged"):
+        dcp.load({"train": fresh}, checkpoint_id=os.path.join(shared, folder), process_group=ckpt_group)
+        assert fresh.step == step, fresh.step
+        for a, b in zip(state.model.parameters(), fresh.model.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    note = "" if cuda else " (CPU: no pinned memory or non-blocking copy, they need CUDA)"
+    return f"async_save -> {type(future).__name__}, with a DefaultStager -> {kind}; both reload exactly{note}"
+
+
+def lesson07(device: torch.device) -> str:
+    """train.py: checkpoint_wrapper on every second block, each block compiled then sharded with
+    bf16 MixedPrecisionPolicy, one step; peak memory and the memory snapshot on CUDA."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from kit.lessons.models import TinyTransformer
+
+    cuda = device.type == "cuda"
+    if cuda:
+        model = TinyTransformer(vocab=50257, dim=1024, layers=24, heads=16, context=1024).cuda()
+    else:
+        model = TinyTransformer(vocab=256, dim=64, layers=2, heads=4, context=32)
+    for i, block in enumerate(model.blocks):  # as apply_checkpointing(model, every=2)
+        if (i + 1) % 2 == 0:
+            model.blocks[i] = checkpoint_wrapper(block)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        block.compile()  # compile each block first (in place) ...
+        fully_shard(block, mp_policy=policy)  # ... then shard it
+    fully_shard(model, mp_policy=policy)
+    if not cuda:
+        loss = _one_step(model, device, vocab=256)
+        return (f"loss {loss:.2f}: compiled, checkpointed, bf16-sharded blocks; CUDA only, "
+                "skipped: torch.cuda.max_memory_allocated, the memory snapshot")
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=10000)
+    loss = _one_step(model, device, vocab=50257, length=1024)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return f"loss {loss:.2f}; {peak:.2f} GiB at peak; snapshot of {len(snapshot['segments'])} segments"
+
+
+def lesson08(device: torch.device) -> str:
+    """train.py: a ("dp", "tp") mesh, parallelize_module on each block's MLP then fully_shard on
+    "dp"; your ColumnParallelLinear and RowParallelLinear on the "tp" group's tensors."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from torch.nn import functional as F
+
+    from kit.lessons.models import TinyTransformer
+
+    m = _lesson(8)
+    world_size = dist.get_world_size()
+    tp = min(8, world_size) if world_size % min(8, world_size) == 0 else 1
+    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    size = dict(dim=2048, layers=16, heads=16) if device.type == "cuda" else dict(dim=64, layers=2, heads=4)
+    model = TinyTransformer(**size).to(device)  # each block: mlp.0, GELU, mlp.2
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    loss = _one_step(model, device, vocab=256)
+    # Your layers, on the rank's device, through the "tp" group
+    group = mesh["tp"].get_group()
+    torch.manual_seed(0)
+    up, down = nn.Linear(64, 256).to(device), nn.Linear(256, 64).to(device)
+    x = torch.randn(4, 16, 64, device=device)
+    col, row = m.ColumnParallelLinear(up, group=group), m.RowParallelLinear(down, group=group)
+    torch.testing.assert_close(row(F.gelu(col(x))), down(F.gelu(up(x))), rtol=1e-4, atol=1e-5)
+    return f"mesh {tuple(mesh.shape)} (dp, tp): FSDP x TP step, loss {loss:.2f}; your TP layers == nn.Linear"
+
+
+def lesson09(device: torch.device) -> str:
+    """train_esm.py: ESM-2 on the meta device, checkpoint_wrapper per layer, FSDP2 with bf16
+    MixedPrecisionPolicy, to_empty, init_weights, one MLM step; load_pretrained_esm2's error."""
+    from esm.model.esm2 import ESM2
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn import functional as F
+
+    from kit.lessons.proteins import ESM2_FAMILY, alphabet, init_weights
+
+    m = _lesson(9)
+    name = "esm2_t33_650M_UR50D" if device.type == "cuda" else "esm2_t6_8M_UR50D"
+    layers, dim, heads = ESM2_FAMILY[name]
+    with torch.device("meta"):  # no memory until sharded
+        model = ESM2(layers, dim, heads, alphabet=alphabet())
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.to_empty(device=device.type)  # each device allocates its shard
+    model.apply(init_weights)  # then initialise (or load)
+    vocab = alphabet()
+    tokens = m.tokenize(["MKTAYIAKQRQISFVKSHFSRQ", "GIGKFLHSAKKFGKAFVGEIMNS"], vocab).to(device)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    masked, labels = m.mask_tokens(tokens.cpu(), vocab, g)
+    with torch.autocast(device.type, dtype=torch.bfloat16):  # fair-esm's rotary q, k come out fp32
+        logits = model(masked.to(device))["logits"]  # (B, T, 33)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(), ignore_index=-100)
+    loss.backward()
+    try:
+        m.load_pretrained_esm2("esm2_t33_650M_UR50D", path="/nonexistent/esm2_t33_650M_UR50D.pt")
+        raise AssertionError("load_pretrained_esm2 found weights at /nonexistent")
+    except FileNotFoundError:
+        pass
+    assert torch.isfinite(loss), loss
+    return f"{name} from meta, FSDP2 bf16 + checkpointing: MLM loss {loss.item():.2f}"
+
+
+def lesson10(device: torch.device) -> str:
+    """train_freesolv.py: DDP(MessagePassingNet) with device_ids, DistributedSampler, DataLoader
+    with your collate, workers and pinned memory, batch.to(device); screen_metrics on the device."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from kit.lessons.molecules import MessagePassingNet, conformer, freesolv, mol_graph
+
+    m = _lesson(10)
+    cuda = device.type == "cuda"
+    smiles, energies = freesolv()
+    train_graphs = [m.MolData(**mol_graph(conformer(s, seed=0)), y=energies[n:n + 1])
+                    for n, s in enumerate(smiles[:128])]
+    torch.manual_seed(0)
+    model = DDP(MessagePassingNet().to(device), device_ids=[device.index] if cuda else None)
+    sampler = DistributedSampler(train_graphs, shuffle=True, seed=0)
+    loader = DataLoader(train_graphs, batch_size=64, sampler=sampler, collate_fn=m.collate,
+                        num_workers=4, pin_memory=cuda)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            batch = batch.to(device, non_blocking=True)
+            loss = torch.nn.functional.mse_loss(model(batch), batch.y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    n = 1000
+    scores = torch.linspace(1, 0, n, dtype=torch.float64)
+    labels = torch.arange(n) % 50 == 0
+    lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+    got = m.screen_metrics(scores[lo:hi].to(device), labels[lo:hi].to(device),
+                           torch.arange(lo, hi, device=device))
+    assert got["top100"] == list(range(100)), got["top100"][:5]
+    return f"DDP on {device.type}: last loss {loss.item():.2f}; screen_metrics EF@1% {got['ef1']:.1f}"
+
+
 def worker(local_rank: int, world_size: int, port: int, shared: str, backend: str = "nccl") -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # started by mp.spawn: set what torchrun sets
         os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
@@ -205,6 +469,12 @@ def worker(local_rank: int, world_size: int, port: int, shared: str, backend: st
     results.check("Lesson 02: dist_info_from_env, a checkpoint loaded on every rank (train.py)", lambda: lesson02(device, shared))
     results.check("Lesson 03: sampler, pinned loader, seed_worker, gather_unpadded", lambda: lesson03(device))
     results.check("Lesson 04: torch DDP and BucketedDDP (train.py)", lambda: lesson04(device))
+    results.check("Lesson 05: FSDP2 from meta with apply_fsdp2, HSDP, CPU offload (train.py)", lambda: lesson05(device))
+    results.check("Lesson 06: TrainingState through async_save on its own gloo group, a DefaultStager", lambda: lesson06(device, shared))
+    results.check("Lesson 07: checkpointed, compiled, then sharded blocks in bf16 (train.py)", lambda: lesson07(device))
+    results.check("Lesson 08: a (dp, tp) mesh: parallelize_module + fully_shard; your TP layers", lambda: lesson08(device))
+    results.check("Lesson 09: ESM-2 from meta, FSDP2 bf16 + checkpointing (train_esm.py)", lambda: lesson09(device))
+    results.check("Lesson 10: DDP message passing, sampler and loader, screen_metrics (train_freesolv.py)", lambda: lesson10(device))
     failed = results.failed
     dist.destroy_process_group()
     if failed:

@@ -1306,13 +1306,14 @@ for step in range(3):
 # > from torch.distributed.device_mesh import init_device_mesh
 # > from torch.distributed.fsdp import fully_shard
 # > from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+# > from kit.lessons.models import TinyTransformer
 # >
 # > torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 # > dist.init_process_group("nccl")
 # > mesh = init_device_mesh("cuda", (4, 8), mesh_dim_names=("dp", "tp"))  # tp: one node's 8 GPUs
-# > model = build_model()  # e.g. a transformer whose blocks have .mlp.up and .mlp.down
+# > model = TinyTransformer(dim=2048, layers=16, heads=16).cuda()  # each block: mlp.0, GELU, mlp.2
 # > for block in model.blocks:
-# >     parallelize_module(block, mesh["tp"], {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
+# >     parallelize_module(block, mesh["tp"], {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
 # >     fully_shard(block, mesh=mesh["dp"])
 # > fully_shard(model, mesh=mesh["dp"])
 # > # ... the usual loop; each "dp" row of the mesh reads its own slice of the data

@@ -857,8 +857,9 @@ print("same on every rank:", all(r["global"] == sharded[0]["global"] for r in sh
 # > its tensors), use `DDP(model, device_ids=[local_rank])` and the `nccl` backend, and start
 # > it with `torchrun --standalone --nproc_per_node=8 train_freesolv.py`. A screen is scored
 # > the same way: each rank scores `library[rank::world_size]` or its own files, and
-# > `screen_metrics` (all-gather of sizes, then of padded shards) works unchanged with NCCL
-# > once the tensors live on the GPU.
+# > `screen_metrics` (all-gather of sizes, then of padded shards) works with NCCL when every
+# > tensor it sends lives on the GPU, the sizes and padded shards it creates included
+# > (`device=local_scores.device`): NCCL refuses CPU tensors.
 #
 # ```python
 # dist.init_process_group("nccl")

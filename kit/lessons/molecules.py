@@ -157,7 +157,7 @@ class MessagePassingNet(nn.Module):
         for mlp in self.mlps:
             messages = torch.relu(h[src] + e)  # (E, dim), from source j to target i
             h = h + mlp(h + torch.zeros_like(h).index_add_(0, dst, messages))
-        pooled = torch.zeros(batch.num_graphs, h.shape[1]).index_add_(0, batch.batch, h)
+        pooled = torch.zeros(batch.num_graphs, h.shape[1], device=h.device).index_add_(0, batch.batch, h)
         counts = torch.bincount(batch.batch, minlength=batch.num_graphs).clamp(min=1)
         return self.head(pooled / counts[:, None]).squeeze(-1)  # (B,) one value per graph
 
