@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import random
+import re
 import sys
 from functools import partial
 from typing import Any
@@ -90,7 +91,67 @@ def _compare_streams(got: Any, expected: dict[str, Any]) -> None:
         for key in sorted(want, key=lambda k: (k != "len", k)):
             if have[key] != want[key]:
                 what = "len(sampler)" if key == "len" else f"indices in {key}"
-                raise CheckFailed(f"{where}: wrong {what}", expected=want[key], got=have[key])
+                hint, cause = _diagnose_stream(got, expected, where, key)
+                raise CheckFailed(f"{where}: wrong {what}", expected=want[key], got=have[key],
+                                  hint=hint, cause=cause)
+
+
+def _diagnose_stream(got: dict[str, Any], expected: dict[str, Any], where: str, key: str
+                     ) -> tuple[str, str]:
+    """(hint, cause) read from what every rank of this sampler drew, or ("", "") to leave the
+    case's hint: the hint names the mistake the indices show, not the one the case targets."""
+    if key == "len":
+        if "drop_last=True" in where and got[where]["len"] > expected[where]["len"]:
+            return ("len(sampler) counts padded slots: with drop_last the uneven tail is dropped "
+                    "and nothing is padded.", "pads with drop_last")
+        return ("", "")
+    same = re.sub(r"rank=\d+", "rank=", where)
+    ranks = sorted((w for w in expected if re.sub(r"rank=\d+", "rank=", w) == same),
+                   key=lambda w: int(re.search(r"rank=(\d+)", w).group(1)))
+    if not all(isinstance(got.get(w), dict) and isinstance(got[w].get(key), list) for w in ranks):
+        return ("", "")
+    epochs = [k for k in expected[where] if k.startswith("epoch")]
+
+    def constant(streams: dict[str, Any]) -> bool:
+        return all(streams[w].get(e) == streams[w][epochs[0]] for w in ranks for e in epochs)
+
+    # Every rank the same full-length order in every epoch, where torch's changes (6+ distinct
+    # indices: short shuffles agree by chance, and a hypothesis search shrinks to such cases).
+    if (len(epochs) > 1 and constant(got) and not constant(expected)
+            and all(len(got[w].get(e) or []) == len(expected[w][e]) for w in ranks for e in epochs)
+            and len({i for w in ranks for i in expected[w][epochs[0]]}) >= 6):
+        return ("The order is the same in every epoch: the permutation comes from seed + epoch, "
+                "and set_epoch changes the epoch.", "ignores the epoch")
+    drawn = [i for w in ranks for i in got[w][key]]
+    wanted = [i for w in ranks for i in expected[w][key]]
+    if len(drawn) == len(wanted) and len(set(drawn)) < len(set(wanted)):
+        return ("The ranks' indices overlap and miss samples: each rank shuffled on its own. "
+                "Every rank must draw the same permutation from seed + epoch, then take its share.",
+                "ranks shuffle apart")
+    # The dealt order: position i of the padded list went to rank i % R as its (i // R)-th index.
+    per_rank = [expected[w][key] for w in ranks]
+    size = len(per_rank[0])
+    order = [per_rank[i % len(ranks)][i // len(ranks)] for i in range(size * len(ranks))
+             if i // len(ranks) < len(per_rank[i % len(ranks)])]
+    if size > 1 and all(got[w][key] == order[r * size:(r + 1) * size] for r, w in enumerate(ranks)):
+        return ("Each rank got a contiguous block of the list: a distributed sampler deals the "
+                "list out like cards, rank r taking positions r, r + num_replicas, ...",
+                "contiguous blocks")
+    lengths_right = all(len(got[w][key]) == len(expected[w][key]) for w in ranks)
+    dealt = [got[w][key][i // len(ranks)] for i in range(len(order)) for w in [ranks[i % len(ranks)]]]
+    distinct = len(set(wanted))
+    if lengths_right and dealt[:distinct] == order[:distinct] and dealt != order:
+        return ("The order is right and only the padded slots differ: padding repeats this "
+                "epoch's list from its start until every rank has the same count.", "padding")
+    # The same indices (up to the padding, which repeats the permutation's first ones), or with
+    # drop_last a duplicate-free share of the same size: a permutation other than torch's.
+    if "shuffle=True" in where and lengths_right and (
+            set(drawn) == set(wanted) or ("drop_last=True" in where and len(set(drawn)) == len(drawn))):
+        return ("The ranks draw the right indices in another order: the order is torch.randperm "
+                "of the length with a torch.Generator seeded with seed + epoch, as torch's "
+                "DistributedSampler draws it; another shuffle gives another order.",
+                "another permutation")
+    return ("", "")
 
 
 def _sampler_case(name: str, grid: list[tuple[int, int, bool, int, bool, list[int]]],

@@ -201,3 +201,21 @@ def test_0_2_a_wrong_mean_is_named_by_what_it_equals(description, says):
     assert says in first.message
     if description.startswith("averages"):  # its 2-D case failed for the same reason, not rows
         assert report.cases[3].follows == first.name and "len()" not in report.to_text()
+
+
+@pytest.mark.parametrize(("description", "says"), [
+    ("ignores the epoch", "same in every epoch"),
+    ("gives each rank a contiguous block", "contiguous block"),
+    ("pads even with drop_last", "counts padded slots"),
+    ("shuffles with Python's random", "another order"),
+    ("pads with the last indices", "only the padded slots differ"),
+])
+def test_3_1_hint_names_what_the_indices_show(description, says):
+    impl = next(i for d, i in seeded_bugs(3)["3.1"] if d.startswith(description))
+    report = run_checks("3.1", impl)
+    first = next(c for c in report.cases if c.status == "failed")
+    assert says in first.hint, first.hint
+    # the drop_last case's own hint is given only for a drop_last mistake
+    drop_last = "With drop_last each rank gets floor(len / num_replicas) items"
+    assert description.startswith("pads even") or all(
+        drop_last not in c.hint for c in report.cases if c.status == "failed" and not c.follows)
