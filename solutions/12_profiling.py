@@ -740,16 +740,18 @@ print("find_straggler blames the slow rank:", all(found))
 # >         prof.step()
 # > ```
 # >
-# > - With NCCL, collectives are kernels (`ncclDevKernel_AllReduce...`) on their own CUDA
-# >   stream, so a GPU trace shows how much communication *overlaps* compute, which a CPU gloo
+# > - With NCCL, collectives are kernels (`ncclDevKernel_*` or `ncclKernel_*`, by NCCL version)
+# >   on their own CUDA stream, so a GPU trace shows how much communication *overlaps* compute, which a CPU gloo
 # >   trace cannot: gloo runs on host threads and the CPU ops are all there is.
-# > - [Holistic Trace Analysis](https://hta.readthedocs.io/) (`pip install HolisticTraceAnalysis`)
-# >   reads a folder of such per-rank traces: temporal breakdown (compute, communication,
-# >   idle) per rank, kernel breakdown, communication-computation overlap, CUDA kernel launch
-# >   statistics and queue length. It needs the GPU kernels and streams, so it does not read
-# >   this lesson's CPU traces.
+# > - [Holistic Trace Analysis](https://hta.readthedocs.io/) (`pip install HolisticTraceAnalysis`,
+# >   [tutorial](https://pytorch.org/tutorials/beginner/hta_intro_tutorial.html)) reads a folder
+# >   of such per-rank traces: the GPUs' time split into compute, communication, memory and
+# >   idle per rank, the longest kernels, idle time by cause, communication-computation
+# >   overlap, kernel launch statistics, queue length per CUDA stream, and trace comparison.
+# >   Every one of those is about GPU kernels and streams, which a CPU-only trace lacks.
 # > - MFU on GPUs is quoted against the datasheet's dense BF16 peak (989 TFLOP/s on an H100
-# >   SXM); 35-55 % is typical of well-tuned large runs.
+# >   SXM). PaLM reported 46 % on TPU v4 ([Chowdhery et al., 2022](https://arxiv.org/abs/2204.02311));
+# >   Llama 3 405B 38-43 % on H100s ([Dubey et al., 2024](https://arxiv.org/abs/2407.21783)).
 # > - `TORCH_NCCL_ENABLE_TIMING=1` and the flight recorder (Lesson 02) time every collective per
 # >   rank in production, where a profiler is too heavy to leave on.
 #
