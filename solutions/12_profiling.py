@@ -76,8 +76,9 @@ WORK.mkdir(exist_ok=True)
 # `6 · 2 · layers · seq_len · dim` per token that the rule leaves out.
 #
 # `torch.utils.flop_counter.FlopCounterMode` counts the FLOPs of the aten ops that actually run
-# ([docs](https://pytorch.org/docs/stable/torch.compiler_profiling_torch_compile.html)): it
-# has a formula per op. Here it is on the lesson's transformer; watch the attention.
+# ([source](https://github.com/pytorch/pytorch/blob/main/torch/utils/flop_counter.py)): it
+# has a formula per op, in `flop_registry`. Here it is on the lesson's transformer; watch
+# the attention.
 
 # %%
 vocab, dim, layers, heads, batch, seq_len = 256, 64, 4, 4, 8, 64
@@ -620,7 +621,7 @@ print(f"merged trace: {len(merged['traceEvents'])} events in {WORK / 'merged_tra
 # %% [markdown]
 # Reading it: each rank's top lane is its main thread (green: `DataLoader.__next__`; blue:
 # forward, backward and the optimizer's ops); below, gloo's own threads (red: `gloo:all_reduce`,
-# from the moment the op is queued until it completes); at the bottom, the recorder's
+# from when gloo's thread starts the op until it completes); at the bottom, the recorder's
 # `all_reduce` calls (orange). Rank 2's green bar is long; the other ranks' red bars are just
 # as long, because they are waiting for rank 2 to contribute. **The rank that waits longest in
 # a collective is a victim; the straggler is the one that waits least.**
