@@ -205,13 +205,39 @@ BROADCAST_RECIPE = ("In __init__, broadcast every parameter and every buffer of 
 
 def _compare_initial(got: Any, expected: dict[str, Any]) -> None:
     for rank, run in enumerate(got):
-        _check_state(f"rank {rank} right after wrapping", run["initial"], expected["initial"],
-                     BROADCAST_HINT)
+        try:
+            _check_state(f"rank {rank} right after wrapping", run["initial"], expected["initial"],
+                         BROADCAST_HINT)
+        except CheckFailed as e:
+            e.cause = "no broadcast"
+            raise
+
+
+# What a wrong gradient's mismatch says -> (hint, cause): the slip it shows, not the task's idea.
+_GRADIENT_SLIPS = {
+    "the sum over ranks, not the mean": (
+        "The gradient of one step on the global batch is the mean of the ranks' gradients: "
+        "all_reduce sums them, so divide by the world size.", "sum not mean"),
+    "divided by the world size once too often": (
+        "Divide the all-reduced gradient by the world size once: every rank does it for its own "
+        "copy, after the sum.", "divided twice"),
+    "in one process it gets none": (
+        "A parameter that is frozen or unused in this step has no gradient in one process, so "
+        "it must have none here: skip parameters whose .grad is None.", "gradient where none"),
+}
 
 
 def _compare_training(got: Any, expected: dict[str, Any]) -> None:
     world_size = len(got)
     for rank, run in enumerate(got):
+        # Wrong starting weights make every later gradient wrong: name that, not the gradients.
+        if isinstance(run, dict) and "initial" in run and "initial" in expected:
+            try:
+                _check_state(f"rank {rank} right after wrapping", run["initial"],
+                             expected["initial"], BROADCAST_HINT)
+            except CheckFailed as e:
+                e.cause = "no broadcast"
+                raise
         if len(run["grads"]) != len(expected["grads"]):
             raise CheckFailed(f"rank {rank}: wrong number of steps recorded",
                               expected=len(expected["grads"]), got=len(run["grads"]))
@@ -219,10 +245,12 @@ def _compare_training(got: Any, expected: dict[str, Any]) -> None:
             for name, tensor in want.items():
                 problem = _mismatch(have.get(name), tensor, world_size)
                 if problem is not None:
+                    hint, cause = next((v for k, v in _GRADIENT_SLIPS.items() if k in problem),
+                                       ("", ""))
                     raise CheckFailed(
                         f"rank {rank}, step {step}: {name}.grad after "
                         f"finish_gradient_synchronization() {problem}",
-                        expected=short(tensor), got=short(have.get(name)))
+                        expected=short(tensor), got=short(have.get(name)), hint=hint, cause=cause)
     for rank, run in enumerate(got):
         _check_state(f"rank {rank} after the last step", run["final"], expected["final"],
                      "Gradients matched but the weights did not: is every rank starting from "

@@ -219,3 +219,12 @@ def test_3_1_hint_names_what_the_indices_show(description, says):
     drop_last = "With drop_last each rank gets floor(len / num_replicas) items"
     assert description.startswith("pads even") or all(
         drop_last not in c.hint for c in report.cases if c.status == "failed" and not c.follows)
+
+
+@pytest.mark.parametrize("task_id", ["4.1", "4.2", "4.3"])
+def test_ddp_summed_gradients_are_named_as_such_not_as_the_tasks_idea(task_id):
+    impl = dict(seeded_bugs(4)[task_id])["sums the gradients instead of averaging them"]
+    report = run_checks(task_id, impl)
+    first = next(c for c in report.cases if c.status == "failed")
+    assert "the sum over ranks, not the mean" in first.message
+    assert "divide by the world size" in first.hint and "Overlap" not in first.hint
