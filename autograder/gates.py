@@ -801,14 +801,14 @@ def _copy_use(task: Any, spec: _Forbidden, impl: Any, module: types.ModuleType |
             seen.add(id(fn))
             code = _code_of(fn)
             kind = _kind(code.co_filename)
-            if kind == "library" and _is_original(fn):
-                continue  # the library's own function: the other nets judge a use of it
+            if kind in ("library", "grader") and _is_original(fn):
+                continue  # the library's (or kit's) own function: the other nets judge a use of it
             for inner in _codes(code):
                 what, own_file = None, False
                 if _in_autograder(inner.co_filename):
                     what = f"{_GRADER_NAME}: a copy of " + _grader.places.get(
                         _place(inner), f"code from {inner.co_filename}")
-                elif kind == "library":
+                elif kind in ("library", "grader"):  # grader: a forbidden kit function (9.4)
                     name = spec.files.get(inner.co_filename) or spec.places.get(_place(inner))
                     if name is not None:
                         what = f"{name} (a copy of {inner.co_qualname} from {inner.co_filename})"

@@ -50,6 +50,7 @@ EXPLOITS = [
     # code identity: copies made at load time, of the grader's code and of a library's private helper
     ("1.2", "lesson01", "copies the grader's reference code at load time"),
     ("8.3", "lesson08", "sends through a load-time copy of torch's private schedules._batch_p2p"),
+    ("9.4", "lesson09", "runs a load-time copy of the module's forward"),  # a forbidden kit method
     # a subclass of the grader's reference class
     ("6.2", "lesson06", "subclasses the grader's reference TrainingState"),
     ("10.2", "lesson10", "subclasses the grader's reference layer"),
@@ -59,6 +60,9 @@ EXPLOITS = [
     # private helpers: a C++ op by a computed name, a module's private function
     ("7.1", "lesson07", "updates the scale with torch's private _amp_update_scale_ op"),
     ("8.4", "lesson08", "takes torch's order from the private schedules._get_1f1b_rank_ops"),
+    ("8.5", "lesson08", "takes torch's order from ScheduleInterleaved1F1B's private rank ops"),
+    # the kit's own module, whose forward the task writes
+    ("9.4", "lesson09", "calls the module's own forward and pair_bias"),
     # a library's batching, called on an object the student made
     ("9.2", "lesson09", "fair-esm's get_batch_indices builds the batches"),
 ]
