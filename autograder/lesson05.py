@@ -1421,7 +1421,7 @@ CLIP = task(
            "add up the p-th powers of the absolute values over all of them (for inf, take the "
            "largest absolute value, 0 for an empty shard); all-reduce that one number (sum, or "
            "max for inf) and take its p-th root. Multiply every local shard in place by "
-           "max_norm / (norm + 1e-6), capped at 1, and return the norm.",
+           "max_norm divided by the norm plus 1e-6, capped at 1, and return the norm.",
 )
 
 CLIP_RUNS = {world_size: CLIP.shared(_clip_on_rank, world_size=world_size) for world_size in (2, 4)}
@@ -1453,8 +1453,8 @@ CLIP.case("4 ranks, uneven shards (some ranks hold empty ones), a frozen and an 
 CLIP.case("a norm below max_norm: the gradients stay as they are, the norm is still returned",
           uses=CLIP_RUNS[4], compare=_compare_clip(("2, max_norm above the norm",)),
           expect="clip_expected_4",
-          hint="Clipping only ever shrinks gradients: the factor max_norm / (norm + 1e-6) is "
-               "capped at 1.",
+          hint="Clipping only ever shrinks gradients: the scale factor (max_norm over the norm "
+               "plus 1e-6) is capped at 1.",
           recipe="Cap the scale factor at 1 before multiplying the shards.")
 
 
