@@ -907,7 +907,9 @@ print(f"the model: {full / 2**20:.0f} MiB of fp32 parameters; rank 0 holds "
 # unsharded and add them up instead; turned on again for the last micro-batch, one
 # reduce-scatter sends the sum
 # ([`set_requires_gradient_sync`](https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html)).
-# The price is memory: until then every unit's full, unsharded gradient stays allocated.
+# The price is memory: until then every unit's full, unsharded gradient stays allocated
+# (torch 2.13's `FSDPParamGroup.post_backward` keeps it as the parameter's
+# `unsharded_accumulated_grad`).
 #
 # ### Task 5.5: `clip_grad_norm_` and `train_step`
 #
