@@ -41,7 +41,6 @@ __all__ = [
 CLOCK_MARKER = "kit:clock"  # a record_function span whose start is a known perf_counter time
 PHASE_COLOURS = {"data": "tab:green", "compute": "tab:blue", "communication": "tab:red",
                  "collective (recorder)": "tab:orange"}
-_warm = [False]
 
 
 def warm_profiler() -> None:
@@ -49,16 +48,14 @@ def warm_profiler() -> None:
 
     The first profiler a process starts initialises Kineto: 1-3 s, and 8 s for four ranks
     sharing two busy cores. Forked ranks inherit an initialised one and start in milliseconds,
-    so the checks and the lesson call this before launching.
+    so the checks and the lesson call this before launching. Once Kineto is up, a call costs
+    milliseconds.
     """
-    if _warm[0]:
-        return
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU])
     _quietly(prof.start)
     _quietly(prof.stop)
-    _warm[0] = True
 
 
 def _quietly(call: Any) -> Any:
