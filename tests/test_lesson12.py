@@ -211,11 +211,19 @@ def test_each_bug_is_caught_by_the_case_that_targets_it(bugs, task_id, bug, caug
 
 @pytest.mark.slow
 def test_lesson12_runs_headless_and_shows_what_it_claims():
+    import shutil
+
     from kit.runner import run_notebook
 
+    work = SOURCE.parent / "lesson12"  # the lesson's working folder, beside the notebook
+    shutil.rmtree(work, ignore_errors=True)  # what is there after the run, the run wrote
     result = run_notebook(SOURCE, timeout=300)
     assert result.ok, str(result.failure)
     assert result.seconds < 300
+    merged = json.loads((work / "merged_trace.json").read_text())
+    assert {e["pid"] for e in merged["traceEvents"]} == {0, 1, 2, 3}
+    assert sorted(p.name for p in (work / "traces_data").glob("rank*.json")) == [
+        f"rank{r}.json" for r in range(4)]
     printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
     assert "FlopCounterMode has a formula for the CPU flash kernel: False" in printed
     assert "training_flops equals FlopCounterMode: True" in printed
