@@ -1233,16 +1233,22 @@ def _step_on_rank(impl: Any, seed: int) -> dict[str, Any]:
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         micro = list(zip(x.split(STEP_MICRO_SIZE), y.split(STEP_MICRO_SIZE)))
         marks: list[tuple[int, int]] = []  # (events so far, batch rows) at each loss_fn call
+        order: list[str] = []  # "loss i" at each loss_fn call, "backward i" when its backward starts
 
         with trace() as t:
-            def loss_fn(out_: torch.Tensor, target: torch.Tensor, t: Any = t,
-                        marks: list = marks) -> torch.Tensor:
+            def loss_fn(out_: torch.Tensor, target: torch.Tensor, t: Any = t, marks: list = marks,
+                        order: list = order) -> torch.Tensor:
+                i = len(marks)
                 marks.append((len(t.events), int(out_.shape[0])))
-                return _clip_loss(out_, target)
+                order.append(f"loss {i}")
+                value = _clip_loss(out_, target)
+                if value.requires_grad:
+                    value.register_hook(lambda g: order.append(f"backward {i}"))
+                return value
 
             loss = train_step(model, optimizer, micro, loss_fn, max_norm)
         out["steps"].append({
-            "loss": _returned(loss), "marks": marks,
+            "loss": _returned(loss), "marks": marks, "order": order,
             "events": [(e.op, e.nbytes) for e in t.events],
             "params": _full_params(model),
             "grads left": sorted(n for n, p in model.named_parameters()
@@ -1364,6 +1370,17 @@ def _compare_step_pattern(got: Any, expected: Any) -> None:
                          "at a time: each micro-batch has its own forward, loss and backward.",
                     recipe="Loop over the micro-batches: forward, loss_fn, backward of the loss "
                            "divided by their number.")
+            interleaved = [f"{what} {i}" for i in range(STEP_MICRO) for what in ("loss", "backward")]
+            if have["order"] != interleaved:
+                raise CheckFailed(
+                    f"rank {rank}, step {step + 1}: losses and backwards ran in the order "
+                    f"{have['order']}; accumulation runs each micro-batch's backward before the "
+                    "next micro-batch's forward", expected=interleaved, got=have["order"],
+                    hint="Accumulation exists so that only one micro-batch's activations are alive "
+                         "at a time: each micro-batch's backward frees them before the next "
+                         "forward.",
+                    recipe="Inside the loop over micro-batches, call backward on each loss (divided "
+                           "by their number) right after computing it.")
             last = marks[-1][0]  # events issued before the last loss_fn call
             scatters = [i for i, (op, _) in enumerate(events) if "reduce_scatter" in op]
             early = sum(1 for i in scatters if i < last)

@@ -750,6 +750,17 @@ def step_one_big_batch(model, optimizer, micro_batches, loss_fn, max_norm):
     return loss.detach()
 
 
+def step_one_backward(model, optimizer, micro_batches, loss_fn, max_norm):
+    """Right values and one reduce-scatter: every forward first, then one backward of the sum,
+    so every micro-batch's activations are alive at once."""
+    losses = [loss_fn(model(x), y) for x, y in micro_batches]
+    (sum(losses) / len(losses)).backward()
+    clip_grad_norm_(model, max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return torch.stack([loss.detach() for loss in losses]).mean()
+
+
 def step_clips_after_the_step(model, optimizer, micro_batches, loss_fn, max_norm):
     """Steps on the unclipped gradients, then clips them (too late)."""
     losses = []
@@ -832,6 +843,7 @@ BUGS = {
          _pair(clip_correct, step_returns_the_last_loss)),
         ("train_step: never zeroes the gradients", _pair(clip_correct, step_keeps_the_gradients)),
         ("train_step: one forward on the whole batch", _pair(clip_correct, step_one_big_batch)),
+        ("train_step: every forward first, then one backward", _pair(clip_correct, step_one_backward)),
         ("train_step: clips after the optimizer step", _pair(clip_correct, step_clips_after_the_step)),
     ],
 }
