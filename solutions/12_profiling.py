@@ -291,8 +291,9 @@ plt.show()
 
 # %% [markdown]
 # The projections sit near the compute roof; the residual add and GELU sit far left, where
-# bytes, not FLOPs, set the pace. They land above the DRAM slope because this step's operands
-# (a few hundred kB) fit in the caches, which are faster than the 32 MB copy that measured it. The GELU's "8 FLOPs per element" is
+# bytes, not FLOPs, set the pace, and far below the peak. They can land on or above the DRAM
+# slope because this step's operands (a few hundred kB) fit in the caches, which are faster
+# than the 32 MB copy that measured the bandwidth. The GELU's "8 FLOPs per element" is
 # a convention of this plot: `FlopCounterMode` gives elementwise ops no FLOPs at all, which is
 # why MFU counts only the matrix products.
 
