@@ -97,6 +97,9 @@ def flop_count_cost(vocab: int, dim: int, layers: int, seq_len: int, batch: int)
     from torch.utils.flop_counter import FlopCounterMode
 
     lesson = load_tasks(ROOT / "solutions" / "12_profiling.py")
+    # One thread, as in the ranks: on a busy 2-core machine a second intra-op thread makes each
+    # small op wait for a core (a 50 ms step took over a second).
+    torch.set_num_threads(1)
     model = TinyTransformer(vocab, dim, layers, 4, context=seq_len)
     x, y = token_batch(batch, seq_len, vocab, seed=0)
 
