@@ -41,6 +41,17 @@ def test_the_lesson_intro_states_every_task_with_the_registrys_points(lesson):
                                   f"autograder/lesson{lesson:02d}.py registers {registered}")
 
 
+@pytest.mark.parametrize("lesson", sorted(SOURCES))
+def test_the_readme_shows_a_screenshot_of_every_lesson(lesson):
+    """The browser tests take them (KIT_UPDATE_SCREENSHOTS=1 refreshes docs/screenshots/)."""
+    stem = SOURCES[lesson].stem
+    shown = re.findall(r"!\[Lesson (\d\d)[^\]]*\]\((docs/screenshots/[^)]+)\)",
+                       (ROOT / "README.md").read_text(encoding="utf-8"))
+    paths = [path for n, path in shown if int(n) == lesson]
+    assert paths == [f"docs/screenshots/{stem}.png"], f"README shows {paths} for lesson {lesson:02d}"
+    assert (ROOT / paths[0]).is_file(), f"{paths[0]} is missing: run the browser tests with KIT_UPDATE_SCREENSHOTS=1"
+
+
 def _readme_rows() -> dict[int, str]:
     rows = {}
     for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
