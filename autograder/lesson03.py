@@ -91,7 +91,10 @@ def _compare_streams(got: Any, expected: dict[str, Any]) -> None:
         for key in sorted(want, key=lambda k: (k != "len", k)):
             if have[key] != want[key]:
                 what = "len(sampler)" if key == "len" else f"indices in {key}"
-                hint, cause = _diagnose_stream(got, expected, where, key)
+                try:
+                    hint, cause = _diagnose_stream(got, expected, where, key)
+                except (IndexError, KeyError, TypeError, ValueError, AttributeError):
+                    hint, cause = "", ""  # too malformed to diagnose: the mismatch still says what
                 raise CheckFailed(f"{where}: wrong {what}", expected=want[key], got=have[key],
                                   hint=hint, cause=cause)
 
@@ -138,7 +141,8 @@ def _diagnose_stream(got: dict[str, Any], expected: dict[str, Any], where: str, 
                 "list out like cards, rank r taking positions r, r + num_replicas, ...",
                 "contiguous blocks")
     lengths_right = all(len(got[w][key]) == len(expected[w][key]) for w in ranks)
-    dealt = [got[w][key][i // len(ranks)] for i in range(len(order)) for w in [ranks[i % len(ranks)]]]
+    dealt = ([got[w][key][i // len(ranks)] for i in range(len(order)) for w in [ranks[i % len(ranks)]]]
+             if lengths_right else [])
     distinct = len(set(wanted))
     if lengths_right and dealt[:distinct] == order[:distinct] and dealt != order:
         return ("The order is right and only the padded slots differ: padding repeats this "

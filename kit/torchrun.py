@@ -438,6 +438,12 @@ def _agent(fn: Any, args: tuple, nproc_per_node: int, max_restarts: int, log_dir
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, force=True)
+    # torch's loggers may hold handlers bound to the caller's sys.stderr (in a Jupyter kernel, a
+    # stream that forwards to the notebook): point every one at this process's pipe instead.
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setStream(sys.stderr)
     threads = None
     if nproc_per_node > 1:
         # torchrun sets OMP_NUM_THREADS=1 for several workers unless it is set, so they do not
