@@ -16,12 +16,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import nbformat
-from nbformat import NotebookNode
+from typing import TYPE_CHECKING, Any
 
 from kit.output import Progress
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
+# nbformat is imported where a notebook is read or written, not here: it validates with
+# jsonschema, whose format checkers take over a second to import, and every grading worker and
+# kernel imports this module only for NotebookError.
 
 __all__ = ["CellFailure", "NotebookError", "RunResult", "read_notebook", "run_notebook"]
 
@@ -72,6 +75,8 @@ def read_notebook(path: Path) -> NotebookNode:
 
             return jupytext.read(path, fmt="py:percent")
         if path.suffix == ".ipynb":
+            import nbformat
+
             return nbformat.read(path, as_version=4)
     except Exception as e:
         raise NotebookError(f"{path} cannot be read as a notebook ({type(e).__name__}: {e}). "
@@ -167,6 +172,8 @@ def main(argv: list[str]) -> int:
         print(f"kit run: {e}", file=sys.stderr)
         return 2
     if args.output and result.notebook is not None:
+        import nbformat
+
         nbformat.write(result.notebook, args.output)
     if result.failure:
         print(f"kit run: {path}: {result.failure}", file=sys.stderr)
