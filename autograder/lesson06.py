@@ -564,8 +564,8 @@ STATE.case(f"FSDP2 saved on 4 ranks after {SAVE_AT_4} steps, loaded on 2: equal 
 
 # --------------------------------------------------------------------------- task 6.3
 
-QUICK_FIRST, QUICK_TOTAL, EVERY = 8, 12, 2
-RUN_TOTAL = 12
+QUICK_FIRST, QUICK_TOTAL, EVERY = 6, 8, 2
+RUN_TOTAL = 10
 
 
 def _is_function(impl: Any) -> bool:
