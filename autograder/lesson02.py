@@ -20,6 +20,7 @@ import signal
 import tempfile
 import types
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,10 @@ def _outcome(fn: Callable[..., Any], env: dict[str, str]) -> Any:
         return _info_as_dict(fn(env))
     except ValueError as e:
         return ["ValueError", str(e)]
+    except NotImplementedError:
+        raise
+    except Exception as e:  # kept as data: on a bad environment, compare names the check missed
+        return [type(e).__name__, str(e)[:200]]
 
 
 # forbids nothing: no library reads torchrun's environment into these fields with these checks
@@ -75,15 +80,40 @@ def _info_case(name: str, envs: list[dict[str, str]], hint: str = "", recipe: st
     def run(dist_info_from_env: Any, seed: int) -> list[Any]:
         return [_outcome(dist_info_from_env, dict(env)) for env in envs]
 
-    INFO.case(name, compare=_compare_infos, hint=hint, recipe=recipe)(run)
+    INFO.case(name, compare=partial(_compare_infos, envs=envs), hint=hint, recipe=recipe)(run)
 
 
-def _compare_infos(got: Any, expected: list[Any]) -> None:
+LOCAL_RANK_HINT = ("LOCAL_RANK is the process's rank on its own node (which GPU it drives), "
+                   "RANK its rank in the whole job: they differ on every node but the first. "
+                   "Read local_rank from LOCAL_RANK, not from RANK.")
+
+
+def _local_rank_ignored(got: Any, env: dict[str, str]) -> bool:
+    """True if the result's local rank is its global rank although LOCAL_RANK said otherwise:
+    LOCAL_RANK was not read (RANK stood in for it)."""
+    return (isinstance(got, dict) and "LOCAL_RANK" in env and got.get("local_rank") == got.get("rank")
+            and env["LOCAL_RANK"] != str(got.get("local_rank")))
+
+
+def _compare_infos(got: Any, expected: list[Any], envs: list[dict[str, str]]) -> None:
     if not isinstance(got, list) or len(got) != len(expected):
         raise CheckFailed("could not collect one result per environment", got=describe(got))
-    for g, e in zip(got, expected):
+    for g, e, env in zip(got, expected, envs):
+        if g != e and _local_rank_ignored(g, env):
+            raise CheckFailed(f"with LOCAL_RANK={env['LOCAL_RANK']!r} the local rank is "
+                              f"{g['local_rank']}, the global rank: LOCAL_RANK was not read",
+                              expected=e if isinstance(e, dict) else f"ValueError: {e[1]}", got=g,
+                              hint=LOCAL_RANK_HINT, cause="local rank is the rank")
         if isinstance(e, list):  # the reference raised: the student must too, naming the variable
             variable = e[1].split("=")[0]
+            if isinstance(g, list) and g[0] != "ValueError":
+                raise CheckFailed(f"with {e[1].split(' ')[0]} it raised {g[0]} ({g[1]}) instead of "
+                                  f"a ValueError naming {variable}: the value was used before it "
+                                  "was checked", expected=f"ValueError mentioning {variable}",
+                                  got=f"{g[0]}: {g[1]}", cause="used before checked",
+                                  hint="Check every value before anything uses it: a world has at "
+                                       "least one process, a rank is at least 0, and the ranks "
+                                       "lie inside their worlds.")
             if not isinstance(g, list):
                 raise CheckFailed(f"accepted a bad environment ({e[1]}) instead of raising ValueError",
                                   expected=f"ValueError mentioning {variable}", got=g)
@@ -93,7 +123,7 @@ def _compare_infos(got: Any, expected: list[Any]) -> None:
                                   hint="Say which variable is wrong and what it should be.")
             continue
         if isinstance(g, list):
-            raise CheckFailed(f"raised ValueError on a valid environment: {g[1]}", expected=e, got=g[1])
+            raise CheckFailed(f"raised {g[0]} on a valid environment: {g[1]}", expected=e, got=g[1])
         assert_same(g, e)
 
 
@@ -204,16 +234,36 @@ def _compare_resumed(got: Any, expected: dict[str, torch.Tensor]) -> None:
     if first != list(range(CRASH_STEP + 1)):
         raise CheckFailed(f"before the crash at step {CRASH_STEP}, train_step ran steps {first}",
                           expected=list(range(CRASH_STEP + 1)), got=first)
+    if second and second[0] == 0 and len(second) < TOTAL_STEPS:
+        # it resumed (it ran only the steps that were left) but numbered them from 0 again
+        raise CheckFailed(f"after the crash the run resumed for the {len(second)} steps that were "
+                          f"left, but called train_step with steps {second}: the step count "
+                          "started again at 0, so the first batches were replayed",
+                          expected=list(range(TOTAL_STEPS - len(second), TOTAL_STEPS)), got=second,
+                          cause="step numbers restart",
+                          hint="Pass the real step number to train_step: it picks the batch. "
+                               "Counting from 0 again replays the data from the beginning.")
     if not second or second[0] == 0:
         raise CheckFailed("after the crash the run started again from step 0 instead of resuming "
                           "from its checkpoint", expected=f"steps 1..{CRASH_STEP} to {TOTAL_STEPS - 1}",
-                          got=second, hint="Load the checkpoint at the start of resumable_train.")
+                          got=second, hint="Load the checkpoint at the start of resumable_train.",
+                          cause="never resumes")
     if second != list(range(second[0], TOTAL_STEPS)):
         raise CheckFailed("after resuming, train_step did not get the steps that were left, in order",
                           expected=list(range(second[0], TOTAL_STEPS)), got=second,
                           hint="Pass the real step number to train_step: it picks the batch. "
-                               "Counting from 0 again replays the data from the beginning.")
-    _compare_params(got["params"], expected)
+                               "Counting from 0 again replays the data from the beginning.",
+                          cause="wrong steps after resuming")
+    try:
+        _compare_params(got["params"], expected)
+    except CheckFailed as e:
+        # the steps were right: what differs is state the checkpoint did not carry over
+        raise CheckFailed(f"the run resumed at the right step and ran the right steps, but "
+                          f"{e.message}: part of the training state was not restored",
+                          expected=e.expected, got=e.got, cause="state not restored",
+                          hint="The step and the weights are not all a step depends on: the "
+                               "optimizer's state (momentum buffers) must be saved and loaded "
+                               "too, or the first steps after a restart move differently.") from e
 
 
 @TRAIN.case(f"a crash at step {CRASH_STEP} then a rerun resumes and ends exactly as the reference",
@@ -347,11 +397,47 @@ MISMATCH = task(
 )
 
 
+def _compare_mismatch(got: Any, expected: Any) -> None:
+    """The default comparison, but a wrong set of odd ranks (or none found where there is one)
+    is named by what the answer shows: every rank blamed, the majority blamed, a shape ignored,
+    a missing call ignored."""
+    if isinstance(expected, dict) and got is None:
+        at = list(expected["calls"].values())
+        names = {c[0] for c in at if c is not None}
+        if None in at:
+            raise CheckFailed(f"returned None, but at call {expected['index']} rank(s) "
+                              f"{expected['ranks']} have no call where the others have one",
+                              expected=expected, got=None, cause="missing call ignored",
+                              hint="A rank whose sequence ended early has no call where the "
+                                   "others have one: that is a mismatch too (zip() would "
+                                   "silently stop at the shortest).")
+        if len(names) == 1:
+            raise CheckFailed(f"returned None, but at call {expected['index']} the ranks call "
+                              f"{names.pop()} with different shapes", expected=expected, got=None,
+                              cause="shape ignored",
+                              hint="Compare the shape as well as the name: same collective, "
+                                   "different size.")
+    if (isinstance(expected, dict) and isinstance(got, dict) and got.get("index") == expected["index"]
+            and got.get("ranks") != expected["ranks"] and isinstance(got.get("ranks"), list)):
+        every = sorted(expected["calls"])
+        blamed, odd = got["ranks"], expected["ranks"]
+        why = ("blamed every rank" if blamed == every else
+               "blamed the ranks that make the majority" if sorted(set(every) - set(odd)) == blamed
+               else "blamed other ranks")
+        raise CheckFailed(f"found the right call ({expected['index']}), but {why}: {blamed}; the "
+                          f"odd ones are {odd}, whose call differs from the most common one",
+                          expected=odd, got=blamed, cause="wrong ranks blamed",
+                          hint="The mismatched ranks are only those whose call differs from the "
+                               "most common call at that index (on a tie, the call of the lowest "
+                               "rank among the tied): the others are the norm.")
+    assert_same(got, expected)
+
+
 def _mismatch_case(name: str, calls: dict[int, list[Call]], hint: str = "") -> None:
     def run(first_mismatch: Any, seed: int) -> Any:
         return _mismatch_as_dict(first_mismatch({r: list(c) for r, c in calls.items()}))
 
-    MISMATCH.case(name, hint=hint)(run)
+    MISMATCH.case(name, hint=hint, compare=_compare_mismatch)(run)
 
 
 _AR, _BC = "all_reduce", "broadcast"

@@ -13,6 +13,7 @@ ranks; its result must equal the single-process data in dataset order, computed 
 from __future__ import annotations
 
 import builtins
+import math
 import random
 import re
 import sys
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from autograder.compare import CheckFailed, assert_same, describe, per_rank
+from autograder.compare import CheckFailed, assert_same, describe, per_rank, short
 from autograder.registry import task
 
 # --------------------------------------------------------------------------- task 3.1
@@ -521,16 +522,35 @@ def _gather_on_rank(gather_unpadded: Any, seed: int, n: int, shape: tuple[int, .
     return out.detach().clone() if isinstance(out, torch.Tensor) else f"<a {type(out).__name__}>"
 
 
+def concatenated_order(n: int, world_size: int) -> list[int]:
+    """The dataset positions a rank gets back when it concatenates the shards rank after rank
+    (rank 0's samples, then rank 1's, ...) and keeps the first n: the order of that mistake."""
+    per_rank_count = -(-n // world_size)
+    padded = (list(range(n)) * (per_rank_count * world_size // max(n, 1) + 1))[
+        :per_rank_count * world_size]  # DistributedSampler's padding repeats from the start
+    return [i for r in range(world_size) for i in padded[r::world_size]][:n]
+
+
 def _compare_gathered(got: Any, expected: list[torch.Tensor]) -> None:
-    for rank, (g, e) in enumerate(zip(per_rank(got, len(expected)), expected)):
+    world_size = len(expected)
+    for rank, (g, e) in enumerate(zip(per_rank(got, world_size), expected)):
         if isinstance(g, torch.Tensor) and g.dim() >= 1 and e.dim() >= 1 and len(g) != len(e):
             extra = len(g) - len(e)
             raise CheckFailed(
                 f"rank {rank} returned {len(g)} samples for a dataset of {len(e)}",
-                expected=len(e), got=len(g),
+                expected=len(e), got=len(g), cause="padding kept" if extra > 0 else "samples lost",
                 hint=f"Drop the {extra} padded duplicate{'s' * (extra > 1)}: keep the first "
                      "num_samples rows."
                 if extra > 0 else "Every sample of the dataset must come back, on every rank.")
+        if (isinstance(g, torch.Tensor) and g.shape == e.shape and g.dtype == e.dtype
+                and not torch.equal(g, e) and torch.equal(g, e[concatenated_order(len(e), world_size)])):
+            raise CheckFailed(
+                f"rank {rank}'s result is the shards concatenated rank after rank (all of rank "
+                "0's, then rank 1's, ...) and cut to num_samples: not dataset order",
+                expected=short(e), got=short(g), cause="concatenated",
+                hint="A distributed sampler deals the samples out like cards: rank r's k-th "
+                     "sample is dataset sample k * world_size + r. Interleave the shards, do not "
+                     "concatenate them.")
         assert_same(g, e, path=f"rank {rank}'s result")
 
 
@@ -569,12 +589,35 @@ def _accuracy_on_rank(gather_unpadded: Any, seed: int, n: int) -> Any:
     idx = list(sampler)
     correct = (predictions[idx] == labels[idx]).to(torch.int64)  # (ceil(n / W),) 0/1 per sample
     every = gather_unpadded(correct, n)
-    return every.double().mean().item() if isinstance(every, torch.Tensor) else repr(every)[:80]
+    if not isinstance(every, torch.Tensor):
+        return repr(every)[:80]
+    return {"accuracy": every.double().mean().item(), "samples": len(every) if every.dim() else 1}
+
+
+def _compare_accuracy(got: Any, expected: list[float]) -> None:
+    """The accuracy each rank computed from what it gathered; a wrong one is named by the
+    number of samples it averaged (padding counted, samples lost) where that shows the slip."""
+    for rank, (g, e) in enumerate(zip(per_rank(got, len(expected)), expected)):
+        if not isinstance(g, dict):
+            raise CheckFailed(f"rank {rank}: gather_unpadded returned {g}, not a tensor")
+        if math.isclose(g["accuracy"], e, rel_tol=1e-9, abs_tol=1e-12):
+            continue
+        samples, n = g["samples"], 9
+        why = (("padding kept", f"it averaged {samples} samples for a dataset of {n}: the "
+                f"{samples - n} padded slots repeat samples 0-{samples - n - 1}, all correct, so "
+                "counting them inflates the accuracy") if samples > n else
+               ("samples lost", f"it averaged {samples} samples for a dataset of {n}: real "
+                "samples were lost") if samples < n else
+               ("", f"it averaged {n} samples, but not each sample once"))
+        raise CheckFailed(f"rank {rank}'s accuracy is {g['accuracy']:.4g}, expected {e:.4g}: "
+                          f"{why[1]}", expected=e, got=g["accuracy"], cause=why[0])
 
 
 GATHER.case("accuracy of 9 samples on 4 ranks equals the single-process accuracy",
             uses=GATHER.shared(partial(_accuracy_on_rank, n=9), world_size=4, timeout=20.0),
+            compare=_compare_accuracy,
             expect=lambda seed: GATHER.trusted("accuracy_in_one_process")(seed, 9, 4),
-            hint="The 3 padded slots repeat samples 0-2: counting them inflates the accuracy.")
+            hint="Accuracy is the mean over the dataset, each sample once: the padded slots "
+                 "repeat real samples and must not count.")
 
 

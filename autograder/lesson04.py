@@ -213,6 +213,13 @@ def _compare_initial(got: Any, expected: dict[str, Any]) -> None:
             raise
 
 
+# AwkwardNet's output layer reuses the embedding's weight: one Parameter, one gradient, which
+# named_parameters() lists once, under this name.
+TIED = "embed.weight"
+TIED_HINT = ("Only the tied weight's gradient is wrong: embed.weight is the same Parameter as "
+             "head.weight, with one gradient. Listing parameters module by module meets it twice, "
+             "so it is hooked or reduced twice; take the module's parameters(), which gives it once.")
+
 # What a wrong gradient's mismatch says -> (hint, cause): the slip it shows, not the task's idea.
 _GRADIENT_SLIPS = {
     "the sum over ranks, not the mean": (
@@ -229,8 +236,9 @@ _GRADIENT_SLIPS = {
 
 def _compare_training(got: Any, expected: dict[str, Any]) -> None:
     world_size = len(got)
+    # Wrong starting weights on any rank make every later gradient wrong, rank 0's included:
+    # name that first, not the gradients.
     for rank, run in enumerate(got):
-        # Wrong starting weights make every later gradient wrong: name that, not the gradients.
         if isinstance(run, dict) and "initial" in run and "initial" in expected:
             try:
                 _check_state(f"rank {rank} right after wrapping", run["initial"],
@@ -238,6 +246,7 @@ def _compare_training(got: Any, expected: dict[str, Any]) -> None:
             except CheckFailed as e:
                 e.cause = "no broadcast"
                 raise
+    for rank, run in enumerate(got):
         if len(run["grads"]) != len(expected["grads"]):
             raise CheckFailed(f"rank {rank}: wrong number of steps recorded",
                               expected=len(expected["grads"]), got=len(run["grads"]))
@@ -247,6 +256,10 @@ def _compare_training(got: Any, expected: dict[str, Any]) -> None:
                 if problem is not None:
                     hint, cause = next((v for k, v in _GRADIENT_SLIPS.items() if k in problem),
                                        ("", ""))
+                    if not cause and name == TIED and all(
+                            _mismatch(have.get(n), t, world_size) is None
+                            for n, t in want.items() if n != name):
+                        hint, cause = TIED_HINT, "tied weight twice"
                     raise CheckFailed(
                         f"rank {rank}, step {step}: {name}.grad after "
                         f"finish_gradient_synchronization() {problem}",
@@ -255,6 +268,61 @@ def _compare_training(got: Any, expected: dict[str, Any]) -> None:
         _check_state(f"rank {rank} after the last step", run["final"], expected["final"],
                      "Gradients matched but the weights did not: is every rank starting from "
                      "rank 0's weights and buffers?")
+
+
+def _calls_slip(calls: dict[str, int], want: dict[str, int], units: str) -> tuple[str, str, str]:
+    """What the all-reduce counts of one step show, read from the counts in the direction they
+    are off: (what happened, a hint about that, a cause key). ``units``: what one all-reduce
+    stands for ("buckets", "parameters with a gradient")."""
+    if set(calls) != set(want):
+        return "the counts could not be read", "", ""
+    backward = [k for k in want if k not in (FINISH, BLOCKING)]
+    last, under_no_sync = backward[-1], backward[:-1]
+    total, due = sum(calls[k] for k in backward + [FINISH]), sum(want[k] for k in backward + [FINISH])
+    if calls[BLOCKING]:
+        return (f"{calls[BLOCKING]} of them blocked (not async_op)",
+                "An all-reduce that blocks inside the hook stalls backward until it is done: "
+                "start it with async_op=True and wait for its work only in finish.", "blocking")
+    if any(calls[k] for k in under_no_sync):
+        return ("all-reduces started during a backward() under no_sync",
+                "Inside no_sync() backward must not communicate: the hook returns at once while "
+                "the flag is off, and the gradients just accumulate.", "communicates under no_sync")
+    if under_no_sync and not calls[last] and want[last]:
+        return ("none started during the last backward(), outside no_sync",
+                "no_sync() must switch synchronisation back on when its block ends (restore the "
+                "flag in a finally clause), or the next backward never communicates.",
+                "no_sync not restored")
+    buckets = units == "buckets"
+    if total > due:
+        return (f"{total} all-reduces for {due} {units}: more than one per "
+                f"{'bucket' if buckets else 'parameter'}",
+                ("One all-reduce per bucket per step, of the bucket's flat buffer: reducing "
+                 "parameter by parameter ignores the buckets, and a parameter listed twice (a "
+                 "tied weight, met once per module) is reduced twice." if buckets else
+                 "One all-reduce per parameter per step: a parameter listed twice (a tied "
+                 "weight, met once per module) is hooked and reduced twice; the module's "
+                 "parameters() gives it once."), "too many all-reduces")
+    if total < due:
+        return (f"{total} all-reduces for {due} {units}: {due - total} never reduced",
+                "Every bucket is reduced every step: one holding a parameter that got no "
+                "gradient cannot fire during backward, so finish starts it." if buckets else
+                "Every parameter with a gradient is reduced every step.", "too few all-reduces")
+    if calls[last] < want[last] and not calls[FINISH] < want[FINISH]:
+        return (f"{want[last] - calls[last]} that could start during backward() waited for "
+                "finish",
+                ("A bucket is ready when its last gradient is, and gradients arrive in reverse "
+                 "registration order: buckets filled in forward order complete only at the end, "
+                 "and a bucket that waits for more gradients than it holds (a tied weight "
+                 "counted twice) only in finish." if buckets else
+                 "Start each all-reduce in the gradient's hook, during backward: started in "
+                 "finish, it overlaps with nothing."), "started late")
+    if calls[last] > want[last]:
+        return (f"{calls[last] - want[last]} started during backward() before all the "
+                "gradients they carry were ready",
+                "A bucket (or parameter) that holds a parameter with no gradient this step can "
+                "only be reduced in finish: firing earlier sends an unfinished gradient.",
+                "started early")
+    return "", "", ""
 
 
 # Parameters that get no gradient in a step: the bucket holding one can only fire in finish.
@@ -348,10 +416,12 @@ def _compare_one_per_grad_in_backward(got: Any, expected: list[int]) -> None:
         for step, (calls, n) in enumerate(zip(run["calls"], expected)):
             want = {backward_phase(0, 1): n, FINISH: 0, BLOCKING: 0}
             if calls != want:
+                slip, hint, cause = _calls_slip(calls, want, "parameters with a gradient")
                 raise CheckFailed(
                     f"rank {rank}, step {step}: all-reduces started during backward() and in "
                     "finish_gradient_synchronization(): expected one per parameter with a "
-                    "gradient, each started as soon as it is ready", expected=want, got=calls)
+                    f"gradient, each started as soon as it is ready; {slip}", expected=want,
+                    got=calls, hint=hint, cause=cause)
 
 
 
@@ -404,11 +474,13 @@ def _compare_bucket_calls(got: Any, expected: dict[str, Any]) -> None:
     for rank, run in enumerate(got):
         for step, (calls, want) in enumerate(zip(run["calls"], expected["calls"])):
             if calls != want:
+                slip, hint, cause = _calls_slip(calls, want, "buckets")
                 raise CheckFailed(
                     f"rank {rank}, step {step}: all-reduces started during backward() and in "
                     f"finish_gradient_synchronization(), for {len(plan)} buckets {plan}: "
                     "expected exactly one per bucket, during the last backward() unless a "
-                    "parameter of the bucket got no gradient", expected=want, got=calls)
+                    f"parameter of the bucket got no gradient; {slip}", expected=want, got=calls,
+                    hint=hint, cause=cause)
 
 
 

@@ -228,3 +228,45 @@ def test_ddp_summed_gradients_are_named_as_such_not_as_the_tasks_idea(task_id):
     first = next(c for c in report.cases if c.status == "failed")
     assert "the sum over ranks, not the mean" in first.message
     assert "divide by the world size" in first.hint and "Overlap" not in first.hint
+
+
+def _first_failure(task_id, description):
+    lesson = int(task_id.split(".")[0])
+    report = run_checks(task_id, dict(seeded_bugs(lesson)[task_id])[description])
+    return report, next(c for c in report.cases if c.status != "passed")
+
+
+@pytest.mark.parametrize(("task_id", "description", "says", "wrong"), [
+    ("2.1", "uses RANK as the local rank", "LOCAL_RANK was not read",
+     "int() raises on '1.5' and 'two'"),
+    ("2.2", "restarts the data order after resuming", "the step count started again at 0",
+     "Load the checkpoint at the start"),
+    ("2.3", "blames every rank", "blamed every rank", "Compare the shape as well as the name"),
+    ("3.3", "concatenates the shards rank after rank: wrong order", "concatenated rank after rank",
+     "trailing dimensions"),
+    ("4.2", "hooks the tied weight twice (module by module)", "Only the tied weight's gradient",
+     "Overlap: each gradient's all-reduce"),
+    ("4.3", "puts the tied weight in a bucket twice", "a tied weight counted twice",
+     "One all-reduce per bucket per step, started during backward the moment"),
+])
+def test_lessons_2_to_4_name_the_mistake_the_data_shows(task_id, description, says, wrong):
+    report, first = _first_failure(task_id, description)
+    assert says in first.message + first.hint, (first.message, first.hint)
+    assert not first.follows
+    text = report.to_text()
+    assert wrong not in text  # the hint about a mistake the code did not make is gone
+    # every later failure of the same cause follows the first instead of repeating its hint
+    assert all(c.follows == first.name for c in report.cases[report.cases.index(first) + 1:]
+               if c.cause == first.cause and c.status == "failed")
+
+
+@pytest.mark.parametrize("task_id", ["4.1", "4.2", "4.3"])
+def test_ddp_without_the_initial_broadcast_is_one_failure_the_training_cases_follow(task_id):
+    report, first = _first_failure(task_id, "no broadcast at construction")
+    assert first.cause == "no broadcast" and "right after wrapping" in first.message
+    training = [c for c in report.cases if "equal one process" in c.name or c.name == "the same on 4 ranks"
+                or "1500-byte" in c.name]
+    assert training and all(c.follows == first.name for c in training)
+    text = report.to_text()
+    assert "Overlap:" not in text and "Buckets: few large" not in text
+    assert report.score == pytest.approx({"4.1": 0.75, "4.2": 1.8, "4.3": 1.6}[task_id])
