@@ -1,4 +1,4 @@
-"""A batch of 100 generated Lesson 00 submissions survives a SIGKILL of its grader.
+"""A batch of 36 generated Lesson 00 submissions survives a SIGKILL of its grader.
 
 The submissions mix the correct functions, every seeded bug of tests/bugs/lesson00.py, the
 released stubs and syntax errors. Their expected scores come from the in-notebook checker
@@ -28,7 +28,8 @@ from autograder.checking import run_checks
 
 KIT = Path(sys.executable).with_name("kit")
 SEED = 7
-N = 100
+N = 36  # every variant of both tasks appears at least twice
+KILL_AFTER = 12  # records on disk when the grader is killed
 SYNTAX_ERROR = "def shard_range(n, rank, world_size)\n    return range(n)\n"
 
 
@@ -61,7 +62,7 @@ def _write(folder: Path) -> dict[str, float]:
     expected = {}
     folder.mkdir()
     for i in range(N):
-        (s_label, s_src), (m_label, m_src) = SHARDS[i % len(SHARDS)], MEANS[(i // len(SHARDS)) % len(MEANS)]
+        (s_label, s_src), (m_label, m_src) = SHARDS[i % len(SHARDS)], MEANS[i % len(MEANS)]
         nb = json.loads(json.dumps(released))
         for cell in nb["cells"]:
             if cell.get("id") == "task-0-1" and s_src is not None:
@@ -84,13 +85,13 @@ def test_a_killed_batch_resumes_with_every_grade_exactly_once(tmp_path):
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     deadline = time.monotonic() + 400
-    while len(list((out / "records").glob("*.json"))) < 30 and time.monotonic() < deadline:
+    while len(list((out / "records").glob("*.json"))) < KILL_AFTER and time.monotonic() < deadline:
         assert first.poll() is None, "the grader ended before it could be killed"
         time.sleep(0.2)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     kept = len(list((out / "records").glob("*.json")))
-    assert 30 <= kept < N and not (out / "grades.csv").exists()
+    assert KILL_AFTER <= kept < N and not (out / "grades.csv").exists()
 
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout + second.stderr
