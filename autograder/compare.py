@@ -124,7 +124,7 @@ def per_rank(got: Any, world_size: int, what: str = "result") -> list[Any]:
 
 def within_bound(measured: Sequence[float] | Mapping[int, float],
                  bound: float | Sequence[float], *, what: str, formula: str, lost: str,
-                 unit: str = "bytes", hint: str = "", recipe: str = "") -> None:
+                 unit: str = "bytes", hint: str = "", recipe: str = "", cause: str = "") -> None:
     """Fail unless every rank's ``measured`` ``what`` is at most ``bound`` (one number for all
     ranks, or one per rank where their shares differ: uneven partitions).
 
@@ -137,6 +137,8 @@ def within_bound(measured: Sequence[float] | Mapping[int, float],
         bound: the most the technique allows, computed by trusted code from the sizes.
         formula: the bound in words or symbols, as the task states it.
         lost: what a rank over the bound has given up (the mistake's consequence).
+        cause: the key of the mistake an excess shows (``CheckFailed.cause``), when an earlier
+            case names the same one.
     """
     items = list(measured.items() if isinstance(measured, Mapping) else enumerate(measured))
     limits = dict(enumerate(bound)) if isinstance(bound, (list, tuple)) else None
@@ -158,7 +160,7 @@ def within_bound(measured: Sequence[float] | Mapping[int, float],
     raise CheckFailed(f"{what}: rank {rank} holds {ratio:.1f}x the bound ({value:,.0f} > "
                       f"{bound:,.0f} {unit} = {formula}): {lost}",
                       expected=f"at most {bound:,.0f} {unit}", got=f"{value:,.0f} {unit}",
-                      hint=hint, recipe=recipe)
+                      hint=hint, recipe=recipe, cause=cause)
 
 
 def assert_same(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-6, path: str = "") -> None:

@@ -778,21 +778,33 @@ def _compare_fsdp_collectives(got: Any, expected: dict[str, Any]) -> None:
                                "(cast to float32) once, in the backward of the gather.")
 
 
+# The cause of a gathered unit kept past its forward: the freed case names what holds it, and
+# the two memory bounds after and during the forward exceed for that same reason.
+GATHERED_KEPT = "gathered units kept after their forward"
+
+
 def _compare_fsdp_freed(got: Any, expected: dict[str, Any]) -> None:
     for label in DTYPES:
         for rank, run in enumerate(got):
             for step, left in enumerate(run[label]["left after forward"]):
                 if left:
+                    # what holds the buffer decides the fix: the views left on the module, or
+                    # the weights autograd saved for backward
+                    saved = all("saved by autograd" in what for what in left)
                     raise CheckFailed(
                         f"rank {rank}, compute_dtype={label}, step {step}: right after the "
                         f"forward, full parameters still hold memory: {', '.join(left[:4])}",
-                        expected="none", got=left[:4],
-                        hint="A gathered unit must be freed after its forward, and what autograd "
-                             "saves for backward counts too: a saved weight keeps the full buffer "
-                             "alive.",
-                        recipe="Delete the views in the forward hook, and make autograd save a "
-                               "note (torch.autograd.graph.saved_tensors_hooks) instead of the "
-                               "gathered parameters; gather again when backward needs them.")
+                        expected="none", got=left[:4], cause=GATHERED_KEPT,
+                        hint=("The views are gone, but what autograd saves for backward counts "
+                              "too: a saved weight keeps the full buffer alive." if saved else
+                              "A gathered unit must be freed after its forward: the views set "
+                              "on the module keep the full buffer alive."),
+                        recipe=("Make autograd save a note (torch.autograd.graph."
+                                "saved_tensors_hooks) instead of the gathered parameters; gather "
+                                "again when backward needs them." if saved else
+                                "Delete the views in the forward hook, and make autograd save a "
+                                "note (torch.autograd.graph.saved_tensors_hooks) instead of the "
+                                "gathered parameters; gather again when backward needs them."))
 
 
 FSDP_TASK = task(
@@ -876,7 +888,7 @@ FSDP_TASK.bound(
     recipe="In the forward pre-hook, keep the gathered buffer in local variables only (remember "
            "its storage's address, not the tensor); in the forward hook, delete the views, so "
            "that nothing refers to the buffer any more.",
-    expect="fsdp_after_forward_bound", uses=FSDP_RUN, pick=_least("memory", "after forward"))
+    cause=GATHERED_KEPT, expect="fsdp_after_forward_bound", uses=FSDP_RUN, pick=_least("memory", "after forward"))
 FSDP_TASK.bound(
     "peak bytes during the forward",
     formula="the activations + 3 gathered units (the one computing, its all-gather's staging "
@@ -886,7 +898,7 @@ FSDP_TASK.bound(
          "activations; every unit still gathered when the next one gathers adds its full size.",
     recipe="Free each unit's gathered buffer in its forward hook (delete the views, keep no "
            "other reference), before the next unit's pre-hook gathers.",
-    expect="fsdp_forward_peak_bound", uses=FSDP_RUN, pick=_least("memory", "forward peak"))
+    cause=GATHERED_KEPT, expect="fsdp_forward_peak_bound", uses=FSDP_RUN, pick=_least("memory", "forward peak"))
 
 
 # --------------------------------------------------------------------------- task 5.4
@@ -1257,6 +1269,40 @@ def _step_on_rank(impl: Any, seed: int) -> dict[str, Any]:
     return out
 
 
+# The cause of clipping that differs from torch's (the norm, or the gradients it scaled): the
+# uneven-shard and below-max_norm cases, a call with no collective at all and train_step's
+# clipped step fail for it too, so they follow the first case that names it.
+CLIPPING_WRONG = "clip_grad_norm_ differs from torch's"
+CLIP_TRAFFIC = "clip_grad_norm_ sends more than one number"
+
+
+def _diagnose_norm(have: dict[str, Any], want: torch.Tensor) -> tuple[str, str, str]:
+    """(what the returned norm shows, hint, recipe), read from its value and the collectives
+    the call made: no collective is this rank's own norm; too small leaves gradient out; too
+    large counts some twice."""
+    norm = have["norm"]
+    if not isinstance(norm, torch.Tensor) or norm.numel() != 1:
+        return "", "", ""
+    if not have["collectives"]:
+        return ("; the call made no collective, so this is the norm of this rank's own shards "
+                "only", "The norm of sharded gradients is global: every rank's shards take part, "
+                "so the ranks must combine their local numbers before the root is taken.",
+                "Reduce the local shards to one number on each rank (a sum of p-th powers, or a "
+                "maximum), all-reduce that number, then take the root.")
+    if norm.item() < want.item():
+        return ("; it is smaller than the global norm, so gradient held on some rank is left "
+                "out", "Every rank's shards take part in the global norm, each counted once: "
+                "the ranks combine their local sums of p-th powers (or maxima), and only then is "
+                "the root taken.",
+                "All-reduce the local sum of p-th powers (a maximum for inf), not the local norm; "
+                "take the p-th root after the all-reduce.")
+    return ("; it is larger than the global norm, so some gradient is counted more than once",
+            "Every element of every gradient counts once: a shard is this rank's piece only, "
+            "and the ranks' local numbers are combined once.",
+            "Sum the p-th powers of this rank's local shards (to_local()), all-reduce that one "
+            "number once, then take the p-th root.")
+
+
 def _compare_clip(labels: tuple[str, ...]) -> Any:
     def compare(got: Any, expected: dict[str, Any]) -> None:
         for label in labels:
@@ -1265,12 +1311,13 @@ def _compare_clip(labels: tuple[str, ...]) -> Any:
                 have = run[label]
                 problem = tensor_mismatch(have["norm"], want["norm"], rtol=1e-12, atol=1e-12)
                 if problem is not None:
+                    what, hint, recipe = _diagnose_norm(have, want["norm"])
                     raise CheckFailed(
                         f"{len(got)} ranks, rank {rank}, norm type {label}: the returned norm "
                         f"{problem}; torch.nn.utils.clip_grad_norm_ on the unsharded model gives "
-                        f"{want['norm'].item():.12g}", expected=short(want["norm"], 12),
+                        f"{want['norm'].item():.12g}{what}", expected=short(want["norm"], 12),
                         got=short(have["norm"], 12) if isinstance(have["norm"], torch.Tensor)
-                        else have["norm"])
+                        else have["norm"], hint=hint, recipe=recipe, cause=CLIPPING_WRONG)
                 for name, grad in want["grads"].items():
                     mine = have["grads"].get(name)
                     if grad is None or mine is None:
@@ -1285,10 +1332,20 @@ def _compare_clip(labels: tuple[str, ...]) -> Any:
                         continue
                     problem = tensor_mismatch(mine, grad, rtol=1e-12, atol=1e-12)
                     if problem is not None:
-                        raise CheckFailed(
+                        idle = want["norm"].item() < CLIP_CALLS[-1][2] and label == CLIP_CALLS[-1][0]
+                        raise CheckFailed(  # idle: the case's own hint (the factor capped at 1)
                             f"{len(got)} ranks, rank {rank}, norm type {label}: {name}.grad after "
                             f"clipping {problem}, compared with torch's clipping of the unsharded "
-                            "model", expected=short(grad), got=short(mine))
+                            "model; the returned norm is right, so the scaling differs" +
+                            (" (the norm is below max_norm: the gradients must stay as they are)"
+                             if idle else ""),
+                            expected=short(grad), got=short(mine), cause=CLIPPING_WRONG,
+                            hint="" if idle else
+                            "Every rank scales its shards by one factor, computed from the "
+                            "global norm after the all-reduce, never from its own shards.",
+                            recipe="" if idle else
+                            "Scale every local shard in place by max_norm over the global norm "
+                            "plus 1e-6, capped at 1.")
     return compare
 
 
@@ -1302,7 +1359,8 @@ def _compare_clip_calls(got: Any, expected: Any) -> None:
                         f"{len(runs)} ranks, rank {rank}, norm type {label}: the recorder saw "
                         f"{_ops_text(ops)} during the call; the global norm needs one all-reduce "
                         "of one element (8 bytes in float64)", expected=[("all_reduce", 8)],
-                        got=ops[:6],
+                        got=ops[:6],  # no collective at all: the local norm the values showed
+                        cause=CLIPPING_WRONG if not ops else CLIP_TRAFFIC,
                         hint="Each rank can reduce its own shards to one number (a sum of powers, "
                              "or a maximum); only that number has to travel, once, whatever the "
                              "number of parameters.",
@@ -1347,11 +1405,43 @@ def _compare_step_values(got: Any, expected: dict[str, Any]) -> None:
             for name, param in want["params"].items():
                 problem = tensor_mismatch(have["params"].get(name), param, rtol=1e-10, atol=1e-12)
                 if problem is not None:
+                    what, hint, recipe, cause = _diagnose_step(run["steps"], step)
                     raise CheckFailed(
                         f"rank {rank}, step {step + 1} ({clipping}): {name} after train_step "
                         f"{problem}, compared with one unsharded step on the concatenated batch of "
-                        "every rank's micro-batches", expected=short(param), got=short(
-                            have["params"].get(name)))
+                        f"every rank's micro-batches{what}", expected=short(param), got=short(
+                            have["params"].get(name)), hint=hint, recipe=recipe, cause=cause)
+
+
+NO_SCATTER = "gradients never reduce-scattered"
+GRADS_LEFT = "gradients left for the next step"
+
+
+def _diagnose_step(steps: list[dict[str, Any]], step: int) -> tuple[str, str, str, str]:
+    """(what the step's record shows, hint, recipe, cause) for parameters that differ after
+    train_step ``step``, every earlier step having matched; all empty when nothing recorded
+    points at one mistake (the case's own hint then stands)."""
+    if not any("reduce_scatter" in op for op, _ in steps[step]["events"]):
+        return ("; the recorder saw no reduce-scatter, so each rank stepped with the gradient of "
+                "its own micro-batches only",
+                "FSDP2 averages the gradients over ranks in the backward that runs with gradient "
+                "sync on: turned off for the first micro-batches, it must be on for the last.",
+                "Turn gradient sync off (set_requires_gradient_sync) before every micro-batch "
+                "but the last, and on again before the last.", NO_SCATTER)
+    if step and steps[step - 1]["grads left"]:
+        return (f"; the gradients of step {step} were still there when this step began, and its "
+                "backward added to them",
+                "A step ends with the gradients cleared, so that the next accumulation starts "
+                "from zero.", "Zero the optimizer's gradients after its step.", GRADS_LEFT)
+    if step and STEP_NORMS[step] < CLIP_HUGE:  # step 1, clipping idle, matched
+        return ("; step 1, with clipping idle, matched, so the accumulation is right and the "
+                "clipped step differs",
+                "train_step clips the accumulated, reduced gradients once, after the last "
+                "micro-batch's backward and before the optimizer step, with your clip_grad_norm_ "
+                "(the cases above hold it to torch's).",
+                "After the last backward, call clip_grad_norm_(model, max_norm), then step the "
+                "optimizer and zero the gradients.", CLIPPING_WRONG)
+    return "", "", "", ""
 
 
 def _compare_step_pattern(got: Any, expected: Any) -> None:
@@ -1386,12 +1476,13 @@ def _compare_step_pattern(got: Any, expected: Any) -> None:
             early = sum(1 for i in scatters if i < last)
             late = len(scatters) - early
             if early or not late:
-                raise CheckFailed(
+                raise CheckFailed(  # none at all: the values case above names it
                     f"rank {rank}, step {step + 1}: the recorder saw {early} reduce-scatters "
                     f"before the last micro-batch's loss and {late} after it; FSDP2 should "
                     "reduce-scatter the accumulated gradients once, in the last micro-batch's "
                     "backward", expected={"before": 0, "after": "one per unit"},
                     got={"before": early, "after": late},
+                    cause=NO_SCATTER if not scatters else "",
                     hint="FSDP2 reduce-scatters in every backward unless the module is told not "
                          "to sync: the gradients of all micro-batches can be summed unsharded and "
                          "reduced once.",
@@ -1404,10 +1495,27 @@ def _compare_step_pattern(got: Any, expected: Any) -> None:
                     "in train_step; clipping the reduced gradients with your clip_grad_norm_ "
                     "makes one, of one element, after the reduce-scatters",
                     expected=[("all_reduce", 8)], got=reduces[:4],
+                    # none: the clip made none (its cases above) or never ran (the values
+                    # case above); more, or larger: the clip's own traffic, named above
+                    cause=_clip_cause(events, scatters, reduces),
                     hint="train_step clips the accumulated, reduced gradients before the "
                          "optimizer steps, with the clip_grad_norm_ you wrote above.",
                     recipe="After the last backward, call clip_grad_norm_(model, max_norm), then "
                            "step the optimizer and zero the gradients.")
+
+
+def _clip_cause(events: list[tuple[str, int]], scatters: list[int],
+                reduces: list[tuple[str, int]]) -> str:
+    """The cause of a train_step whose clip did not make one all-reduce of one element, read
+    from what followed the last reduce-scatter (the clip's own traffic): nothing, the clip made
+    none or never ran (the cases above name which); anything else, the clip sent more."""
+    after = [op for op, _ in events[max(scatters) + 1:]] if scatters else []
+    if not reduces and not after:
+        return CLIPPING_WRONG
+    if len(reduces) > 1 or any(op != "all_reduce" for op in after) or (
+            reduces and reduces[0] != ("all_reduce", 8)):
+        return CLIP_TRAFFIC
+    return ""
 
 
 def _compare_step_zeroed(got: Any, expected: Any) -> None:
@@ -1418,8 +1526,9 @@ def _compare_step_zeroed(got: Any, expected: Any) -> None:
                 raise CheckFailed(
                     f"rank {rank}, step {step + 1}: after train_step, {', '.join(left[:4])} still "
                     "hold gradients; the next step would add to them", expected="no gradients",
-                    got=left[:4], hint="A step ends with the gradients cleared, so that the next "
-                                       "accumulation starts from zero.",
+                    got=left[:4], cause=GRADS_LEFT,
+                    hint="A step ends with the gradients cleared, so that the next "
+                         "accumulation starts from zero.",
                     recipe="Zero the optimizer's gradients after its step.")
 
 
@@ -1487,7 +1596,7 @@ CLIP.bound("bytes each rank sends per clip_grad_norm_ call", formula="one float6
            hint="Clipping a sharded model costs almost no communication: only one number per rank "
                 "has to travel, however many parameters there are.",
            recipe="Reduce all local shards to one local scalar first; all-reduce that scalar only.",
-           expect="clip_bytes_bound", uses=_both(CLIP_RUNS), pick=_clip_bytes)
+           expect="clip_bytes_bound", uses=_both(CLIP_RUNS), pick=_clip_bytes, cause=CLIP_TRAFFIC)
 CLIP.case(f"train_step: {len(STEP_NORMS)} steps of {STEP_MICRO} micro-batches on {STEP_RANKS} "
           "ranks (clipping idle, then active) equal one unsharded step each on the concatenated "
           "batch, and return the mean loss", uses=STEP_RUN, compare=_compare_step_values,

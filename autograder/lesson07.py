@@ -189,6 +189,11 @@ def _watched_training(impl: Any, seed: int, **kwargs: Any) -> dict[str, Any]:
     return result
 
 
+# The causes every case of 7.1 shares: a wrong skip decision or a wrong scale schedule fails
+# the clipping and the 4-rank cases in the same way, so they follow the first case's diagnosis.
+SKIP_WRONG, SCALE_WRONG = "skip decision", "scale schedule"
+
+
 def _compare_scaled(got: Any, expected: dict[str, Any], where: str = "") -> None:
     _no_torch_helper(got, "the task is a loss scaler of your own")
     if got["default scale"] != expected["default scale"]:
@@ -205,6 +210,7 @@ def _compare_scaled(got: Any, expected: dict[str, Any], where: str = "") -> None
                 f"GradScaler {'stepped' if e else 'skipped'} (inf steps {list(INF_STEPS)}, NaN "
                 f"steps {list(NAN_STEPS)})", expected=expected["stepped"], got=got["stepped"],
                 hint="A step is skipped exactly when some gradient overflowed: an inf or a NaN.",
+                cause=SKIP_WRONG,
                 recipe="In unscale_(), test every gradient with torch.isfinite (it catches both "
                        "inf and NaN); in step(), skip the optimizer when any test failed.")
     for step, (g, e) in enumerate(zip(got["scales"], expected["scales"])):
@@ -213,7 +219,7 @@ def _compare_scaled(got: Any, expected: dict[str, Any], where: str = "") -> None
                 f"{where}the scale after update() of step {step} is {g}, torch's GradScaler has {e}",
                 expected=expected["scales"], got=got["scales"],
                 hint="The scale backs off after every overflow and grows only after "
-                     "growth_interval good steps in a row.",
+                     "growth_interval good steps in a row.", cause=SCALE_WRONG,
                 recipe="After a skipped step: scale *= backoff_factor and the count of good steps "
                        "starts again from 0. After growth_interval good steps in a row: scale *= "
                        "growth_factor and the count starts again.")
@@ -232,6 +238,8 @@ def _compare_clipped(got: Any, expected: dict[str, Any]) -> None:
     try:
         _compare_scaled(got, expected)
     except CheckFailed as e:
+        if e.cause in (SKIP_WRONG, SCALE_WRONG):  # not the double unscale: said as it is
+            raise
         e.hint = ("unscale_() may be called by the user before step() (to clip the true "
                   "gradients): step() must then not unscale a second time. " + e.hint)
         e.recipe = ("Remember in unscale_() that it ran this step and return at once when it is "
@@ -726,10 +734,15 @@ def _lengths() -> str:
     return ", ".join(str(t) for t in dict.fromkeys(t for _, t, _ in BATCHES))
 
 
+# A graph break under fullgraph=True leaves no graph: the cases that read the compiled run and
+# the FLOPs the graph does not show (all of them) fail for it, after the case that names it.
+NO_GRAPH = "no graph of the model's operators"
+
+
 def _compare_graph(got: Any, expected: dict[str, Any]) -> None:
     if got["compiled"] != "yes":
         raise CheckFailed("torch.compile(fullgraph=True) found a graph break", expected="one graph",
-                          got=got["compiled"],
+                          got=got["compiled"], cause=NO_GRAPH,
                           hint="print, .item() / int() on a tensor that decides Python control flow, "
                                "and loops whose trip count comes from tensor data all break the "
                                "graph. torch._dynamo.explain(module)(tokens, lengths) lists them.")
@@ -769,8 +782,28 @@ READY.case(f"sequence lengths {_lengths()}: at most 2 graphs, no recompile on th
 def _compare_values(got: Any, expected: dict[str, Any]) -> None:
     _compare_graph(got, expected)
     for i, (g, e) in enumerate(zip(got["batches"], expected["batches"])):
-        assert_same(g["logits"], e["logits"], rtol=1e-5, atol=1e-5, path=f"batch {i}: logits")
-        assert_same(g["grads"], e["grads"], rtol=1e-4, atol=1e-5, path=f"batch {i}: gradients")
+        if isinstance(g.get("grads"), dict) and isinstance(e.get("grads"), dict):
+            missing = sorted(n for n, t in e["grads"].items()
+                             if t is not None and g["grads"].get(n) is None)
+            if missing:  # a copy of the model computed: the values differ for that reason
+                raise CheckFailed(
+                    f"batch {i}: the model's {', '.join(missing[:3])} got no gradient: the "
+                    "compiled module computes with parameters that are not the model's",
+                    expected="a gradient for every parameter", got=f"None for {missing[:3]}",
+                    hint="The compiled module must reuse the model's own layers, so that "
+                         "training it trains the model.",
+                    recipe="Keep the model on the module and call its embedding, layers and head "
+                           "in the forward; do not copy or rebuild them.")
+        try:
+            assert_same(g["logits"], e["logits"], rtol=1e-5, atol=1e-5, path=f"batch {i}: logits")
+            assert_same(g["grads"], e["grads"], rtol=1e-4, atol=1e-5, path=f"batch {i}: gradients")
+        except CheckFailed as failed:  # one graph was captured: what it computes differs
+            failed.hint = ("One graph is captured, but it computes something else: the rewrite "
+                           "must give GraphBreakNet's values, not only remove its breaks.")
+            failed.recipe = ("Average each sequence over its real positions only (the masked "
+                             "sum divided by its length, not by T), and rescale the average to "
+                             "max_norm only where its norm is above max_norm (torch.where).")
+            raise
 
 
 READY.case("compiled outputs and gradients equal GraphBreakNet's in eager mode (pooled norm "
@@ -789,5 +822,5 @@ READY.bound(
     recipe="Write the forward as the model's own operations on tensors (the embedding, the linear "
            "layers, tanh, the masked mean, torch.where), so that Dynamo traces each into the "
            "graph; wrap nothing in a custom op or allow_in_graph.",
-    expect="hidden_flops_bound", uses=COMPILED,
+    expect="hidden_flops_bound", uses=COMPILED, cause=NO_GRAPH,
     pick=lambda run: {"measured": [run["eager flops"] - run["flops in the graph"]]})

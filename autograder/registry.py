@@ -246,14 +246,16 @@ class Task:
 
     def bound(self, what: str, *, formula: str, lost: str, unit: str = "bytes", weight: float = 1.0,
               hint: str = "", recipe: str = "", expect: Callable[[int], Any] | str | None = None,
-              uses: SharedRun | None = None, pick: str | Callable[[Any], Any] | None = None):
+              uses: SharedRun | None = None, pick: str | Callable[[Any], Any] | None = None,
+              cause: str = ""):
         """Decorator registering a case that holds a resource to the bound the technique promises.
 
         The case's ``run(impl, seed)`` returns ``{"measured": [one number per rank], ...}`` (from
         :mod:`kit.meter` or the recorder, never from the implementation's attributes);
         ``expect(seed)`` (trusted) returns ``{"bound": number}``, or the bound is the reference's
         own ``measured`` maximum when ``expect`` is None. The case fails when any rank's number
-        exceeds it, naming ``what``, the ratio, ``formula`` and what was ``lost``.
+        exceeds it, naming ``what``, the ratio, ``formula`` and what was ``lost``; ``cause`` is
+        the key of the mistake an excess shows, so that it follows an earlier case naming it.
         """
         spec = Bound(what, formula, lost, unit)
         self.bounds.append(spec)
@@ -268,7 +270,7 @@ class Task:
             else:
                 limit = max(expected["measured"])
             within_bound(got["measured"], limit, what=what, formula=formula, lost=lost, unit=unit,
-                         hint=hint or self.hint, recipe=recipe or self.recipe)
+                         hint=hint or self.hint, recipe=recipe or self.recipe, cause=cause)
 
         return self.case(f"{what} is within {formula}", compare=compare, weight=weight, hint=hint,
                          expect=expect, recipe=recipe, uses=uses, pick=pick)
