@@ -256,6 +256,20 @@ def run_cell(page: Any, index: int) -> None:
     _until_prompts_change(page, press)
 
 
+def run_cells(page: Any, indices: list[int], timeout: float) -> None:
+    """Run the cells at ``indices`` in order, as a student pressing Ctrl+Enter on each would:
+    each is queued behind the one before; then wait once until all are done, and fail naming any
+    that never got an execution count."""
+    for i in indices:
+        run_cell(page, i)
+    wait_until_done(page, timeout=timeout)
+    prompts = page.eval_on_selector_all(
+        ".jp-Notebook .jp-Cell", "els => els.map(e => { const p = e.querySelector("
+        "'.jp-InputArea .jp-InputPrompt'); return p ? p.textContent.trim() : ''; })")
+    never = [i for i in indices if not re.fullmatch(r"\[\d+\]:", prompts[i])]
+    assert not never, f"cells {never} did not run: prompts {[prompts[i] for i in never]}"
+
+
 def _until_prompts_change(page: Any, action: Any, tries: int = 3) -> None:
     """Do ``action`` until some execution prompt changes (a click can land before the page is
     ready to take it), at most ``tries`` times."""

@@ -1,9 +1,11 @@
 """The course as a student sees it: JupyterLab in Chromium, cells run through the UI.
 
 One JupyterLab (started with ``kit lab``'s own command) serves copies of every lesson with
-the tasks solved; Playwright drives Debian's Chromium. Lessons 00 and 01 run end to end with
-Run All Cells; the slower later lessons are opened and run their setup, first task and its
-check. Each test asserts what the page shows (labelled rank output, the launcher's errors,
+the tasks solved; Playwright drives Debian's Chromium. Every lesson already runs end to end
+headless (tests/test_lessonNN.py), so here each runs only the cells whose rendering is the
+point: its setup, its first task and check, and in Lessons 00 and 01 the launcher's rank
+output, errors and hang report, every check and the ring stepper widget. Run All Cells, through
+the menu, runs the sabotage notebook. Each test asserts what the page shows (labelled rank output, the launcher's errors,
 ``check()`` feedback, live widgets) and saves a screenshot under ``artifacts/screenshots/``
 (``KIT_UPDATE_SCREENSHOTS=1`` also refreshes ``docs/screenshots/``). The sabotage tests break
 a widget and swallow rank output on purpose and prove the same assertions then fail.
@@ -31,18 +33,17 @@ from browser_support import (
     ROOT,
     WIDGET_EXTENSION,
     LabServer,
-    all_outputs,
     assert_rank_output,
     assert_readable,
     assert_widgets_rendered,
     cell_index,
     cell_outputs,
-    code_prompts,
     copy_lessons,
     open_notebook,
     require_browser,
     run_all_cells,
     run_cell,
+    run_cells,
     saved_widget_count,
     screenshot,
     wait_until_done,
@@ -52,7 +53,7 @@ from browser_support import (
 from kit import lab
 
 LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
-RUN_ALL = {"00_launching_ranks", "01_primitives"}  # fast enough to run end to end here
+OWN_TESTS = {"00_launching_ranks", "01_primitives"}  # each has a test of its own below
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +98,6 @@ def cell_with(notebook: Path, text: str) -> int:
     return next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and text in c.source)
 
 
-def code_cell_count(notebook: Path) -> int:
-    return sum(c.cell_type == "code" for c in nbformat.read(notebook, as_version=4).cells)
-
-
 def check_cells(notebook: Path) -> list[int]:
     nb = nbformat.read(notebook, as_version=4)
     return [i for i, c in enumerate(nb.cells)
@@ -115,23 +112,30 @@ def assert_every_check_passed(page: Any, notebook: Path, indices: list[int]) -> 
             f"cell {i} of {notebook.name} does not show passing check() feedback:\n{text[:1500]}")
 
 
-def run_everything(page: Any, server: LabServer, course: Path, stem: str) -> Path:
+def open_and_run(page: Any, server: LabServer, course: Path, stem: str, cells: list[int]) -> Path:
+    """Open ``stem`` and run its setup cell, then ``cells`` (indices), queued as a student would."""
     notebook = course / f"{stem}.ipynb"
     open_notebook(page, server, notebook.name)
-    run_all_cells(page)
-    wait_until_done(page, timeout=420)
-    prompts = code_prompts(page)
-    never_run = [p for p in prompts if not re.fullmatch(r"\[\d+\]:", p)]
-    assert len(prompts) == code_cell_count(notebook) and not never_run, (
-        f"Run All stopped early in {stem}: prompts {prompts}\n"
-        f"last outputs: {all_outputs(page)[-2:]}")
+    setup = cell_index(notebook, "setup")
+    run_cells(page, [setup, *[i for i in cells if i != setup]], timeout=420)
     return notebook
+
+
+def tasks_and_checks(notebook: Path) -> list[int]:
+    """Every task cell and check cell, in order."""
+    nb = nbformat.read(notebook, as_version=4)
+    return [i for i, c in enumerate(nb.cells)
+            if any(t.startswith(("task-", "check-")) for t in c.metadata.get("tags", []))]
 
 
 @pytest.mark.browser
 def test_lesson00_in_the_browser_shows_labelled_rank_output_errors_and_check_feedback(
         page: Any, server: LabServer, course: Path) -> None:
-    notebook = run_everything(page, server, course, "00_launching_ranks")
+    notebook = course / "00_launching_ranks.ipynb"
+    shown = [cell_with(notebook, text) for text in (
+        "%load_ext kit", "def hello", "def read_environment", "%%distributed -n 4", "def crash_on_rank_2",
+        "def skip_a_collective_on_rank_0")]
+    open_and_run(page, server, course, notebook.stem, sorted(shown + tasks_and_checks(notebook)))
     hello = cell_with(notebook, "def hello")
     assert_rank_output(cell_outputs(page, hello), world_size=4)
     assert_rank_output(cell_outputs(page, cell_with(notebook, "%%distributed -n 4")), world_size=4)
@@ -152,7 +156,10 @@ def test_lesson00_in_the_browser_shows_labelled_rank_output_errors_and_check_fee
 @pytest.mark.browser
 def test_lesson01_ring_stepper_renders_and_answers_the_slider(
         page: Any, server: LabServer, course: Path) -> None:
-    notebook = run_everything(page, server, course, "01_primitives")
+    notebook = course / "01_primitives.ipynb"
+    open_and_run(page, server, course, notebook.stem, sorted(
+        [cell_with(notebook, "%load_ext kit"), cell_with(notebook, "ring_stepper(world_size=4)"),
+         *tasks_and_checks(notebook)]))
     assert_every_check_passed(page, notebook, check_cells(notebook))
     produced = saved_widget_count(page, server, notebook.name)
     assert produced >= 1, "Lesson 01 displayed no widget: the ring stepper cell did not run"
@@ -171,20 +178,16 @@ def test_lesson01_ring_stepper_renders_and_answers_the_slider(
     screenshot(page, "01_primitives", focus_index=stepper - 1)
 
 
-@pytest.mark.parametrize("stem", [s for s in LESSONS if s not in RUN_ALL])
+@pytest.mark.parametrize("stem", [s for s in LESSONS if s not in OWN_TESTS])
 @pytest.mark.browser
 def test_later_lesson_opens_and_its_first_check_passes_in_the_browser(
         page: Any, server: LabServer, course: Path, stem: str) -> None:
     notebook = course / f"{stem}.ipynb"
-    open_notebook(page, server, notebook.name)
-    setup = cell_index(notebook, "setup")
     first_check = check_cells(notebook)[0]
     tag = next(t for t in nbformat.read(notebook, as_version=4).cells[first_check].metadata["tags"]
                if t.startswith("check-"))
     task = cell_index(notebook, tag.replace("check-", "task-"))
-    for i in (setup, task, first_check):
-        run_cell(page, i)
-        wait_until_done(page, timeout=300)
+    open_and_run(page, server, course, stem, [task, first_check])
     assert_every_check_passed(page, notebook, [first_check])
     assert_widgets_rendered(widget_report(page), expected=0)
     screenshot(page, stem, focus_index=first_check)
@@ -202,9 +205,7 @@ def test_check_feedback_in_the_browser_for_a_stub_and_for_a_typed_in_bug(
     notebook = course / "student_00.ipynb"
     open_notebook(page, server, notebook.name)
     setup, task, check = (cell_index(notebook, tag) for tag in ("setup", "task-0.1", "check-0.1"))
-    for i in (setup, task, check):
-        run_cell(page, i)
-        wait_until_done(page, timeout=120)
+    run_cells(page, [setup, task, check], timeout=120)
     feedback = cell_outputs(page, check)
     assert "not implemented yet (0/2 points)" in feedback, feedback[:1500]
 
