@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from autograder.compare import CheckFailed, assert_same, describe, per_rank
+from autograder.compare import CheckFailed, assert_same, describe, per_rank, short
 from autograder.registry import plain, task
 
 # Every collective, by each name a route reaches it under (the recorder's op names, the
@@ -89,10 +89,12 @@ def _broadcast_on_rank(tree_broadcast: Any, seed: int, src: int, shape: tuple[in
     rank = dist.get_rank()
     # Non-source ranks start from their own data: a broadcast must overwrite it.
     tensor = rank_tensor(seed, rank, shape, dtype)
+    before = tensor.clone()
     with trace() as t:
         tree_broadcast(tensor, src)
     messages = [(e.op, e.peer) for e in t.events if e.kind == "p2p"]
-    return {"tensor": plain(tensor), "collectives": t.collectives(), "messages": messages}
+    return {"tensor": plain(tensor), "input": before, "collectives": t.collectives(),
+            "messages": messages}
 
 
 def count_rounds(messages: list[list[tuple[str, int | None]]], src: int) -> int:
@@ -136,19 +138,52 @@ def count_rounds(messages: list[list[tuple[str, int | None]]], src: int) -> int:
             raise CheckFailed("some receives have no matching send (the ranks' calls do not pair up)")
 
 
+def _broadcast_source(got: list[dict[str, Any]]) -> int | None:
+    """The rank whose starting data every rank ended with, if one did (else None)."""
+    finals = [g.get("tensor") for g in got]
+    for r, g in enumerate(got):
+        start = g.get("input")
+        if isinstance(start, torch.Tensor) and all(
+                isinstance(f, torch.Tensor) and f.shape == start.shape and torch.equal(f, start)
+                for f in finals):
+            return r
+    return None
+
+
 def _compare_broadcast(got: Any, expected: dict[str, Any]) -> None:
     got = per_rank(got, len(expected["tensors"]))
     _no_collectives([g["collectives"] for g in got], "tree_broadcast")
-    _compare_tensors([g["tensor"] for g in got], expected["tensors"],
-                     f"broadcast from rank {expected['src']}")
-    rounds = count_rounds([g["messages"] for g in got], expected["src"])
+    src = expected["src"]
+    source = _broadcast_source(got)
+    if source is not None and source != src:
+        raise CheckFailed(f"every rank ended with rank {source}'s data, not rank {src}'s: the "
+                          f"broadcast went out from rank {source}, whatever src said",
+                          expected=f"rank {src}'s data", got=f"rank {source}'s data",
+                          cause="ignores src",
+                          hint="The tree is the same whatever the source: only the numbering of "
+                               "the ranks moves with src.",
+                          recipe="Work with each rank's vrank, (rank - src) modulo world_size "
+                                 "(the source is vrank 0), and turn a peer's vrank back into its "
+                                 "rank by adding src modulo world_size.")
+    _compare_tensors([g["tensor"] for g in got], expected["tensors"], f"broadcast from rank {src}")
+    messages = [g["messages"] for g in got]
+    rounds = count_rounds(messages, src)
     p = len(got)
     if rounds > expected["rounds"]:
-        raise CheckFailed(f"the broadcast took {rounds} rounds on {p} ranks; a binomial tree needs "
-                          f"ceil(log2 {p}) = {expected['rounds']}", expected=expected["rounds"],
-                          got=rounds,
+        sends = [sum(op in ("send", "isend") for op, _ in m) for m in messages]
+        shape = (f"rank {src} sent to all {p - 1} others itself, one a round"
+                 if sends[src] == p - 1 and sum(sends) == p - 1 else
+                 "every rank forwarded the data once, along a chain" if max(sends) == 1 else
+                 "holders did not double every round")
+        raise CheckFailed(f"the broadcast took {rounds} rounds on {p} ranks ({shape}); a binomial "
+                          f"tree needs ceil(log2 {p}) = {expected['rounds']}",
+                          expected=expected["rounds"], got=rounds, cause="too many rounds",
                           hint="In each round every rank that already holds the data sends it to "
-                               "one rank that does not, so the number of holders doubles.")
+                               "one rank that does not, so the number of holders doubles: a loop "
+                               "of sends from src, or a chain, adds one holder a round.",
+                          recipe="A rank that has received the data sends it on in every later "
+                                 "round, to the rank 2^k places further in vrank order, largest "
+                                 "k first, as in the lesson.")
 
 
 BROADCAST = task(
@@ -202,10 +237,11 @@ def _ring_on_rank(ring_all_reduce: Any, seed: int, configs: list[tuple[tuple[int
     from kit.trace import trace
 
     rank = dist.get_rank()
-    tensors = []
+    tensors, inputs = [], []
     with trace() as t:
         for i, (shape, dtype) in enumerate(configs):
             tensor = rank_tensor(seed + 1000 * i, rank, shape, dtype)
+            inputs.append(tensor.clone())
             ring_all_reduce(tensor)  # in place
             tensors.append(plain(tensor))
             t.events.append(None)  # a marker: the messages of the next config follow
@@ -215,7 +251,7 @@ def _ring_on_rank(ring_all_reduce: Any, seed: int, configs: list[tuple[tuple[int
             messages.append([])
         elif e.kind == "p2p":
             messages[-1].append((e.op, e.peer, e.nbytes))
-    return {"tensors": tensors, "collectives": [e.op for e in t.events
+    return {"tensors": tensors, "inputs": inputs, "collectives": [e.op for e in t.events
                                                 if e is not None and e.kind == "collective"],
             "messages": messages[:-1]}
 
@@ -231,9 +267,76 @@ def _compare_ring(got: Any, want: list[dict[str, Any]],
     _no_collectives([g["collectives"] for g in got], "ring_all_reduce")
     for i, (shape, dtype) in enumerate(configs):
         what = f"{len(got)} ranks, {_describe_config(shape, dtype)}"
-        _compare_ring_pattern([g["messages"][i] for g in got], math.prod(shape),
-                              torch.empty((), dtype=dtype).element_size(), what)
-        _compare_tensors([g["tensors"][i] for g in got], [w["tensors"][i] for w in want], what)
+        tensors, expected = [g["tensors"][i] for g in got], [w["tensors"][i] for w in want]
+        try:
+            _compare_ring_pattern([g["messages"][i] for g in got], math.prod(shape),
+                                  torch.empty((), dtype=dtype).element_size(), what)
+        except CheckFailed as e:
+            if e.cause == "half a ring":
+                _name_the_half(e, tensors, expected)
+            raise
+        _ring_values_slip(tensors, [g["inputs"][i] for g in got], expected, what)
+        _compare_tensors(tensors, expected, what)
+
+
+def _name_the_half(e: CheckFailed, tensors: list[Any], expected: list[torch.Tensor]) -> None:
+    """A ring that took p - 1 steps ran one of its two halves: the values say which."""
+    p = len(expected)
+    full = []
+    for g, want in zip(tensors, expected):
+        if not isinstance(g, torch.Tensor) or g.shape != want.shape:
+            return
+        pairs = zip(g.reshape(-1).tensor_split(p), want.reshape(-1).tensor_split(p))
+        full.append(sum(bool(a.numel()) and torch.allclose(a.double(), b.double(), rtol=1e-5,
+                                                            atol=1e-5) for a, b in pairs))
+    if full and all(f == 1 for f in full):
+        e.message += (": each rank holds one fully reduced chunk, so the reduce-scatter ran and "
+                      "the all-gather that shares those chunks did not")
+        e.hint = ("A ring all-reduce is two rings in a row: after the p - 1 steps of "
+                  "reduce-scatter each rank holds one chunk of the sum; p - 1 more steps of "
+                  "all-gather pass those chunks round so that every rank holds them all.")
+
+
+def _ring_values_slip(tensors: list[Any], inputs: list[Any], expected: list[torch.Tensor],
+                      what: str) -> None:
+    """Wrong values named by what they are: the input untouched (not in place), the sum divided
+    by the world size, or right except for the n % p leftover elements at the end."""
+    p = len(expected)
+    for rank, (g, x, want) in enumerate(zip(tensors, inputs, expected)):
+        if not isinstance(g, torch.Tensor) or g.shape != want.shape or g.dtype != want.dtype:
+            return
+        if torch.allclose(g.double(), want.double(), rtol=1e-5, atol=1e-5):
+            continue
+        n = want.numel()
+        if isinstance(x, torch.Tensor) and torch.equal(g, x):
+            # with n < p a split into n // p = 0 elements per chunk also leaves it untouched
+            raise CheckFailed(f"{what}: rank {rank}'s tensor is unchanged: the result was not "
+                              "written into the tensor passed in"
+                              + ("" if n >= p else f" (or, with {n} elements on {p} ranks, every "
+                                 "element fell outside chunks of n // p = 0)"),
+                              expected=short(want), got=short(g), cause="unchanged",
+                              hint="ring_all_reduce works in place, like dist.all_reduce: write "
+                                   "every chunk into a flat view that shares the tensor's "
+                                   "memory; a returned copy is never seen by the caller."
+                                   + ("" if n >= p else " And the p chunks must cover every "
+                                      "element, even when n < p."))
+        if want.is_floating_point() and p > 1 and torch.allclose(
+                g.double() * p, want.double(), rtol=1e-4, atol=1e-5):
+            raise CheckFailed(f"{what}: rank {rank}'s tensor is 1/{p} of the sum: the result "
+                              "was divided by the world size", expected=short(want),
+                              got=short(g), cause="averaged",
+                              hint="An all-reduce with ReduceOp.SUM (dist.all_reduce's default) "
+                                   "leaves the sum on every rank: do not divide by the world "
+                                   "size; whoever wants the mean divides afterwards.")
+        wrong = (~torch.isclose(g.double().reshape(-1), want.double().reshape(-1), rtol=1e-5,
+                                atol=1e-5)).nonzero().flatten()
+        if n % p and len(wrong) and int(wrong.min()) >= n - n % p:
+            raise CheckFailed(f"{what}: on rank {rank} only the last {len(wrong)} of {n} elements "
+                              f"are wrong: the n % p = {n % p} leftover elements were never "
+                              "reduced", expected=short(want), got=short(g), cause="leftover",
+                              hint="When p does not divide n the chunks differ in size by one "
+                                   "(and with n < p some are empty): the p chunks must cover "
+                                   "every element, the leftover ones included.")
 
 
 RING_PATTERN_HINT = ("A ring: every rank sends only to its right neighbour (rank + 1) % p and "
@@ -248,6 +351,22 @@ def _compare_ring_pattern(messages: list[list[tuple[str, int | None, int]]], n: 
     receives from the left, none longer than ceil(n / p) elements."""
     p = len(messages)
     chunk = -(-n // p) * size if p else 0  # bytes of the largest chunk
+    peers = [({peer for op, peer, _ in calls if op in ("send", "isend")},
+              {peer for op, peer, _ in calls if op in ("recv", "irecv")}) for calls in messages]
+    hub = next((r for r, (to, fr) in enumerate(peers)
+                if max(len(to), len(fr)) > 1 and to | fr >= set(range(p)) - {r}), None)
+    if hub is not None:
+        raise CheckFailed(f"{what}: rank {hub} exchanged messages with every other rank (a star "
+                          f"through rank {hub}); in a ring each rank sends only to its right "
+                          "neighbour and receives only from its left",
+                          expected="sends to (rank + 1) % p only",
+                          got={f"rank {hub} sends to": sorted(peers[hub][0]),
+                               f"rank {hub} receives from": sorted(peers[hub][1])},
+                          cause="star",
+                          hint=f"A star sends every rank's whole tensor through one rank: rank "
+                               f"{hub}'s link carries (p - 1) n elements each way while the "
+                               "others idle. A ring keeps every link busy with chunks of n / p, "
+                               "so each rank moves 2(p - 1)/p n elements whatever p is.")
     for rank, calls in enumerate(messages):
         sends = [(peer, b) for op, peer, b in calls if op in ("send", "isend")]
         recvs = [(peer, b) for op, peer, b in calls if op in ("recv", "irecv")]
@@ -265,18 +384,26 @@ def _compare_ring_pattern(messages: list[list[tuple[str, int | None, int]]], n: 
                               expected=f"receives from rank {left} only",
                               got=sorted({peer for peer, _ in recvs}), hint=RING_PATTERN_HINT)
         steps = 2 * (p - 1)
-        if len(sends) != steps or len(recvs) != steps:
-            raise CheckFailed(f"{what}: rank {rank} sent {len(sends)} and received {len(recvs)} "
-                              f"messages; a ring all-reduce on {p} ranks takes 2(p - 1) = {steps} "
-                              "steps, one send and one receive each", expected=steps,
-                              got={"sends": len(sends), "receives": len(recvs)},
-                              hint=RING_PATTERN_HINT)
         too_big = [b for _, b in sends + recvs if b > chunk]
         if too_big:
-            raise CheckFailed(f"{what}: rank {rank} moved a message of {max(too_big)} bytes; each "
-                              f"step carries one chunk, at most ceil(n / p) elements = {chunk} "
-                              "bytes", expected=f"<= {chunk} bytes a message",
-                              got=f"{max(too_big)} bytes", hint=RING_PATTERN_HINT)
+            whole = max(too_big) >= n * size
+            raise CheckFailed(f"{what}: rank {rank} moved a message of {max(too_big)} bytes"
+                              + (" (the whole tensor)" if whole else "") + "; each step carries "
+                              f"one chunk, at most ceil(n / p) elements = {chunk} bytes",
+                              expected=f"<= {chunk} bytes a message", got=f"{max(too_big)} bytes",
+                              cause="whole tensor per message" if whole else "messages too big",
+                              hint="Split the tensor into p chunks and send one chunk a step: "
+                                   "that is what makes the ring's traffic per rank "
+                                   "2(p - 1)/p n elements instead of n per message.")
+        if len(sends) != steps or len(recvs) != steps:
+            half = len(sends) == len(recvs) == p - 1
+            raise CheckFailed(f"{what}: rank {rank} sent {len(sends)} and received {len(recvs)} "
+                              f"messages; a ring all-reduce on {p} ranks takes 2(p - 1) = {steps} "
+                              "steps, one send and one receive each"
+                              + (", and p - 1 is half of that" if half else ""), expected=steps,
+                              got={"sends": len(sends), "receives": len(recvs)},
+                              cause="half a ring" if half else "wrong number of steps",
+                              hint=RING_PATTERN_HINT)
 
 
 RING = task(
@@ -364,15 +491,30 @@ def _barrier_on_rank(store_barrier: Any, seed: int, host: str, port: int | None,
         except RuntimeError as e:
             if "timeout" not in str(e).lower():
                 raise
-            raise RuntimeError(
-                f"store_barrier on rank {rank} waited {STORE_WAIT_S:g} s in use {len(times) + 1} of "
-                f"{len(names)} (name {name!r}) for a key nobody set: the ranks disagree about when "
-                "a use of the barrier is complete") from None
+            # kept as data: the check names what a wait for a key nobody set shows
+            return [*times, f"store_barrier on rank {rank} waited {STORE_WAIT_S:g} s in use "
+                            f"{len(times) + 1} of {len(names)} (name {name!r}) for a key nobody set"]
         times.append((arrived, time.perf_counter()))
     return times
 
 
+REUSE_HINT = ("Count arrivals with store.add; a rank may leave only once the count shows all "
+              "world_size ranks of *this* use of the barrier (the count keeps growing across "
+              "uses, so compare against a multiple of world_size).")
+
+
 def _compare_barrier(got: Any, expected: None, names: list[str]) -> None:
+    stuck = [t[-1] for t in got if isinstance(t, list) and t and isinstance(t[-1], str)] \
+        if isinstance(got, list) else []
+    if stuck:
+        raise CheckFailed(f"{stuck[0]}: the ranks disagree about when a use of the barrier is "
+                          "complete", expected="every rank leaves each use", got=stuck[0],
+                          cause="waits for a key nobody set",
+                          hint="Every rank must work out which use it is in from the count "
+                               "store.add returned to it ((count - 1) // world_size), and the "
+                               "arrival that completes a use (a count that is a multiple of "
+                               "world_size) sets that use's key; a rank waiting for a key of "
+                               "another use, or one no arrival sets, waits for ever.")
     if not isinstance(got, list) or any(not isinstance(g, list) or len(g) != len(names) for g in got):
         raise CheckFailed("expected an (arrive, leave) time per rank and barrier", got=repr(got)[:200])
     for i, name in enumerate(names):
@@ -382,13 +524,27 @@ def _compare_barrier(got: Any, expected: None, names: list[str]) -> None:
         first = min(range(len(got)), key=lambda r: leave[r])
         if leave[first] < arrive[last]:
             early = (arrive[last] - leave[first]) * 1e3
+            gone = [r for r in range(len(got)) if leave[r] < arrive[last]]
+            others = [r for r in range(len(got)) if r != last]
+            if i == 0 and last != 0 and 0 not in gone and gone == [r for r in others if r != 0]:
+                why, cause, hint = (
+                    "; every rank but rank 0 left early, so only rank 0 waited", "only one waits",
+                    "Every rank waits at a barrier, not only rank 0: each one leaves only once "
+                    "all world_size have arrived.")
+            elif i == 0:
+                why, cause, hint = (
+                    f"; {len(gone)} of {len(got)} ranks left before the last one arrived, on the "
+                    "barrier's first use", "leaves before all arrived",
+                    "Even on its first use the barrier let ranks go before all had arrived: "
+                    "every rank, not only some, waits until the count reaches world_size (all "
+                    "of them, not world_size - 1).")
+            else:
+                why, cause, hint = ("", "reuse", REUSE_HINT)
             raise CheckFailed(
                 f"barrier {i + 1} of {len(names)} (name {name!r}): rank {first} left {early:.0f} ms "
-                f"before rank {last} arrived", expected="every rank leaves after the last arrives",
-                got=f"rank {first} left early",
-                hint="Count arrivals with store.add; a rank may leave only once the count shows "
-                     "all world_size ranks of *this* use of the barrier (the count keeps growing "
-                     "across uses, so compare against a multiple of world_size).")
+                f"before rank {last} arrived{why}",
+                expected="every rank leaves after the last arrives", got=f"rank {first} left early",
+                hint=hint, cause=cause)
 
 
 def _barrier_case(name: str, world_size: int, names: list[str], *, file_store: bool = False,

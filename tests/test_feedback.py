@@ -237,6 +237,15 @@ def _first_failure(task_id, description):
 
 
 @pytest.mark.parametrize(("task_id", "description", "says", "wrong"), [
+    ("1.1", "ignores src and broadcasts from rank 0", "every rank ended with rank 0's data",
+     "Sending from src to every rank in turn takes p - 1 rounds"),
+    ("1.2", "a star: every rank sends to rank 0, which sums and sends back",
+     "a star through rank 0", "A ring: every rank sends only to its right neighbour"),
+    ("1.2", "stops after reduce-scatter (no all-gather)",
+     "the reduce-scatter ran and the all-gather that shares those chunks did not",
+     "A ring: every rank sends only to its right neighbour"),
+    ("1.2", "averages instead of summing", "divided by the world size",
+     "With n < world_size some chunks are empty"),
     ("2.1", "uses RANK as the local rank", "LOCAL_RANK was not read",
      "int() raises on '1.5' and 'two'"),
     ("2.2", "restarts the data order after resuming", "the step count started again at 0",
@@ -249,7 +258,7 @@ def _first_failure(task_id, description):
     ("4.3", "puts the tied weight in a bucket twice", "a tied weight counted twice",
      "One all-reduce per bucket per step, started during backward the moment"),
 ])
-def test_lessons_2_to_4_name_the_mistake_the_data_shows(task_id, description, says, wrong):
+def test_lessons_1_to_4_name_the_mistake_the_data_shows(task_id, description, says, wrong):
     report, first = _first_failure(task_id, description)
     assert says in first.message + first.hint, (first.message, first.hint)
     assert not first.follows
