@@ -87,8 +87,10 @@ _mismatch = partial(tensor_mismatch, rtol=1e-4, atol=1e-5)
 
 
 def _compare_tensors(got: Any, expected: dict[str, Any], hints: dict[str, str] | None = None,
-                     recipes: dict[str, str] | None = None) -> None:
-    """``expected[setting][rank][name]`` tensors; every one must match ``got``'s."""
+                     recipes: dict[str, str] | None = None, cause: str = "") -> None:
+    """``expected[setting][rank][name]`` tensors; every one must match ``got``'s. With
+    ``cause``, a mismatch's cause is ``cause`` and the tensor's name: the same tensor wrong in a
+    later case of the same run (more ranks, groups) follows the first."""
     hints, recipes = hints or {}, recipes or {}
     if not isinstance(got, dict) or set(got) != set(expected):
         raise CheckFailed("the ranks' results could not be read", expected=sorted(expected),
@@ -103,7 +105,8 @@ def _compare_tensors(got: Any, expected: dict[str, Any], hints: dict[str, str] |
                     raise CheckFailed(f"{setting}, rank {rank}: {name} {problem}",
                                       expected=short(tensor), got=short(value),
                                       hint=hints.get(name.split(" ")[0], ""),
-                                      recipe=recipes.get(name.split(" ")[0], ""))
+                                      recipe=recipes.get(name.split(" ")[0], ""),
+                                      cause=f"{cause} {name}" if cause else "")
 
 
 def _launch(fn: Any, args: tuple, world_size: int, preload: tuple[str, ...],
@@ -269,7 +272,7 @@ def _compare_mlp(settings: tuple[str, ...]) -> Any:
         for setting in settings:
             want = {setting: [{k: e[setting][k] for k in TP_VALUE_KEYS} for e in expected]}
             have = {setting: [g.get(setting, {}) if isinstance(g, dict) else {} for g in got]}
-            _compare_tensors(have, want, TP_HINTS, TP_RECIPES)
+            _compare_tensors(have, want, TP_HINTS, TP_RECIPES, cause="the MLP's")
 
     return compare
 
@@ -511,8 +514,9 @@ def _compare_sp_values(got: Any, expected: dict[str, Any]) -> None:
                 problem = _mismatch(have, want)
                 if problem is not None:
                     what = "output shard" if key == "outputs" else "input shard's gradient"
+                    # the cause is what differs: the same on more ranks follows this case
                     raise CheckFailed(f"rank {rank}, pass {step + 1}: the {what} {problem}",
-                                      expected=short(want), got=short(have),
+                                      expected=short(want), got=short(have), cause=what,
                                       hint=SP_HINTS[key.split(" ")[0].rstrip("s")],
                                       recipe=SP_RECIPES[key.split(" ")[0].rstrip("s")])
         for name, want in e["grads"].items():
@@ -520,7 +524,8 @@ def _compare_sp_values(got: Any, expected: dict[str, Any]) -> None:
             if problem is not None:
                 raise CheckFailed(f"rank {rank}: {name}.grad after {SP_PASSES} backward passes "
                                   f"{problem}", expected=short(want),
-                                  got=short(g["grads"].get(name)), hint=SP_HINTS[name],
+                                  got=short(g["grads"].get(name)), cause=f"{name}.grad",
+                                  hint=SP_HINTS[name],
                                   recipe=SP_RECIPES[name])
 
 
@@ -1056,21 +1061,27 @@ def _interleaved_orders(impl: Any, seed: int) -> dict[str, Any]:
     return orders
 
 
+# Every case of 8.5 plays the same orders: one that is ill formed, or that deadlocks, fails them
+# all for that reason, so the cases after the first that names it follow it.
+ILL_FORMED, DEADLOCK = "an order ill formed", "the orders deadlock"
+
+
 def _chunk_steps_once(where: str, order: Any, m: int, v: int) -> None:
     if not isinstance(order, list):
-        raise CheckFailed(f"{where} is not a list of (str, int, int) triples", got=order)
+        raise CheckFailed(f"{where} is not a list of (str, int, int) triples", got=order,
+                          cause=ILL_FORMED)
     steps = [tuple(x) for x in order]
     want = {(op, i, c) for op in "FB" for i in range(m) for c in range(v)}
     if sorted(steps) != sorted(want):
         raise CheckFailed(f"{where}: expected a forward and a backward of every (micro-batch, "
                           f"chunk) for micro-batches 0..{m - 1} and chunks 0..{v - 1}, each once",
                           got=order, hint="2·m·v steps: ('F', i, c) and ('B', i, c) for every "
-                                          "micro-batch i and chunk c.")
+                                          "micro-batch i and chunk c.", cause=ILL_FORMED)
     for i in range(m):
         for c in range(v):
             if steps.index(("B", i, c)) < steps.index(("F", i, c)):
                 raise CheckFailed(f"{where}: micro-batch {i}'s chunk {c} goes backward before "
-                                  "forward", got=order)
+                                  "forward", got=order, cause=ILL_FORMED)
 
 
 def _interleaved_pipeline(check: Any = None) -> Any:
@@ -1095,7 +1106,7 @@ def _interleaved_pipeline(check: Any = None) -> Any:
                 run = simulate_schedule(orders, forward=1.0, backward=1.0, chunks=v)
             except ValueError as e:
                 raise CheckFailed(
-                    f"{where}, every stage played together: {e}", got=orders,
+                    f"{where}, every stage played together: {e}", got=orders, cause=DEADLOCK,
                     hint="Chunk c of stage s is virtual stage c·p + s: a micro-batch's forward "
                          "visits stage 0..p−1 with chunk 0, then again with chunk 1, and its "
                          "backward comes back the other way. A stage that waits for a step the "

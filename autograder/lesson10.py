@@ -506,11 +506,51 @@ def _compare_split(got: Any, expected: dict[str, Any]) -> None:
         for part, h, w in zip(("train", "valid", "test"), have, want):
             if h != w:
                 first = next((k for k, (a, b) in enumerate(zip(h, w)) if a != b), min(len(h), len(w)))
+                what, hint, recipe, cause = _diagnose_split(have, want)
                 raise CheckFailed(
                     f"{name}: the {part} indices differ from DeepChem's ScaffoldSplitter "
                     f"(sizes {list(map(len, have))}, expected {list(map(len, want))}; first "
-                    f"difference at position {first})", expected=w[max(0, first - 2):first + 6],
-                    got=h[max(0, first - 2):first + 6])
+                    f"difference at position {first}){what}", expected=w[max(0, first - 2):first + 6],
+                    got=h[max(0, first - 2):first + 6], hint=hint, recipe=recipe, cause=cause)
+
+
+# What a split that differs from DeepChem's shows, read from its sizes: a train (or valid) set
+# smaller than DeepChem's took small sets first; a larger one put a set past its cutoff; equal
+# sizes with other indices hand equal-sized sets out in another order (the case's own hint).
+LARGEST_FIRST, CUTOFF, SET_ORDER = "not the largest sets first", "the cutoffs", "the order of the sets"
+
+
+def _diagnose_split(have: list[list[int]], want: list[list[int]]) -> tuple[str, str, str, str]:
+    sizes, expected = list(map(len, have)), list(map(len, want))
+    if sizes[0] < expected[0]:
+        return ("; train is smaller, so it did not take the largest scaffold sets first",
+                "Train takes the biggest scaffold sets first, so it fills its share with few, "
+                "large sets and leaves the rare scaffolds to valid and test.",
+                "Order the scaffold sets by size, largest first (ties by first index, "
+                "descending), before handing them out.", LARGEST_FIRST)
+    if sizes != expected and sizes[0] > expected[0]:
+        return ("; train is larger, so a set went past its cutoff",
+                "The cutoffs are cumulative: a set joins train while train stays within "
+                "frac_train of all molecules, else valid while train and valid together stay "
+                "within frac_train + frac_valid, else test.",
+                "For each set in order: train if train and the set together stay within "
+                "frac_train times the number of molecules; else valid if train, valid and the "
+                "set together stay within frac_train + frac_valid times it; else test.", CUTOFF)
+    if sizes != expected and sizes[1] < expected[1]:
+        return ("; valid is smaller, so the sets did not come largest first",
+                "Train takes the biggest scaffold sets first, then valid the next ones, and test "
+                "what is left: the rare scaffolds.",
+                "Order the scaffold sets by size, largest first (ties by first index, "
+                "descending), before handing them out.", LARGEST_FIRST)
+    if sizes != expected:
+        return ("; valid is larger, so a set went past its cutoff",
+                "The cutoffs are cumulative: a set joins train while train stays within "
+                "frac_train of all molecules, else valid while train and valid together stay "
+                "within frac_train + frac_valid, else test.",
+                "For each set in order: train if train and the set together stay within "
+                "frac_train times the number of molecules; else valid if train, valid and the "
+                "set together stay within frac_train + frac_valid times it; else test.", CUTOFF)
+    return "", "", "", SET_ORDER
 
 
 def _split_case(name: str, sets: Any, hint: str = "", **fracs: float) -> None:
@@ -604,7 +644,7 @@ def _compare_singletons(got: Any, expected: dict[str, Any]) -> None:
             raise CheckFailed(f"test holds molecules {crowded}, whose scaffolds occur more than "
                               "once: the big scaffold sets belong in train",
                               expected=f"test within the singletons {expected['singletons']}",
-                              got=got[2])
+                              got=got[2], cause=LARGEST_FIRST)
     _compare_split({"20 molecules": got} if isinstance(got, list) else {},
                    {"20 molecules": expected["split"]})
 
@@ -693,9 +733,12 @@ def _compare_metrics(got: Any, expected: Any) -> None:
                 raise CheckFailed(f"{name}: {key} differs from RDKit's "
                                   f"{'CalcEnrichment' if key == 'enrichment_factor' else 'CalcBEDROC'}",
                                   expected=value, got=h, hint=METRIC_HINTS[key],
-                                  recipe=METRIC_RECIPES[key])
+                                  recipe=METRIC_RECIPES[key], cause=METRIC_WRONG)
 
 
+# A metric that differs from RDKit's on one process differs on the sharded screen too: that case
+# follows this one when its ranking is right.
+METRIC_WRONG = "a metric differs from RDKit's"
 METRIC_HINTS = {
     "enrichment_factor": "EF@x: how much richer in actives the top x of the ranked list is than "
                          "the whole list; ties are ranked by position.",
@@ -769,16 +812,8 @@ def _compare_screen(got: Any, expected: dict[str, Any]) -> None:
         if not isinstance(result, dict):
             raise CheckFailed(f"rank {rank}: screen_metrics must return a dict with keys ef1, "
                               "bedroc and top100", got=result)
-        for key in ("ef1", "bedroc"):
-            value = result[key].item() if isinstance(result[key], torch.Tensor) else result[key]
-            if not isinstance(value, (int, float)) or not math.isclose(value, expected[key],
-                                                                        rel_tol=1e-9):
-                raise CheckFailed(f"rank {rank}: {key} of the whole screen differs from one process "
-                                  "on the whole list", expected=expected[key], got=value,
-                                  hint="A top fraction of each shard is not the top fraction "
-                                       "of the screen: the metrics rank the whole list.",
-                                  recipe="Gather every rank's scores, labels and ids first, then "
-                                         "rank the whole list once and compute the metrics on it.")
+        # the ranking first: a top100 that differs explains metrics that differ; a right
+        # ranking with wrong metrics is the formula (the case above, same cause) or the shards
         top = result["top100"]
         top = top.tolist() if isinstance(top, torch.Tensor) else [int(v) if isinstance(v, int)
                                                                   else plain(v) for v in top]
@@ -793,6 +828,17 @@ def _compare_screen(got: Any, expected: dict[str, Any]) -> None:
                               recipe="Sort by score descending and break ties by ascending id, "
                                      "not by the order the shards arrived in: sort by id first, "
                                      "then stably by score.")
+        for key in ("ef1", "bedroc"):
+            value = result[key].item() if isinstance(result[key], torch.Tensor) else result[key]
+            if not isinstance(value, (int, float)) or not math.isclose(value, expected[key],
+                                                                        rel_tol=1e-9):
+                raise CheckFailed(f"rank {rank}: {key} of the whole screen differs from one process "
+                                  "on the whole list", expected=expected[key], got=value,
+                                  hint="A top fraction of each shard is not the top fraction "
+                                       "of the screen: the metrics rank the whole list.",
+                                  recipe="Gather every rank's scores, labels and ids first, then "
+                                         "rank the whole list once and compute the metrics on it.",
+                                  cause=METRIC_WRONG)
 
 
 # bounds nothing: early-recognition metrics rank the whole screen, so every rank needs every
