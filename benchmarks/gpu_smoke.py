@@ -419,13 +419,14 @@ def lesson10(device: torch.device) -> str:
     m = _lesson(10)
     cuda = device.type == "cuda"
     smiles, energies = freesolv()
+    molecules, batch = (128, 64) if cuda else (16, 8)  # RDKit embeds every conformer: few on CPU
     train_graphs = [m.MolData(**mol_graph(conformer(s, seed=0)), y=energies[n:n + 1])
-                    for n, s in enumerate(smiles[:128])]
+                    for n, s in enumerate(smiles[:molecules])]
     torch.manual_seed(0)
     model = DDP(MessagePassingNet().to(device), device_ids=[device.index] if cuda else None)
     sampler = DistributedSampler(train_graphs, shuffle=True, seed=0)
-    loader = DataLoader(train_graphs, batch_size=64, sampler=sampler, collate_fn=m.collate,
-                        num_workers=4, pin_memory=cuda)
+    loader = DataLoader(train_graphs, batch_size=batch, sampler=sampler, collate_fn=m.collate,
+                        num_workers=4 if cuda else 2, pin_memory=cuda)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     for epoch in range(2):
         sampler.set_epoch(epoch)
