@@ -642,15 +642,38 @@ def _pair(x: Any) -> Any:
     return plain(x)
 
 
+# The classic slips of the ring's cost, each as the formula it computes: (what it shows, hint).
+_MODEL_SLIPS = {
+    "half": (lambda n, p, a, b: (p - 1) * a + (p - 1) / p * n * b,
+             "it is half the ring's time: the p - 1 messages of the reduce-scatter only",
+             "A ring all-reduce is a reduce-scatter and then an all-gather, p - 1 messages each: "
+             "2(p - 1) in all."),
+    "whole tensor": (lambda n, p, a, b: 2 * (p - 1) * (a + n * b),
+                     "it sends all n bytes in every message",
+                     "Each of the 2(p - 1) messages carries one chunk, n / p bytes: the "
+                     "bandwidth term is 2(p - 1)/p n beta."),
+    "latency once": (lambda n, p, a, b: a + 2 * (p - 1) / p * n * b,
+                     "it pays the latency alpha once",
+                     "Every one of the 2(p - 1) messages pays the latency alpha: the latency "
+                     "term is 2(p - 1) alpha, and 0 on one rank."),
+}
+
+
 def _compare_model(got: Any, expected: list[dict[str, Any]]) -> None:
     if not isinstance(got, list) or len(got) != len(expected):
         raise CheckFailed("expected one prediction per case", got=repr(got)[:200])
-    for g, e in zip(got, expected):
-        value = g.get("value") if isinstance(g, dict) else g
+    values = [g.get("value") if isinstance(g, dict) else g for g in got]
+    for value, e in zip(values, expected):
         if not isinstance(value, float):
             raise CheckFailed(f"{e['label']} returned {value!r}, not a number")
+    for value, e in zip(values, expected):
         if not math.isclose(value, e["value"], rel_tol=1e-6, abs_tol=1e-15):
-            raise CheckFailed(f"{e['label']} is wrong", expected=e["value"], got=value)
+            slip = next((k for k, (f, _, _) in _MODEL_SLIPS.items() if all(
+                math.isclose(v, f(n, p, *_MODEL_AB), rel_tol=1e-6, abs_tol=1e-15)
+                for v, (n, p) in zip(values, _GRID))), None) if len(values) == len(_GRID) else None
+            why, hint = _MODEL_SLIPS[slip][1:] if slip else ("", "")
+            raise CheckFailed(f"{e['label']} is wrong" + (f": {why}" if why else ""),
+                              expected=e["value"], got=value, hint=hint, cause=slip or "")
 
 
 def _compare_fit(got: Any, expected: Any) -> None:
@@ -658,6 +681,18 @@ def _compare_fit(got: Any, expected: Any) -> None:
         raise CheckFailed("fit_alpha_beta must return a tuple of two floats (alpha, beta)",
                           expected="(alpha, beta)", got=repr(got)[:200])
     # alpha is small next to the times of large messages, so allow it 1 ns of rounding.
+    close = [math.isclose(g, e, rel_tol=1e-4, abs_tol=tol)
+             for g, e, tol in zip(reversed(got), expected, (1e-9, 1e-18))]
+    if all(close) and not math.isclose(got[0], expected[0], rel_tol=1e-4, abs_tol=1e-9):
+        raise CheckFailed("returned (beta, alpha): the fit is right but the order is (alpha, beta)",
+                          expected=expected, got=got, cause="swapped",
+                          hint="fit_alpha_beta returns the latency first, then the seconds per "
+                               "byte: (alpha, beta).")
+    if got[0] == 0.0 and expected[0] != 0.0:
+        raise CheckFailed("alpha is 0: the line was forced through the origin", expected=expected,
+                          got=got, cause="through the origin",
+                          hint="alpha is the line's intercept, the time of an empty message: fit "
+                               "it, with the slope, by least squares (not a line through 0).")
     for name, g, e, tol in zip(("alpha", "beta"), got, expected, (1e-9, 1e-18)):
         if not math.isclose(g, e, rel_tol=1e-4, abs_tol=tol):
             raise CheckFailed(f"{name} is wrong", expected=e, got=g)
@@ -696,6 +731,7 @@ def _(fit_alpha_beta: Any, seed: int) -> Any:
 
 
 _GRID = [(n, p) for n in (1.0, 4096.0, 2.0**24, 1e9) for p in (1, 2, 3, 4, 8, 64)]
+_MODEL_AB = (5e-5, 1e-9)  # the alpha and beta the predictions are made with
 
 
 def predictions(model: Any, alpha: float, beta: float) -> list[dict[str, Any]]:
@@ -708,4 +744,4 @@ def predictions(model: Any, alpha: float, beta: float) -> list[dict[str, Any]]:
             hint="A ring all-reduce is 2(p-1) messages in a row, each of n / p bytes and each "
                  "paying the latency alpha once; one rank sends nothing.")
 def _(fit_alpha_beta: Any, seed: int) -> Any:
-    return predictions(_model_of(fit_alpha_beta), 5e-5, 1e-9)
+    return predictions(_model_of(fit_alpha_beta), *_MODEL_AB)
