@@ -196,9 +196,33 @@ def _defaults_on_rank(impl: Any, seed: int) -> list[Any]:
     return [_as_index(i) for i in sampler]
 
 
+def _compare_defaults(got: Any, expected: list[list[int]]) -> None:
+    """The default comparison; but where the ranks drew the right number of indices, wrong
+    ones are diagnosed as the other cases' are (dealt in blocks, another permutation, ...):
+    the mistake is then not in the defaults."""
+    try:
+        assert_same(got, expected)
+    except CheckFailed as e:
+        if isinstance(got, list) and len(got) == len(expected) and all(
+                isinstance(g, list) and len(g) == len(w) for g, w in zip(got, expected)):
+            def streams(lists: list[list[int]]) -> dict[str, Any]:
+                return {_describe_sampler(10, len(lists), r, True, 0, False):
+                        {"len": len(x), "epoch 0": x} for r, x in enumerate(lists)}
+
+            where = next(w for w, g, x in zip(streams(expected), got, expected) if g != x)
+            try:
+                hint, cause = _diagnose_stream(streams(got), streams(expected), where, "epoch 0")
+            except (IndexError, KeyError, TypeError, ValueError, AttributeError):
+                hint, cause = "", ""
+            if cause:
+                e.hint, e.cause = hint, cause
+        raise
+
+
 # torch's DistributedSampler (the reference) runs on the same 3 ranks for the expectation.
 SAMPLER.case("defaults num_replicas and rank to the process group (3 real ranks)",
              uses=SAMPLER.shared(_defaults_on_rank, world_size=3, timeout=20.0),
+             compare=_compare_defaults,
              hint="Left out, num_replicas and rank come from the default process group, as in "
                   "torch's DistributedSampler.")
 

@@ -254,6 +254,8 @@ def _first_failure(task_id, description):
     ("2.2", "restarts the data order after resuming", "the step count started again at 0",
      "Load the checkpoint at the start"),
     ("2.3", "blames every rank", "blamed every rank", "Compare the shape as well as the name"),
+    ("3.1", "shuffles with Python's random instead of torch.randperm", "another order",
+     "Left out, num_replicas and rank come from the default process group"),
     ("3.3", "concatenates the shards rank after rank: wrong order", "concatenated rank after rank",
      "trailing dimensions"),
     ("4.2", "hooks the tied weight twice (module by module)", "Only the tied weight's gradient",
