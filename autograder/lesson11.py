@@ -18,6 +18,7 @@ only), named here by string.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -184,7 +185,21 @@ def check_invariants(got: dict[str, Any], edge_index: torch.Tensor, seeds: torch
                      fanouts: list[int], what: str, *, counts_only: bool = False,
                      num_nodes: int = 300) -> None:
     """Every invariant of a sampled subgraph, exactly (raises CheckFailed naming the first
-    broken one). ``counts_only`` stops after the edge and per-node count checks."""
+    broken one). ``counts_only`` stops after the edge and per-node count checks.
+
+    The failure's cause is the invariant broken, whatever the configuration and the numbers: the
+    cases that sample other configurations and break the same one follow the first."""
+    try:
+        _invariants(got, edge_index, seeds, fanouts, what, counts_only=counts_only,
+                    num_nodes=num_nodes)
+    except CheckFailed as e:
+        text = e.message.removeprefix(f"{what}: ")
+        e.cause = e.cause or "invariant: " + re.sub(r"\d+", "#", re.sub(r"\[[^\]]*\]", "[]", text))
+        raise
+
+
+def _invariants(got: dict[str, Any], edge_index: torch.Tensor, seeds: torch.Tensor,
+                fanouts: list[int], what: str, *, counts_only: bool, num_nodes: int) -> None:
     if "returned" in got:
         raise CheckFailed(f"{what}: sample_neighbors returned {got['returned']}, expected a "
                           "SampledSubgraph (n_id, edge_index, num_sampled_nodes, num_sampled_edges)")
@@ -567,11 +582,13 @@ def _compare_plans(names: tuple[str, ...]) -> Any:
                         if g.is_floating_point() or g.tolist() != w.tolist():
                             other = "send" if field == "recv" else "recv"
                             swapped = plan[other][s].tolist() == w.tolist() and w.numel()
+                            # the cause is what is wrong: the same in another partition follows
                             raise CheckFailed(
                                 f"{name} partition: rank {rank}'s {field}[{s}] is wrong"
                                 + (f" (it holds what {other}[{s}] should: recv and send are "
                                    "swapped)" if swapped else ""),
-                                expected=w.tolist()[:16], got=g.tolist()[:16])
+                                expected=w.tolist()[:16], got=g.tolist()[:16],
+                                cause="recv and send swapped" if swapped else f"{field} wrong")
     return compare
 
 
@@ -736,6 +753,30 @@ def _both(impl: Any, seed: int) -> dict[int, Any]:
     return {ws: CONV_RUNS[ws](impl, seed) for ws in CONV_PARTS}
 
 
+FORWARD_WRONG = "the forward differs"  # the gradients of a wrong forward differ for that reason
+
+
+def _forward_wrong(ranks: list[Any], expected_out: list[torch.Tensor]) -> bool:
+    """Whether some rank's out differs from GCNConv's: then a gradient differs because of it."""
+    return any(not isinstance(r, dict) or tensor_mismatch(
+        r.get("out"), want, rtol=1e-9, atol=1e-10) is not None
+        for r, want in zip(ranks, expected_out))
+
+
+def _grad_cause(ranks: list[Any], expected: dict[str, Any]) -> str:
+    """The cause of a gradient that differs: the forward, when it differs too; else the input's
+    gradient (the halo rows' gradients that did not go home), which lin's then follows."""
+    if _forward_wrong(ranks, expected["out"]):
+        return FORWARD_WRONG
+    if _forward_wrong([{"out": r.get("x.grad")} if isinstance(r, dict) else r for r in ranks],
+                      expected["x.grad"]):
+        return HALO_GRADIENT
+    return ""
+
+
+HALO_GRADIENT = "x.grad differs"
+
+
 def _compare_values(field: str, summed: bool = False) -> Any:
     def compare(got: Any, expected: dict[int, Any]) -> None:
         for ws in CONV_PARTS:
@@ -751,7 +792,8 @@ def _compare_values(field: str, summed: bool = False) -> Any:
                 if problem:
                     raise CheckFailed(f"{what}: {field}, summed over ranks, {problem}, against "
                                       "GCNConv on the whole graph with the same weights",
-                                      expected=describe(expected[ws][field]))
+                                      expected=describe(expected[ws][field]),
+                                      cause=_grad_cause(ranks, expected[ws]))
                 continue
             for rank, r in enumerate(ranks):
                 problem = tensor_mismatch(r[field], expected[ws][field][rank], rtol=1e-9, atol=1e-10)
@@ -759,7 +801,9 @@ def _compare_values(field: str, summed: bool = False) -> Any:
                     raise CheckFailed(f"{what}: rank {rank}'s {field} {problem}, against GCNConv on "
                                       "the whole graph with the same weights",
                                       expected=describe(expected[ws][field][rank]),
-                                      got=describe(r[field]))
+                                      got=describe(r[field]),
+                                      cause=FORWARD_WRONG if field == "out" else
+                                      _grad_cause(ranks, expected[ws]))
     return compare
 
 

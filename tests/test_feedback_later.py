@@ -1,4 +1,4 @@
-"""What a failing check tells a student in Lessons 05, 07, 08 and 10: the mistake the data shows, once.
+"""What a failing check tells a student in Lessons 05-11: the mistake the data shows, once.
 
 Each test runs one seeded bug through its task's checks and holds the first failing case to the
 phrase that names what the code did wrong (its direction too: a norm smaller than the global one,
@@ -6,7 +6,7 @@ gradients left over, no collective at all), and holds every later case that fail
 it to "follows from the failure above" with no hint of its own. Most also name the old hint that
 sent the student after a mistake the code did not make (capping the clipping factor, dividing the
 micro-batch losses, unscaling twice, an opaque custom op, the order of equal-sized scaffold sets,
-a top fraction per shard), which must no longer be shown. Scores
+a top fraction per shard, the halo's autograd), which must no longer be shown. Scores
 are unchanged: the rule changes what is said, never the points.
 """
 
@@ -97,6 +97,16 @@ def _later_ones_follow(report, names):
      "A top fraction of each shard is not the top fraction"),
     (10, "10.4", "ties broken by input order", "top100 differs", (),
      "A top fraction of each shard is not the top fraction"),
+    # 11.1: a broken invariant breaks it in every configuration; 11.2: the same list wrong in
+    # another partition; 11.3: the gradients of a wrong forward, and lin's of a wrong x.grad
+    (11, "11.1", "num_sampled_nodes without the seeds' entry", "expected 4 counts",
+     ("n_id: the seeds", "per-hop sizes"), "The order is part of PyG's contract"),
+    (11, "11.2", "the halo holds the boundary nodes", "recv[1] is wrong",
+     ("METIS partition", "an empty part"), "Every rank takes part in both exchanges"),
+    (11, "11.3", "self-loops forgotten", "out differs",
+     ("the gradient of x_local", "the weight gradients"),
+     "The gradient of a halo row belongs to the rank that owns the row"),
+    (11, "11.3", "received rows detached", "x.grad differs", ("the weight gradients",), ""),
 ])
 def test_the_first_failure_names_the_mistake_and_the_rest_follow(lesson, task_id, bug, says,
                                                                  follows, not_shown):
