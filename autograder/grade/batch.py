@@ -280,6 +280,7 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
                    # scores 0 in the worker as it does in check()
                    "reference_prints": gates.answer_fingerprints()}
             (work / "job.json").write_text(json.dumps(job))
+            os.chmod(work / "job.json", 0o444)  # readable by the worker's uid whatever the umask
             exit = run_worker(work, limits, slot=slot, cases=len(pending), hide=hide)
             if exit.last is None and exit.reason is None:
                 # It died before reading the submission: the grader's installation is at fault.

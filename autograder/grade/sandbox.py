@@ -282,6 +282,10 @@ def _namespaced(workdir: Path, uid: int, argv: list[str], hide: Any, nsswitch_fd
         if _inside(real, trees) and os.path.exists(real):
             cmd += ["--tmpfs", real] if os.path.isdir(real) else ["--ro-bind", "/dev/null", real]
     work = os.path.realpath(workdir)
+    for parent in reversed(Path(work).parents):  # a TMPDIR of its own, under an umask of 077
+        if str(parent) not in made and not _inside(str(parent), trees):
+            cmd += ["--perms", "0755", "--dir", str(parent)]
+            made.add(str(parent))
     cmd += ["--bind", work, work, "--chdir", work,
             "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--",
             "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
@@ -491,8 +495,10 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
         cmd = argv
         drop = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     start = time.monotonic()
+    # umask: the worker's files are its own whatever the grader's shell had (077 or 000)
     proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds, **drop)
+                            stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds, umask=0o077,
+                            **drop)
     for fd in fds:
         os.close(fd)
     if not isolation().namespaces:
@@ -538,9 +544,19 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
                       count[0], time.monotonic() - start, [m for _, m in messages])
 
 
+def _work_base() -> str:
+    """Where worker folders go: the temporary directory, unless a worker of its own uid could not
+    reach it there (a private ``TMPDIR``, without namespaces to mount it): then ``/tmp``."""
+    base = tempfile.gettempdir()
+    if sandbox_uid(0) is None or isolation().namespaces:
+        return base
+    reachable = all(os.stat(p).st_mode & 0o001 for p in [base, *map(str, Path(base).parents)])
+    return base if reachable else "/tmp"
+
+
 def make_workdir() -> Path:
     """A fresh private folder for one worker run (removed with :func:`remove_workdir`)."""
-    path = Path(tempfile.mkdtemp(prefix=f"kit-grade-{os.getpid()}-"))
+    path = Path(tempfile.mkdtemp(prefix=f"kit-grade-{os.getpid()}-", dir=_work_base()))
     os.chmod(path, 0o711 if sandbox_uid(0) is not None else 0o700)
     return path
 
@@ -551,7 +567,7 @@ def remove_workdir(path: Path) -> None:
 
 def remove_stale_workdirs() -> None:
     """Remove the worker folders of grading runs that were killed (their grader pid is gone)."""
-    for old in Path(tempfile.gettempdir()).glob("kit-grade-*-*"):
+    for old in Path(_work_base()).glob("kit-grade-*-*"):
         try:
             os.kill(int(old.name.split("-")[2]), 0)
         except ValueError:
