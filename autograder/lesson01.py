@@ -511,7 +511,7 @@ def _compare_barrier(got: Any, expected: None, names: list[str]) -> None:
                           "complete", expected="every rank leaves each use", got=stuck[0],
                           cause="waits for a key nobody set",
                           hint="Every rank must work out which use it is in from the count "
-                               "store.add returned to it ((count - 1) // world_size), and the "
+                               "store.add returned to it, and the "
                                "arrival that completes a use (a count that is a multiple of "
                                "world_size) sets that use's key; a rank waiting for a key of "
                                "another use, or one no arrival sets, waits for ever.")

@@ -282,7 +282,7 @@ def _calls_slip(calls: dict[str, int], want: dict[str, int], units: str) -> tupl
     if calls[BLOCKING]:
         return (f"{calls[BLOCKING]} of them blocked (not async_op)",
                 "An all-reduce that blocks inside the hook stalls backward until it is done: "
-                "start it with async_op=True and wait for its work only in finish.", "blocking")
+                "start it asynchronously (async_op) and wait for its work only in finish.", "blocking")
     if any(calls[k] for k in under_no_sync):
         return ("all-reduces started during a backward() under no_sync",
                 "Inside no_sync() backward must not communicate: the hook returns at once while "
