@@ -81,14 +81,24 @@ def _compare_flops(got: Any, expected: Any, shapes: list[tuple[int, ...]]) -> No
         where = f"vocab={v}, dim={d}, layers={n_layers}, heads={h}, batch={b}, seq_len={t}"
         if not isinstance(g, int) or isinstance(g, bool):
             raise CheckFailed(f"{where}: training_flops returned {describe(g, 60)}, not an int",
-                              expected=e, got=describe(g, 60))
+                              expected=e, got=describe(g, 60), cause="not an int")
         if g != e:
             parts = expected["parts"][shapes.index(shape)]
             raise CheckFailed(f"{where}: {g:,} FLOPs, FlopCounterMode counts {e:,} "
                               f"({g / e:.3f}x); of the forward's {parts['forward']:,}, the "
                               f"projections are {parts['projections']:,}, attention's two "
                               f"products {parts['attention']:,}, the output layer "
-                              f"{parts['head']:,}", expected=e, got=g)
+                              f"{parts['head']:,}", expected=e, got=g, cause="FLOPs differ",
+                              hint=FEWER_FLOPS if g < e else MORE_FLOPS)
+
+
+# The direction of a count that differs: one shape's count names the mistake, and the other
+# shapes, counted by the same formula, follow it.
+FEWER_FLOPS = ("Too few FLOPs: some matrix multiplication is left out or undercounted. Compare "
+               "your parts with the breakdown (the projections, attention's two products, the "
+               "output layer), and remember that backward costs twice the forward.")
+MORE_FLOPS = ("Too many FLOPs: something is counted that is not a matrix multiplication in the "
+              "model (an embedding lookup is an index, not a product), or counted twice.")
 
 
 for _name, _shape in FLOP_SHAPES.items():

@@ -1,4 +1,4 @@
-"""What a failing check tells a student in Lessons 05-11: the mistake the data shows, once.
+"""What a failing check tells a student in Lessons 05-13: the mistake the data shows, once.
 
 Each test runs one seeded bug through its task's checks and holds the first failing case to the
 phrase that names what the code did wrong (its direction too: a norm smaller than the global one,
@@ -107,6 +107,14 @@ def _later_ones_follow(report, names):
      ("the gradient of x_local", "the weight gradients"),
      "The gradient of a halo row belongs to the rank that owns the row"),
     (11, "11.3", "received rows detached", "x.grad differs", ("the weight gradients",), ""),
+    # 12.1: one formula counted on several shapes is one mistake, named by its direction
+    (12, "12.1", "backward counted as equal to the forward", "Too few FLOPs",
+     ("long sequences", "a large vocabulary", "one layer", "three shapes"), ""),
+    # 13.3: the gradients of outputs that differ follow the outputs case
+    (13, "13.3", "puts expert e on rank e % W", "the output of its 12 tokens differs",
+     ("2 ranks: input, expert and router gradients", "4 ranks (10, 7",
+      "4 ranks: input, expert and router gradients"),
+     "the all-to-all that brought the tokens must carry their gradients back"),
 ])
 def test_the_first_failure_names_the_mistake_and_the_rest_follow(lesson, task_id, bug, says,
                                                                  follows, not_shown):
