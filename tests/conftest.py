@@ -112,3 +112,22 @@ def run_nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return done
+
+
+@pytest.fixture(scope="module")
+def browser() -> Any:
+    """Debian's Chromium driven by Playwright, one per test module (the browser tests' own).
+
+    Skips (or, under CI, fails) with the fix when Chromium or Playwright is missing."""
+    import shutil
+
+    from browser_support import CHROMIUM_FLAGS, require_browser
+
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=shutil.which("chromium"),
+                                     args=CHROMIUM_FLAGS, headless=True)
+        yield chromium
+        chromium.close()

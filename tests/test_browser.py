@@ -29,7 +29,6 @@ from typing import Any
 import nbformat
 import pytest
 from browser_support import (
-    CHROMIUM_FLAGS,
     ROOT,
     WIDGET_EXTENSION,
     LabServer,
@@ -54,18 +53,6 @@ from kit import lab
 
 LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
 OWN_TESTS = {"00_launching_ranks", "01_primitives"}  # each has a test of its own below
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    require_browser()
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=shutil.which("chromium"),
-                                     args=CHROMIUM_FLAGS, headless=True)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture(scope="module")

@@ -25,36 +25,21 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from browser_support import (
     ARTIFACTS,
-    CHROMIUM_FLAGS,
     ROOT,
     LabServer,
     open_notebook,
-    require_browser,
     screenshot,
 )
 
 from kit import lab
 
 LESSON = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))[0]
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    require_browser()
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=shutil.which("chromium"),
-                                     args=CHROMIUM_FLAGS, headless=True)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ readouts. A label cut short by the page (an ellipsis) fails. Screenshots go to
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,13 +21,11 @@ from typing import Any
 import nbformat
 import pytest
 from browser_support import (
-    CHROMIUM_FLAGS,
     ROOT,
     LabServer,
     assert_widgets_rendered,
     cell_index,
     open_notebook,
-    require_browser,
     run_cell,
     screenshot,
     solved_lesson,
@@ -41,18 +38,6 @@ from kit.lessons.proteins import _format_bytes, alphafold_pair_memory
 from kit.lessons.sharding import MODEL_SIZES, STAGES, params_label, stage_bytes
 
 STEMS = {5: "05_sharding", 8: "08_model_parallel", 9: "09_proteins"}
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    require_browser()
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=shutil.which("chromium"),
-                                     args=CHROMIUM_FLAGS, headless=True)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture(scope="module")
