@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from autograder.loading import SETUP, NotebookError, lessons_arg, load_tasks
-from autograder.registry import Task, lesson_tasks
+from autograder.registry import Task, checked_lessons, lesson_tasks
 from autograder.results import MISSING, NOT_IMPLEMENTED, PASSED, TaskReport, unloaded
 
 __all__ = ["LessonProgress", "Progress", "TaskProgress", "course_progress", "find_notebooks", "main"]
@@ -41,11 +41,6 @@ __all__ = ["LessonProgress", "Progress", "TaskProgress", "course_progress", "fin
 PASSED_, FAILED_, TODO_, NOT_STARTED_ = "passed", "failed", "not implemented", "not started"
 _AUTOGRADER = Path(__file__).resolve().parent
 CACHE_VERSION = 1
-
-
-def checked_lessons() -> list[int]:
-    """Every lesson that has checks (``autograder/lessonNN.py``), in order."""
-    return sorted(int(p.stem[6:]) for p in _AUTOGRADER.glob("lesson[0-9][0-9].py"))
 
 
 def _is_checkpoint(path: Path) -> bool:

@@ -61,6 +61,7 @@ __all__ = [
     "Task",
     "TASKS",
     "assert_same",
+    "checked_lessons",
     "fresh_runs",
     "get_task",
     "lesson_tasks",
@@ -389,6 +390,13 @@ def get_task(task_id: str) -> Task:
         known = ", ".join(sorted(TASKS)) or "none"
         raise KeyError(f"no task {task_id!r} (known tasks: {known}); task ids look like '0.2'")
     return TASKS[task_id]
+
+
+def checked_lessons() -> list[int]:
+    """Every lesson that has checks (an ``autograder/lessonNN.py``), in order."""
+    from pathlib import Path
+
+    return sorted(int(p.stem[6:]) for p in Path(__file__).resolve().parent.glob("lesson[0-9][0-9].py"))
 
 
 def lesson_tasks(lesson: int) -> list[Task]:
