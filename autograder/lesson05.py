@@ -351,6 +351,12 @@ def _zero_on_rank(impl: Any, seed: int) -> dict[str, Any]:
     return out
 
 
+BROADCAST_HINT = ("After the step only a parameter's owner holds its new value: every other "
+                  "rank needs it before the next forward.")
+BROADCAST_RECIPE = ("After the inner optimizer's step, let each owner broadcast its parameters "
+                    "(one flat buffer per owner) and every rank copy them back.")
+
+
 def _compare_final(kind: str) -> Any:
     def compare(got: Any, expected: dict[str, Any]) -> None:
         want = expected[kind]["final"]
@@ -367,9 +373,19 @@ def _compare_final(kind: str) -> Any:
                         for r in others)
                     why = (" (the other ranks have it right: did every owner broadcast its "
                            "parameters after stepping?)" if same_elsewhere else "")
-                    raise CheckFailed(f"rank {rank}: {name} after {ZERO_STEPS} steps {problem}, "
-                                      f"compared with one process on the whole batch{why}",
-                                      expected=short(tensor), got=short(have.get(name)))
+                    # ranks that hold different values of one parameter: the owner's update
+                    # never reached the others (the same in both optimizers' cases)
+                    disagree = any(
+                        tensor_mismatch(got[r][kind]["final"].get(name), have.get(name),
+                                        rtol=1e-6, atol=1e-7) is not None for r in others)
+                    raise CheckFailed(
+                        f"rank {rank}: {name} after {ZERO_STEPS} steps {problem}, compared with "
+                        f"one process on the whole batch{why}" +
+                        ("; the ranks hold different values of it" if disagree and not why else ""),
+                        expected=short(tensor), got=short(have.get(name)),
+                        cause="ranks disagree" if disagree else "",
+                        hint=BROADCAST_HINT if disagree else "",
+                        recipe=BROADCAST_RECIPE if disagree else "")
         if kind == "sgd":
             for rank, run in enumerate(got):
                 losses = run[kind]["closure losses"]

@@ -35,6 +35,9 @@ def _later_ones_follow(report, names):
 
 
 @pytest.mark.parametrize(("lesson", "task_id", "bug", "says", "follows", "not_shown"), [
+    # 5.2: ranks that disagree after the step miss the broadcast, not the mean gradient
+    (5, "5.2", "skips the broadcast after the step", "the ranks hold different values of it",
+     ("10 SGD steps",), "the owner must step with the mean over ranks"),
     # 5.3: the memory bounds after and during the forward exceed because the freed case failed
     (5, "5.3", "keeps the full parameters after forward", "the views set on the module",
      ("bytes alive after the forward", "peak bytes during the forward"),
