@@ -215,6 +215,10 @@ def _functions(value: Any) -> list[types.FunctionType]:
         for member in list(vars(value).values()):
             if isinstance(member, (staticmethod, classmethod)):
                 member = member.__func__
+            if getattr(member, "__module__", value.__module__) != value.__module__:
+                # not the class's own: a metaclass planted it (every Enum subclass holds
+                # enum.Enum.__new__ itself); wrapping it would catch every enum's construction
+                continue
             if isinstance(member, property):
                 found += [f for f in (member.fget, member.fset, member.fdel)
                           if isinstance(f, types.FunctionType)]

@@ -299,6 +299,32 @@ def _probe_files(got: list[dict[str, Any]], jobs: list[tuple], w: int) -> tuple[
     return common, [p - common for p in probes]
 
 
+_OPENS_OTHERS = "a load opens the files of pieces outside its range"
+
+
+def _opened_beyond(got: list[dict[str, Any]], jobs: list[tuple]) -> dict[int, set[str]]:
+    """Per load (index), the files it opened that belong to pieces outside its range."""
+    extra: dict[int, set[str]] = {}
+    for w, sizes in ((w, s[0]) for w, s in SAVE_SPLITS.items()):
+        pieces = [(o, n) for o, n in zip(_offsets(sizes), sizes) if n]
+        common, own = _probe_files(got, jobs, w)
+        if len(own) != len(pieces):
+            continue
+        everything = len(pieces) > 1 and not any(own)  # every load opened every file
+        for i, (sw, _, offset, numel, _) in enumerate(jobs):
+            if sw != w:
+                continue
+            if everything:
+                if sum(max(offset, o) < min(offset + numel, o + n) for o, n in pieces) < len(pieces):
+                    extra[i] = set(got[i]["opened"])
+                continue
+            needed = set(common).union(*[own[k] for k, (o, n) in enumerate(pieces)
+                                         if max(offset, o) < min(offset + numel, o + n)])
+            if set(got[i]["opened"]) - needed:
+                extra[i] = set(got[i]["opened"]) - needed
+    return extra
+
+
 def _compare_opened(got: Any, expected: Any) -> None:
     jobs = _load_jobs()
     for w, sizes in ((w, s[0]) for w, s in SAVE_SPLITS.items()):
@@ -313,7 +339,7 @@ def _compare_opened(got: Any, expected: Any) -> None:
                     f"saved on {w} ranks: loading one element of the piece [{o}, {o + n}) opened "
                     f"the same files as loading one element of any other piece: {sorted(common)}",
                     expected="each load opens the metadata and only the files of the pieces it "
-                             "overlaps", got=sorted(common),
+                             "overlaps", got=sorted(common), cause=_OPENS_OTHERS,
                     hint="Where the pieces lie must be known without opening them: from the "
                          "metadata (or the file names) alone.",
                     recipe="Keep the offsets and sizes in the metadata, not only inside the piece "
@@ -324,7 +350,7 @@ def _compare_opened(got: Any, expected: Any) -> None:
                     raise CheckFailed(
                         f"saved on {w} ranks: loads of one element in two different pieces both "
                         f"opened {sorted(files & other)}", expected="disjoint files per piece",
-                        got=sorted(files & other),
+                        got=sorted(files & other), cause=_OPENS_OTHERS,
                         hint="Check the overlap test: a load must not open a neighbouring piece.",
                         recipe="A piece overlaps the range only when the larger of the two "
                                "starts is below the smaller of the two ends; ends are "
@@ -341,7 +367,7 @@ def _compare_opened(got: Any, expected: Any) -> None:
                 raise CheckFailed(
                     f"saved on {w} ranks, load_shards('weight', offset={offset}, numel={numel}) "
                     f"opened {sorted(extra)}, which belong to pieces outside that range",
-                    expected=sorted(needed), got=sorted(got[i]["opened"]),
+                    expected=sorted(needed), got=sorted(got[i]["opened"]), cause=_OPENS_OTHERS,
                     hint="Open only the pieces that overlap [offset, offset + numel).",
                     recipe="Before opening a piece's file, compute its overlap with the range "
                            "and skip the piece when the overlap is empty.")
@@ -354,11 +380,19 @@ SHARDS.case("a load opens only the metadata and the files of the pieces it overl
 
 def _compare_bytes(got: Any, expected: list[int]) -> None:
     jobs = _load_jobs()
-    for job, g, allowed in zip(jobs, got, expected):
+    beyond = _opened_beyond(got, jobs)
+    for i, (job, g, allowed) in enumerate(zip(jobs, [r["bytes"] for r in got], expected)):
         if g < 0:  # no /proc/self/io here: the audit-hook case still grades the files opened
             continue
         if g > allowed:
             w, name, offset, numel, _ = job
+            if i in beyond:  # the bytes of pieces it had no need to open
+                raise CheckFailed(
+                    f"saved on {w} ranks, load_shards({name!r}, offset={offset}, numel={numel}) read "
+                    f"{g:,} bytes: it opened {sorted(beyond[i])}, files of pieces outside that range",
+                    expected=f"at most {allowed:,} bytes", got=f"{g:,} bytes", cause=_OPENS_OTHERS,
+                    hint="Open only the pieces that overlap [offset, offset + numel): where they "
+                         "lie comes from the metadata.")
             raise CheckFailed(
                 f"saved on {w} ranks, load_shards({name!r}, offset={offset}, numel={numel}) read "
                 f"{g:,} bytes, more than the pieces it overlaps plus {BYTES_SLACK // 1024} KiB "
@@ -372,7 +406,8 @@ def _compare_bytes(got: Any, expected: list[int]) -> None:
 
 SHARDS.case("no load reads more bytes than the pieces it overlaps (plus 32 KiB per file for "
             "headers and metadata; /proc/self/io)", uses=SHARDS_RUN, compare=_compare_bytes,
-            expect="allowed_read_bytes", pick=lambda run: [r["bytes"] for r in run["loads"]])
+            expect="allowed_read_bytes",
+            pick=lambda run: [{"bytes": r["bytes"], "opened": r["opened"]} for r in run["loads"]])
 SHARDS.bound(
     "bytes a rank writes beyond its own pieces",
     formula="16 KiB (each piece file's header, rank 0's metadata)",
@@ -507,8 +542,7 @@ _SNAPSHOT_PARTS = [
      "Save sampler.epoch and sampler.position; restore with set_epoch(epoch), then position "
      "(set_epoch resets it to 0)."),
     ("torch_rng", "torch's RNG state (dropout masks)",
-     "Save torch.get_rng_state() under a key that names the rank: DCP keeps one copy of a key "
-     "every rank saves, so all ranks would get one rank's state."),
+     "Save torch.get_rng_state() (per rank) and restore it with torch.set_rng_state()."),
     ("python_rng", "Python's RNG state (the random crop)",
      "Save random.getstate() (per rank) and restore it with random.setstate()."),
     ("numpy_rng", "NumPy's RNG state (the token masking)",
@@ -516,6 +550,20 @@ _SNAPSHOT_PARTS = [
     ("scaler", "the GradScaler's [scale, growth tracker]",
      "When a scaler is given, save scaler.state_dict() and load it back."),
 ]
+
+
+_ONE_KEY = "every rank loads one rank's random state"
+
+
+def _whose(got: Any, per_rank: list[Any], rank: int) -> int | None:
+    """The other rank whose saved value ``got`` is exactly, if any (tensors only)."""
+    if not isinstance(got, torch.Tensor):
+        return None
+    for other, value in enumerate(per_rank):
+        if other != rank and isinstance(value, torch.Tensor) and value.shape == got.shape \
+                and value.dtype == got.dtype and torch.equal(value, got):
+            return other
+    return None
 
 
 def _compare_resume(kind: str) -> Callable[[Any, Any], None]:
@@ -527,10 +575,19 @@ def _compare_resume(kind: str) -> Callable[[Any, Any], None]:
                 try:
                     assert_same(g["snapshot"][part], e["snapshot"][part], rtol=0.0, atol=0.0)
                 except CheckFailed as f:
+                    owner = _whose(g["snapshot"][part], [x["snapshot"][part] for x in expected], rank)
+                    if owner is not None:  # the state came back, but another rank's
+                        raise CheckFailed(
+                            f"rank {rank}: right after dcp.load, {what} is rank {owner}'s, not its "
+                            "own: every rank was given one rank's state", expected=f"rank {rank}'s",
+                            got=f"rank {owner}'s", cause=_ONE_KEY,
+                            hint="Random state differs per rank: save it under a key that names "
+                                 "the rank. DCP keeps one copy of a key every rank saves, so all "
+                                 "ranks load the same one.") from None
                     raise CheckFailed(
                         f"rank {rank}: right after dcp.load, {what} is not what it was when the "
                         f"checkpoint was saved ({f.message})", expected=f.expected, got=f.got,
-                        hint=hint) from None
+                        hint=hint, cause=f"{what} is not restored") from None
             assert_same(g["losses"], e["losses"], rtol=0.0, atol=0.0,
                         path=f"rank {rank}: losses of the {steps} resumed steps")
             assert_same(g["final"], e["final"], rtol=0.0, atol=0.0,

@@ -153,7 +153,7 @@ class TaskReport:
                          + ("" if c.status in (PASSED, FAILED, NOT_IMPLEMENTED) else f"  {c.status}"))
             if c.follows:
                 lines.append(f"         {FOLLOWS}")
-            if c.message and not c.passed:
+            if c.message and not c.passed and not _repeats(c):
                 lines += [f"         {line}" for line in c.message.splitlines()]
             if (c.expected is not None or c.got is not None) and not c.follows:
                 lines += [f"         expected: {c.expected}", f"         got:      {c.got}"]
@@ -175,7 +175,7 @@ class TaskReport:
             body = []
             if c.follows:
                 body.append(f"<div style='color:#757575'><i>{_esc(FOLLOWS)}</i></div>")
-            if c.message and not c.passed:
+            if c.message and not c.passed and not _repeats(c):
                 body.append(f"<div>{_rich(c.message)}</div>")
             if (c.expected is not None or c.got is not None) and not c.follows:
                 body.append(_expected_got(c.expected, c.got))
@@ -193,6 +193,12 @@ class TaskReport:
                 f"Task {_esc(self.task_id)} <code>{_esc(self.name)}</code>: {_rich(self.headline())}</div>"
                 + (f"<div style='font-size:0.9em'>{_rich(self.note)}</div>" if self.note else "")
                 + f"<table>{''.join(rows)}</table></div>")
+
+
+def _repeats(c: CaseResult) -> bool:
+    """A case that follows an earlier one word for word (the same error of a shared run, the same
+    use of what the task re-implements): its message is the one already shown above."""
+    return bool(c.follows) and c.status in (ERROR, FORBIDDEN)
 
 
 def _num(x: float) -> str:
@@ -299,7 +305,7 @@ def settle(report: TaskReport) -> TaskReport:
     seen: dict[tuple[str, ...], str] = {}
     for c in report.cases:
         key = (("cause", c.cause) if c.status == FAILED and c.cause else
-               (c.status, c.message) if c.status == ERROR else None)
+               (c.status, c.message) if c.status in (ERROR, FORBIDDEN) else None)
         if key is None:
             continue
         if key in seen:

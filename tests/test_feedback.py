@@ -284,3 +284,34 @@ def test_ddp_without_the_initial_broadcast_is_one_failure_the_training_cases_fol
     text = report.to_text()
     assert "Overlap:" not in text and "Buckets: few large" not in text
     assert report.score == pytest.approx({"4.1": 0.75, "4.2": 1.8, "4.3": 1.6}[task_id])
+
+
+def _bug6(task_id, description):
+    return dict(seeded_bugs(6)[task_id])[description]
+
+
+def test_6_1_a_loader_that_opens_every_file_is_told_so_once_and_is_not_called_forbidden():
+    # It once scored 0 as "uses torch.distributed.checkpoint": the gate had wrapped
+    # enum.Enum.__new__, which every Enum class of DCP holds, so torch.load's enums tripped it.
+    report = run_checks("6.1", _bug6("6.1", "offsets kept inside the piece files: every load opens every file"))
+    assert report.status == "failed" and report.score == pytest.approx(2.5)
+    opened, read = report.cases[-3], report.cases[-2]
+    assert "opened the same files as loading one element of any other piece" in opened.message
+    assert read.follows == opened.name
+    assert "torch.save of a view" not in report.to_text()
+
+
+def test_6_1_forbidden_use_is_said_once_and_every_other_case_follows():
+    report = run_checks("6.1", _bug6("6.1", "wraps dcp.save/dcp.load and loads every piece"))
+    assert report.score == 0 and all(c.status == "forbidden" for c in report.cases)
+    assert [c.follows for c in report.cases[1:]] == [report.cases[0].name] * (len(report.cases) - 1)
+    assert report.to_text().count("This task asks you to build it yourself") == 1
+
+
+def test_6_2_one_key_for_every_rank_is_named_as_another_ranks_state():
+    report = run_checks("6.2", _bug6("6.2", "the RNG states are saved under one key on every rank (DCP keeps one copy)"))
+    ddp, fsdp = report.cases[0], report.cases[1]
+    assert "is rank 1's, not its own" in ddp.message and "names the rank" in ddp.hint
+    assert fsdp.follows == ddp.name
+    lost = run_checks("6.2", _bug6("6.2", "the RNG states are not saved")).cases[0]
+    assert "is not what it was" in lost.message and "DCP keeps one copy" not in lost.hint
