@@ -46,7 +46,7 @@ class DropoutTransformer(TinyTransformer):
         return self.head(self.ln(h))  # (B, T, vocab)
 
 
-def make_model(dim: int = 32, layers: int = 2) -> DropoutTransformer:
+def make_model(dim: int = 32, layers: int = 1) -> DropoutTransformer:
     """The same initial weights in every process (seeded here, not by the caller's RNG)."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
