@@ -62,11 +62,14 @@ def run_case(task: Task, case: Case, impl: Any, seed: int = 0) -> CaseResult:
     return judge(task, case, got, task.expected(case, seed), time.perf_counter() - start)
 
 
-def run_checks(task_id: str, impl: Any, *, seed: int = 0) -> TaskReport:
+def run_checks(task_id: str, impl: Any, *, seed: int = 0, stop_at_failure: bool = False) -> TaskReport:
     """Run every case of ``task_id`` on ``impl``; no output beyond what ``impl`` prints.
 
     Once a case finds the task not implemented, the remaining cases are marked the same
-    without running them (a stub would only raise again).
+    without running them (a stub would only raise again). ``stop_at_failure=True`` ends the
+    report at the first case that does not pass, for a caller that needs only whether the task
+    passes (the seeded-bug tests): the cases after it, and the shared runs only they read, are
+    never run, so its score is not the task's score.
 
     Raises:
         KeyError: ``task_id`` is not a registered task.
@@ -88,6 +91,8 @@ def run_checks(task_id: str, impl: Any, *, seed: int = 0) -> TaskReport:
         result = run_case(task, case, impl, seed)
         todo = result.status == NOT_IMPLEMENTED
         report.cases.append(result)
+        if stop_at_failure and result.status != PASSED:
+            break
     return settle(report)
 
 

@@ -32,8 +32,8 @@
 # - mask tokens for masked-language-model pretraining, the 80/10/10 way (**Task 9.1**, 3 points);
 # - batch variable-length sequences by a token budget and deal the batches so that every rank
 #   takes the same number of steps (**Task 9.2**, 3 points);
-# - train a small ESM-2 on 4 ranks with FSDP2, bf16 autocast and activation checkpointing,
-#   and probe what it learned;
+# - train a small ESM-2 on 4 ranks with FSDP2, bf16 autocast (where the hardware has bf16)
+#   and activation checkpointing, and probe what it learned;
 # - compute attention over a sequence split across ranks with ring attention: K and V travel
 #   around the ring, and an online softmax merges the pieces (**Task 9.3**, 4 points);
 # - predict AlphaFold 2's pair memory and cut triangle attention's peak by chunking
@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from kit import LaunchError, check, launch
+from kit.lessons.precision import cpu_has_native_bf16
 from kit.lessons.proteins import (
     CANONICAL,
     ESM2_FAMILY,
@@ -296,7 +297,10 @@ plt.show()
 #    [`fully_shard`](https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html)
 #    (Lesson 05), the order torchtitan uses;
 # 3. runs forward under [`torch.autocast`](https://pytorch.org/docs/stable/amp.html) in
-#    bf16 and computes the loss in fp32;
+#    bf16 and computes the loss in fp32. That pays only where the hardware multiplies bf16:
+#    every recent GPU, and CPUs with AVX512-BF16 or AMX. Elsewhere the CPU emulates bf16 and a
+#    step runs several times slower than in fp32, so `BF16` below turns autocast on only
+#    where the CPU has those instructions (`bf16=True` forces it);
 # 4. takes its token-budget batches from Task 9.2 and masks them with Task 9.1.
 #
 # The loss is averaged over the masked tokens of all ranks (one small all-reduce per step) and
@@ -306,12 +310,15 @@ plt.show()
 
 # %%
 STEPS, SPEED_STEPS = 200, 20  # training steps; steps of each short run for tokens per second
+BF16 = cpu_has_native_bf16()  # bf16 autocast only where this CPU multiplies bf16 in hardware
+print("bf16 autocast:", "on" if BF16 else "off (this CPU has no AVX512-BF16 or AMX: bf16 would "
+      "be emulated, several times slower than fp32; on a GPU, train with bf16=True)")
 TRAIN = [i for i in range(len(sequences)) if i % 5]  # 4 in 5 for pretraining (and the probe's training set)
 TEST = [i for i in range(len(sequences)) if i % 5 == 0]  # 1 in 5 held out for the probe
 
 
 def train_mlm(strategy="fsdp2", steps=STEPS, max_tokens=1024, lr=4e-3, checkpointing=True,
-              bf16=True, seed=0):
+              bf16=BF16, seed=0):
     """One rank's MLM training; returns per-step global losses, tokens/s and rank 0's full weights."""
     import time
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from nbformat.v4 import new_code_cell, new_output
 from nbgrader.utils import determine_grade
 
-from autograder.checking import ERROR, FAILED, NOT_IMPLEMENTED, check, run_checks
+from autograder.checking import ERROR, FAILED, NOT_IMPLEMENTED, PASSED, check, run_checks
 from autograder.registry import get_task, lesson_tasks
 
 CHECKED_LESSONS = sorted(set(SOURCES) | {int(p.stem[6:]) for p in (ROOT / "autograder").glob("lesson[0-9][0-9].py")})
@@ -58,7 +58,10 @@ def test_every_seeded_bug_fails(task_id):
     bugs = seeded_bugs(task.lesson).get(task_id, [])
     assert bugs, f"task {task_id} has no seeded bug: add one to tests/bugs/lesson{task.lesson:02d}.py"
     for description, impl in bugs:
-        report = run_checks(task_id, impl)
+        # the first failing case proves the bug is caught; what each case then says of a bug is
+        # tested case by case (tests/test_feedback*.py, the lessons' own tests)
+        report = run_checks(task_id, impl, stop_at_failure=True)
+        assert report.cases and report.cases[-1].status != PASSED
         assert not report.passed, f"seeded bug {description!r} of task {task_id} passes every check"
         assert report.status != NOT_IMPLEMENTED
         assert report.score < task.points

@@ -14,6 +14,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,40 @@ def test_cpu_autocast_layer_norm_of_the_fp32_residual_stream_is_fp32():
 def test_cpu_bf16_sum_accumulates_in_fp32_and_rounds_only_the_result():
     # bf16 accumulation would stall at 256 (256 + 1 rounds to 256); 9984 is bf16(10000)
     assert torch.ones(10_000, dtype=torch.bfloat16).sum().item() == 9984.0
+
+
+def _step_seconds(model, tokens, bf16: bool) -> float:
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(tokens)["logits"]
+        out.float().sum().backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_lesson09_trains_in_bf16_only_where_the_cpu_multiplies_bf16_and_fp32_is_faster_elsewhere():
+    # Lesson 09's claim: without AVX512-BF16 or AMX a bf16 autocast step is several times slower
+    # than fp32, so BF16 = cpu_has_native_bf16() leaves autocast off there.
+    import platform
+
+    from kit.lessons.precision import cpu_has_native_bf16
+    from kit.lessons.proteins import small_esm2
+
+    native = cpu_has_native_bf16()
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert native == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    if native:
+        pytest.skip("this CPU multiplies bf16 in hardware: the lesson trains in bf16 here")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per rank, as the lesson's ranks run
+    try:
+        model, tokens = small_esm2(), torch.randint(4, 24, (8, 128))
+        fp32, bf16 = _step_seconds(model, tokens, False), _step_seconds(model, tokens, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert bf16 > 2 * fp32, (bf16, fp32)
 
 
 def _fp32_list_ops(class_name: str) -> set[str]:

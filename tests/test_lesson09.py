@@ -273,6 +273,9 @@ def test_lesson09_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert all(r < a < w for r, a, w in zip(peaks["ring"], peaks["all-gather K/V"],
                                             peaks["one process, whole sequence"]))
     assert "never downloads weights" in printed
+    from kit.lessons.precision import cpu_has_native_bf16
+
+    assert re.search(r"^bf16 autocast: (on|off)\b", printed, re.M)[1] == ("on" if cpu_has_native_bf16() else "off")
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)

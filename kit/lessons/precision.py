@@ -8,10 +8,13 @@ over padded sequences written the way eager code often is, with a ``print``, a b
 
 from __future__ import annotations
 
+import platform
+import time
+
 import torch
 from torch import nn
 
-__all__ = ["FORMATS", "GraphBreakNet", "format_table", "padded_batch"]
+__all__ = ["FORMATS", "GraphBreakNet", "cpu_has_native_bf16", "format_table", "padded_batch"]
 
 # (name, dtype, exponent bits, mantissa bits). tf32 is not a storage dtype: it is fp32 read by
 # the tensor cores with fp16's 10 mantissa bits and fp32's 8 exponent bits.
@@ -21,6 +24,30 @@ FORMATS = [
     ("fp16", torch.float16, 5, 10),
     ("bf16", torch.bfloat16, 8, 7),
 ]
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware, so that CPU autocast to bf16 pays.
+
+    On x86 that takes AVX512-BF16 or AMX, as ``torch.cpu`` reports them; without either, the
+    products widen each bf16 element to fp32 in software and round the result back, and a bf16
+    step runs several times slower than an fp32 one (7x for Lesson 09's model, one thread, on
+    an AVX2-only CPU). Elsewhere (Arm)
+    one 256x256 product in each dtype is timed once: bf16 counts as native unless it is over
+    twice as slow. A GPU is not asked: every GPU the lessons target has bf16 tensor cores.
+    """
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    a = torch.randn(256, 256)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = a.to(dtype)
+        x @ x  # warm-up
+        start = time.perf_counter()
+        for _ in range(3):
+            x @ x
+        seconds[dtype] = time.perf_counter() - start
+    return seconds[torch.bfloat16] <= 2 * seconds[torch.float32]
 
 
 def format_table() -> list[dict[str, object]]:
