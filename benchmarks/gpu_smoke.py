@@ -425,8 +425,10 @@ def lesson10(device: torch.device) -> str:
     torch.manual_seed(0)
     model = DDP(MessagePassingNet().to(device), device_ids=[device.index] if cuda else None)
     sampler = DistributedSampler(train_graphs, shuffle=True, seed=0)
+    # persistent workers start once, not every epoch: each one imports the lesson (PyG, RDKit) to
+    # unpickle your collate, seconds apiece (the ranks are spawned, so their workers are too)
     loader = DataLoader(train_graphs, batch_size=batch, sampler=sampler, collate_fn=m.collate,
-                        num_workers=4 if cuda else 2, pin_memory=cuda)
+                        num_workers=4 if cuda else 1, pin_memory=cuda, persistent_workers=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     for epoch in range(2):
         sampler.set_epoch(epoch)

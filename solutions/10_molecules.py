@@ -868,8 +868,8 @@ print("same on every rank:", all(r["global"] == sharded[0]["global"] for r in sh
 # model = DDP(MessagePassingNet().cuda(), device_ids=[local_rank])
 # sampler = DistributedSampler(train_graphs, shuffle=True, seed=0)
 # loader = DataLoader(train_graphs, batch_size=64, sampler=sampler, collate_fn=collate,
-#                     num_workers=4, pin_memory=True)
-# for epoch in range(epochs):
+#                     num_workers=4, pin_memory=True, persistent_workers=True)
+# for epoch in range(epochs):  # persistent workers start once, not at every epoch
 #     sampler.set_epoch(epoch)
 #     for batch in loader:
 #         batch = batch.to(local_rank, non_blocking=True)
