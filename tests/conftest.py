@@ -70,6 +70,16 @@ def stubs(lesson: int) -> ModuleType:
 
 
 @functools.cache
+def executed_lesson(source: Path) -> Any:
+    """One headless run of a lesson source per test session (kit.runner.run_notebook, 600 s at
+    most), for every test that reads what the lesson shows: a lesson runs once, and each test
+    asserts its own time budget on ``result.seconds``."""
+    import kit.runner
+
+    return kit.runner.run_notebook(source, timeout=600)
+
+
+@functools.cache
 def seeded_bugs(lesson: int) -> dict[str, list[tuple[str, Any]]]:
     try:
         return importlib.import_module(f"bugs.lesson{lesson:02d}").BUGS

@@ -3,7 +3,7 @@
 The scripts are taken from the lesson source's ``%%writefile`` cells, so these tests run exactly
 what a student runs. The trusted reference is a single-process sum; kit.launch runs the script's
 own ``work`` function. The section itself (the notebook function that cannot be spawned, the
-timing table) runs headless in the slow test, on the lesson's own cells.
+timing table) is read from the lesson's one headless run, in the slow test.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import jupytext
-import nbformat
 import pytest
+from conftest import executed_lesson
 
 from kit.launcher import run_ranks
 
@@ -93,22 +93,15 @@ def test_process_and_join_with_spawn_gives_the_same_result(scripts):
 
 
 @pytest.mark.slow
-def test_section_runs_headless_and_shows_the_spawn_failure_and_the_timings(tmp_path):
-    """The section's own cells, after the lesson's setup cell, in a fresh kernel."""
-    from kit.runner import run_notebook
-
-    cells = jupytext.read(SOURCE).cells
+def test_section_runs_headless_and_shows_the_spawn_failure_and_the_timings():
+    """The section's own cells, in the lesson's one headless run (shared with tests/test_runner.py)."""
+    result = executed_lesson(SOURCE)
+    assert result.ok, str(result.failure)
+    cells = result.notebook.cells
     start = next(i for i, c in enumerate(cells) if c.cell_type == "markdown" and SECTION in c.source)
     stop = next(i for i, c in enumerate(cells) if i > start and c.cell_type == "markdown"
                 and NEXT_SECTION in c.source)
-    setup = [c for c in cells if "setup" in c.metadata.get("tags", [])]
-    nb = nbformat.v4.new_notebook(cells=setup + cells[start:stop], metadata={
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    path = tmp_path / "by_hand.ipynb"
-    nbformat.write(nb, path)
-    result = run_notebook(path, timeout=300)
-    assert result.ok, str(result.failure)
-    outputs = [o for c in result.notebook.cells for o in c.get("outputs", [])]
+    outputs = [o for c in cells[start:stop] for o in c.get("outputs", [])]
     printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "same as by hand: True" in printed
     # the real error of a spawned child that looks up a notebook function, caught
