@@ -298,7 +298,7 @@ plt.show()
 #    (Lesson 05), the order torchtitan uses;
 # 3. runs forward under [`torch.autocast`](https://pytorch.org/docs/stable/amp.html) in
 #    bf16 and computes the loss in fp32. That pays only where the hardware multiplies bf16:
-#    every recent GPU, and CPUs with AVX512-BF16 or AMX. Elsewhere the CPU emulates bf16 and a
+#    NVIDIA GPUs from Ampere (A100) on, and CPUs with AVX512-BF16 or AMX. Elsewhere the CPU emulates bf16 and a
 #    step runs several times slower than in fp32, so `BF16` below turns autocast on only
 #    where the CPU has those instructions (`bf16=True` forces it);
 # 4. takes its token-budget batches from Task 9.2 and masks them with Task 9.1.

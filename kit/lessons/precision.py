@@ -32,9 +32,9 @@ def cpu_has_native_bf16() -> bool:
     On x86 that takes AVX512-BF16 or AMX, as ``torch.cpu`` reports them; without either, the
     products widen each bf16 element to fp32 in software and round the result back, and a bf16
     step runs several times slower than an fp32 one (7x for Lesson 09's model, one thread, on
-    an AVX2-only CPU). Elsewhere (Arm)
-    one 256x256 product in each dtype is timed once: bf16 counts as native unless it is over
-    twice as slow. A GPU is not asked: every GPU the lessons target has bf16 tensor cores.
+    an AVX2-only CPU). Elsewhere (Arm) one 256x256 product in each dtype is timed once: bf16
+    counts as native unless it is over twice as slow. A GPU is not asked: NVIDIA's have bf16
+    tensor cores from Ampere (A100) on.
     """
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
