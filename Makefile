@@ -4,6 +4,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# pytest-xdist workers for `make test` (0: one process). Most tests leave a core idle while
+# ranks start, kernels boot or a hang times out; tests/conftest.py keeps the files that must
+# share a worker together.
+TEST_WORKERS ?= 0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
@@ -21,7 +25,7 @@ lab: $(STAMP)
 	$(BIN)/kit lab
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check kit autograder tests benchmarks solutions

@@ -50,9 +50,57 @@ def _keeping_executed_lessons() -> None:
 _keeping_executed_lessons()
 
 
+# `make test` runs the suite on two pytest-xdist workers (``-n 2``). One worker runs a test
+# file whole, in order, with its module fixtures set up once; the files of each group below run
+# together on one worker, in this order (see :func:`pytest_xdist_make_scheduler`):
+GROUPS = {
+    # every file that runs a lesson headless, then the site built from those runs (test_site
+    # must come after all of them: build/executed/ is only complete on that worker);
+    # Lesson 00's run is shared by test_runner and test_lesson00_by_hand (conftest.executed_lesson)
+    "lessons": ["test_runner.py", "test_lesson00_by_hand.py", "test_mpi.py",
+                *[f"test_lesson{n:02d}.py" for n in range(2, 14)], "test_site.py"],
+    # the sandboxed batch grader: test_isolation asserts that no sandbox process (bwrap, a
+    # sandbox uid) outlives its batch, which another file's batch running beside it would break
+    "sandbox": ["test_isolation.py", "test_grading.py", "test_grading_resume.py",
+                "test_result_routes.py", "test_environment.py"],
+}
+# the longest units first, so that the last one to finish starts early (the rest keep the
+# order they were collected in)
+FIRST = ["lessons", "test_browser.py", "test_checks.py", "sandbox"]
+_GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work one xdist worker runs whole: a group of GROUPS, else the test's file."""
+    name = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return _GROUP_OF.get(name, name)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Schedule whole units (:func:`unit_of`), in the order the workers collected them.
+
+    (xdist's own ``--dist loadgroup`` cannot do it on pytest 9.2: its ``xdist_group`` suffix goes
+    to ``Item._nodeid``, which pytest no longer reads.)"""
+    if config.getvalue("dist") not in ("load", "loadscope", "loadfile", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep FIRST's order
+    return ByUnit(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The site is built from the lessons the headless tests executed: build it last.
     items.sort(key=lambda item: item.nodeid.split("::")[0].endswith("test_site.py"))
+    if not hasattr(config, "workerinput"):  # not an xdist worker: one process runs everything
+        return
+    rank = {unit: i for i, unit in enumerate(FIRST)}
+    order = {unit: i for i, unit in enumerate(dict.fromkeys(unit_of(item.nodeid) for item in items))}
+    items.sort(key=lambda item: (rank.get(unit_of(item.nodeid), len(FIRST)), order[unit_of(item.nodeid)]))
 
 
 @functools.cache
