@@ -50,7 +50,7 @@ def _keeping_executed_lessons() -> None:
 _keeping_executed_lessons()
 
 
-# `make test` runs the suite on two pytest-xdist workers (``-n 2``). One worker runs a test
+# With pytest-xdist workers (``make test TEST_WORKERS=2``, ``pytest -n 2``), one worker runs a test
 # file whole, in order, with its module fixtures set up once; the files of each group below run
 # together on one worker, in this order (see :func:`pytest_xdist_make_scheduler`):
 GROUPS = {
@@ -98,9 +98,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.nodeid.split("::")[0].endswith("test_site.py"))
     if not hasattr(config, "workerinput"):  # not an xdist worker: one process runs everything
         return
-    rank = {unit: i for i, unit in enumerate(FIRST)}
-    order = {unit: i for i, unit in enumerate(dict.fromkeys(unit_of(item.nodeid) for item in items))}
-    items.sort(key=lambda item: (rank.get(unit_of(item.nodeid), len(FIRST)), order[unit_of(item.nodeid)]))
+    units = list(dict.fromkeys(unit_of(item.nodeid) for item in items))  # in collection order
+    units.sort(key=lambda unit: FIRST.index(unit) if unit in FIRST else len(FIRST))
+    place = {unit: i for i, unit in enumerate(units)}
+    items.sort(key=lambda item: place[unit_of(item.nodeid)])
 
 
 @functools.cache
