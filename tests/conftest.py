@@ -50,7 +50,7 @@ def _keeping_executed_lessons() -> None:
 _keeping_executed_lessons()
 
 
-# With pytest-xdist workers (``make test TEST_WORKERS=2``, ``pytest -n 2``), one worker runs a test
+# With pytest-xdist workers (``make test``: two; ``pytest -n 2``), one worker runs a test
 # file whole, in order, with its module fixtures set up once; the files of each group below run
 # together on one worker, in this order (see :func:`pytest_xdist_make_scheduler`):
 GROUPS = {

@@ -1,4 +1,4 @@
-"""`make test TEST_WORKERS=2` runs on two pytest-xdist workers; tests/conftest.py decides what shares a worker.
+"""`make test` runs on two pytest-xdist workers; tests/conftest.py decides what shares a worker.
 
 A file that runs a lesson headless must be in the ``lessons`` group (test_site builds the site
 from those runs, after them, on the same worker), a file that runs the sandboxed batch grader in
