@@ -26,7 +26,7 @@ import nbformat
 from nbformat import NotebookNode
 from nbgrader.preprocessors import NbGraderPreprocessor
 
-from autograder.loading import Cell, cell_role, grade_id, lesson_of, lessons_arg
+from autograder.loading import Cell, cell_role, definitions_only, grade_id, lesson_of, lessons_arg
 from autograder.registry import get_task, lesson_tasks
 
 __all__ = [
@@ -116,6 +116,56 @@ def release_preprocessors() -> list[type]:
         out.append(pp)
         if pp is ClearSolutions:
             out.append(TaskStubs)
+    return out
+
+
+DEMO_KEY = "kit_demo_source"  # cell metadata: a demo cell's source while autograde runs
+DEMO_NOT_RUN = ("(not run by nbgrader autograde: grading runs the setup, task and check cells and "
+                "only the definitions of other cells, as `kit grade` does)\n")
+
+
+class DemoDefinitionsOnly(NbGraderPreprocessor):
+    """Before autograde executes a submission: every demo cell (neither setup, task nor check;
+    a cell the student added counts as one) keeps only its definitions (defs, classes, literal
+    assignments), the code :func:`autograder.loading.load_tasks` may take from it.
+
+    So nbgrader grades the code ``kit grade`` grades, and does not spend each submission's time
+    on the lesson's demos (Lesson 00's start ranks by hand, wait out a hang and time spawns:
+    about 30 s). The source is kept in the cell's metadata for :class:`DemoSourcesRestored`.
+    """
+
+    def preprocess_cell(self, cell: NotebookNode, resources: dict[str, Any],
+                        cell_index: int) -> tuple[NotebookNode, dict[str, Any]]:
+        if cell.cell_type == "code" and cell_role(
+                Cell(cell_index + 1, cell.cell_type, cell.source, cell.metadata))[0] == "demo":
+            cell.metadata[DEMO_KEY] = cell.source
+            cell.source = definitions_only(cell.source)
+        return cell, resources
+
+
+class DemoSourcesRestored(NbGraderPreprocessor):
+    """After autograde executed a submission: each demo cell gets its own source back, and a
+    one-line output saying it was not run (the autograded notebook and its feedback show the
+    student's code as written)."""
+
+    def preprocess_cell(self, cell: NotebookNode, resources: dict[str, Any],
+                        cell_index: int) -> tuple[NotebookNode, dict[str, Any]]:
+        if cell.cell_type == "code" and DEMO_KEY in cell.metadata:
+            cell.source = cell.metadata.pop(DEMO_KEY)
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=DEMO_NOT_RUN)]
+            cell.execution_count = None
+        return cell, resources
+
+
+def autograde_preprocessors() -> list[type]:
+    """nbgrader's ``Autograde`` preprocessors with the demo cells cut down to their definitions
+    while ``Execute`` runs (:class:`DemoDefinitionsOnly`, :class:`DemoSourcesRestored`)."""
+    from nbgrader.converters import Autograde
+    from nbgrader.preprocessors import Execute
+
+    out: list[type] = []
+    for pp in Autograde.class_traits()["autograde_preprocessors"].default():
+        out.extend([DemoDefinitionsOnly, pp, DemoSourcesRestored] if pp is Execute else [pp])
     return out
 
 
@@ -296,10 +346,13 @@ c = get_config()  # noqa: F821
 c.CourseDirectory.course_id = "{COURSE_ID}"
 
 # Stubs name their task, NotImplementedError("Task 0.1: ..."), exactly as in lessons/.
-from autograder.build import CODE_STUB, release_preprocessors  # noqa: E402
+from autograder.build import CODE_STUB, autograde_preprocessors, release_preprocessors  # noqa: E402
 
 c.ClearSolutions.code_stub = {{"python": CODE_STUB}}
 c.GenerateAssignment.preprocessors = release_preprocessors()
+# autograde runs the setup, task and check cells, and only the definitions of the other cells
+# (the demos), as `kit grade` does; the graded notebook shows every cell's source as submitted.
+c.Autograde.autograde_preprocessors = autograde_preprocessors()
 
 # Distributed cells start processes and may wait out a launch timeout before they report:
 # nbgrader's default of 30 s per cell would cut them off.
@@ -309,11 +362,20 @@ c.Execute.startup_timeout = 120
 '''
 
 
+# sha256 of nbgrader_config.py as earlier versions of `kit course` wrote it, unedited
+_EARLIER_CONFIGS = {
+    "4db6b74357ac1557f7a1151173157baf8a4be63d5278df369c388a47af9ca6c3",  # autograde ran the demos
+}
+
+
 def _earlier_config(path: Path) -> bool:
-    """An nbgrader_config.py an earlier `kit course` wrote, when the build lived in kit.build:
-    rewritten without --force (it was generated, and it no longer imports)."""
-    return (path.name == "nbgrader_config.py"
-            and "from kit.build import CODE_STUB" in path.read_text(encoding="utf-8"))
+    """An nbgrader_config.py an earlier `kit course` wrote, unedited: rewritten without --force
+    (it was generated). One from when the build lived in kit.build no longer imports at all."""
+    if path.name != "nbgrader_config.py":
+        return False
+    text = path.read_text(encoding="utf-8")
+    return ("from kit.build import CODE_STUB" in text
+            or hashlib.sha256(text.encode("utf-8")).hexdigest() in _EARLIER_CONFIGS)
 
 
 def write_course(dest: Path, root: Path, *, lessons: list[int] | None = None,

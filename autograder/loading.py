@@ -34,6 +34,7 @@ __all__ = [
     "LoadReport",
     "NotebookError",
     "cell_role",
+    "definitions_only",
     "grade_id",
     "lesson_of",
     "lessons_arg",
@@ -324,6 +325,25 @@ def _side_effect_free(node: ast.stmt) -> bool:
             return False
         return True
     return False
+
+
+def definitions_only(source: str) -> str:
+    """The statements of a cell :func:`load_tasks` may take from it as helpers: its defs,
+    classes and literal assignments, in order, as source text ("" for a whole-cell magic or a
+    cell that does not parse). What grading runs of a demo cell, so that no demo code runs.
+    """
+    python = _as_python(source)
+    try:
+        tree = ast.parse(python or "")
+    except SyntaxError:
+        return ""
+    lines = (python or "").splitlines()
+    kept = []
+    for node in tree.body:
+        if _side_effect_free(node):
+            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            kept.append("\n".join(lines[start - 1:node.end_lineno]))
+    return "\n\n".join(kept)
 
 
 def _helper_chunks(chunks: list[_Chunk], cells: list[Cell], report: LoadReport) -> list[_Chunk]:

@@ -162,6 +162,58 @@ def test_course_writes_config_and_source_notebooks(tmp_path, capsys):
     assert "(edited)" not in source.read_text()
 
 
+def test_autograde_runs_only_the_definitions_of_demo_cells_and_shows_them_as_submitted():
+    from autograder.build import DEMO_NOT_RUN, DemoDefinitionsOnly, DemoSourcesRestored
+    from autograder.loading import definitions_only
+
+    demo = ("import os\n%matplotlib inline\nWORLD = 4\nSIZES = list(range(WORLD))\n"
+            "@torch.no_grad()\ndef helper(x):\n    return x\n\nlaunch(helper, world_size=WORLD)\n"
+            "class Box:\n    size = 2\n")
+    assert definitions_only(demo) == ("WORLD = 4\n\n@torch.no_grad()\ndef helper(x):\n    return x"
+                                      "\n\nclass Box:\n    size = 2")
+    assert definitions_only("%%distributed -n 2\nprint(1)") == ""
+    assert definitions_only("def broken(:\n") == ""
+    graded = {"setup": "import torch\nprint('setup runs')", "task-0.1": "x = f()\ndef shard_range(): ...",
+              "check-0.1": "check('0.1', shard_range)"}
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(src, metadata={"tags": [tag]}) for tag, src in graded.items()]
+        + [nbformat.v4.new_code_cell(demo), nbformat.v4.new_markdown_cell("launch(x)"),
+           nbformat.v4.new_code_cell("%%distributed -n 4\nprint(1)", metadata={"tags": ["demo"]})])
+    for cell in nb.cells[3:]:
+        cell.outputs = [] if cell.cell_type == "code" else None
+    before = [c.source for c in nb.cells]
+    nb, _ = DemoDefinitionsOnly().preprocess(nb, {})
+    # graded cells and markdown as they were; the demos keep only their definitions
+    assert [c.source for c in nb.cells] == [*before[:3], definitions_only(demo), before[4], ""]
+    nb.cells[3].outputs = [nbformat.v4.new_output("stream", text="what ran")]
+    nb, _ = DemoSourcesRestored().preprocess(nb, {})
+    assert [c.source for c in nb.cells] == before
+    for cell in (nb.cells[3], nb.cells[5]):
+        assert cell.outputs == [nbformat.v4.new_output("stream", name="stdout", text=DEMO_NOT_RUN)]
+        assert cell.execution_count is None and "kit_demo_source" not in cell.metadata
+    assert all("outputs" not in c or c.outputs == [] for c in nb.cells[:3])
+
+
+def test_course_rewrites_the_config_an_earlier_kit_course_wrote_but_never_an_edited_one(tmp_path, capsys):
+    from autograder.build import _CONFIG
+
+    course = tmp_path / "course"
+    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
+    config = course / "nbgrader_config.py"
+    assert config.read_text() == _CONFIG and "= autograde_preprocessors()" in _CONFIG
+    # as `kit course` wrote it before autograde skipped the demos
+    earlier = re.sub(r"# autograde runs the setup.*?autograde_preprocessors\(\)\n", "", _CONFIG, flags=re.S)
+    earlier = earlier.replace("CODE_STUB, autograde_preprocessors, release_preprocessors",
+                              "CODE_STUB, release_preprocessors")
+    assert earlier != _CONFIG and "autograde" in earlier  # only the comment at the top names it
+    config.write_text(earlier)
+    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
+    assert config.read_text() == _CONFIG
+    config.write_text(earlier + "c.Execute.timeout = 900  # an instructor's edit\n")
+    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 2
+    assert "--force" in capsys.readouterr().err and "900" in config.read_text()
+
+
 def test_course_rejects_a_bad_lesson_list(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         main_course([str(tmp_path), "--root", str(ROOT), "--lessons", "zero"])

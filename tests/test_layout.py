@@ -87,7 +87,7 @@ def test_kit_course_rewrites_a_config_written_before_the_move_and_keeps_the_rest
     (course / "submitted" / "alice.txt").write_text("work")
     assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
     config = (course / "nbgrader_config.py").read_text()
-    assert "from autograder.build import CODE_STUB, release_preprocessors" in config
+    assert "from autograder.build import CODE_STUB, autograde_preprocessors, release_preprocessors" in config
     assert (course / "submitted" / "alice.txt").read_text() == "work"
 
 

@@ -1,13 +1,15 @@
 """One notebook, one grade: every route that grades gives each task the same status and points.
 
-Five Lesson 00 notebooks (solved, untouched, a seeded bug, a task deleted, a task cell that
-raises at import) are graded through
+Six Lesson 00 notebooks (solved, untouched, a seeded bug, a task deleted, a task cell that
+raises at import, a task that calls the student's helper from a cell the student added, next
+to demo code that must never run when grading) are graded through
 
 1. ``check()``: what a student's check cell runs, on the code the notebook defines;
 2. ``kit grade NOTEBOOK`` (in this process, JSON report);
 3. ``kit grade --out`` (the sandboxed batch);
 4. nbgrader's ``generate_assignment`` + ``autograde`` (points only: nbgrader has no statuses),
-   whose release must be exactly the ``lessons/`` notebook ``kit build`` wrote.
+   whose release must be exactly the ``lessons/`` notebook ``kit build`` wrote, and which
+   runs no demo code: its graded notebooks show every demo cell as submitted, marked not run.
 """
 
 from __future__ import annotations
@@ -36,6 +38,19 @@ MEAN_OF_MEANS = '''def global_mean(local: torch.Tensor) -> torch.Tensor:
 RENAMED = "def global_average(local):\n    return local.mean()\n"
 # The definition itself raises when the cell runs (a default evaluated at definition time).
 RAISES_AT_IMPORT = "def shard_range(n, rank, world_size=1 // 0):\n    return range(n)\n"
+# A cell the student added before task 0.2: a helper the task calls, then demo code that fails
+# the whole notebook's grading if any route runs it (all of Lesson 00's ranks would hang on it).
+HELPER_CELL = """def _sum_and_count(local):
+    total = torch.stack([local.sum(dtype=torch.float64),
+                         torch.tensor(local.numel(), dtype=torch.float64, device=local.device)])
+    dist.all_reduce(total)
+    return total
+
+WORLD = 4
+raise SystemExit("demo code ran while grading")
+"""
+USES_HELPER = ("def global_mean(local):\n    total = _sum_and_count(local)\n"
+               "    return (total[0] / total[1]).to(local.dtype)\n")
 
 # notebook -> task -> (status, points) every route must give
 EXPECTED = {
@@ -44,6 +59,7 @@ EXPECTED = {
     "seeded_bug": {"0.1": ("passed", 2.0), "0.2": ("failed", 0.75)},
     "task_missing": {"0.1": ("passed", 2.0), "0.2": ("missing", 0.0)},
     "crash_at_import": {"0.1": ("error", 0.0), "0.2": ("passed", 3.0)},
+    "helper_in_added_cell": {"0.1": ("passed", 2.0), "0.2": ("passed", 3.0)},
 }
 
 
@@ -52,7 +68,8 @@ def _notebooks(folder: Path) -> dict[str, Path]:
     solutions = {c.id: c.source for c in source_notebook(ROOT / "solutions" / f"{NAME}.py").cells}
     edits = {"solved": {}, "untouched": None, "seeded_bug": {"task-0-2": MEAN_OF_MEANS},
              "task_missing": {"task-0-2": RENAMED},
-             "crash_at_import": {"task-0-1": RAISES_AT_IMPORT}}
+             "crash_at_import": {"task-0-1": RAISES_AT_IMPORT},
+             "helper_in_added_cell": {"task-0-2": USES_HELPER}}
     paths = {}
     for student, edit in edits.items():
         nb = json.loads(json.dumps(release))
@@ -60,10 +77,19 @@ def _notebooks(folder: Path) -> dict[str, Path]:
             for cell in nb["cells"]:
                 if cell["id"].startswith("task-"):
                     cell["source"] = edit.get(cell["id"], solutions[cell["id"]])
+        if student == "helper_in_added_cell":  # a new cell, as JupyterLab adds it: no tags
+            at = next(i for i, c in enumerate(nb["cells"]) if c["id"] == "task-0-2")
+            nb["cells"].insert(at, {"cell_type": "code", "id": "added-by-student", "metadata": {},
+                                    "execution_count": None, "outputs": [], "source": HELPER_CELL})
         paths[student] = folder / "submitted" / student / NAME / f"{NAME}.ipynb"  # nbgrader's layout
         paths[student].parent.mkdir(parents=True)
         paths[student].write_text(json.dumps(nb, indent=1))
     return paths
+
+
+def _text(value: str | list[str]) -> str:
+    """A notebook's text field: a string, or the list of lines nbformat writes."""
+    return "".join(value) if isinstance(value, list) else value
 
 
 def _by_check(path: Path) -> dict[str, tuple[str, float]]:
@@ -122,3 +148,15 @@ def test_every_route_gives_the_same_status_and_points(tmp_path):
             got = {f"0.{name[-1]}": score for name, score in cells.items()}
             assert got == {tid: pytest.approx(points) for tid, (_, points) in want.items()}, \
                 f"nbgrader grades {student} differently"
+
+    # autograde ran no demo code, and its graded notebook shows the demo cells as submitted
+    graded = json.loads((course / "autograded" / "helper_in_added_cell" / NAME / f"{NAME}.ipynb").read_text())
+    submitted = json.loads(notebooks["helper_in_added_cell"].read_text())
+    demos = [(c, s) for c, s in zip(graded["cells"], submitted["cells"], strict=True)
+             if s["cell_type"] == "code" and not s["metadata"].get("tags")
+             and not s["metadata"].get("nbgrader", {}).get("grade_id")]
+    assert len(demos) > 5 and any(s["id"] == "added-by-student" for _, s in demos)
+    for cell, as_submitted in demos:
+        assert _text(cell["source"]) == _text(as_submitted["source"])
+        text = "".join(_text(o.get("text", "")) for o in cell["outputs"])
+        assert "not run by nbgrader autograde" in text and "demo code ran" not in text, cell["outputs"]
