@@ -43,9 +43,18 @@ class Kernel:
                 shown["error"] = content
             elif kind == "status" and content["execution_state"] == "idle":
                 break
-        reply = self.kc.get_shell_msg(timeout=timeout)
-        shown["status"] = reply["content"]["status"]
+        shown["status"] = self.reply(msg_id, timeout)["content"]["status"]
         return shown
+
+    def reply(self, msg_id: str, timeout: float) -> dict:
+        """The shell reply to ``msg_id``. Replies to other requests are skipped: on a loaded
+        machine ``wait_for_ready`` sends a kernel_info request every second until one is answered,
+        and the extra replies ({"status": "ok"}) wait on the shell channel ahead of ours."""
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
 
     @property
     def pid(self) -> int:
@@ -62,6 +71,14 @@ def kernel():
     k.run("import kit, torch, torch.distributed as dist, os, sys, time")
     yield k
     k.stop()
+
+
+def test_a_stale_shell_reply_is_not_read_as_the_cells(kernel):
+    # What a slow kernel start leaves behind (wait_for_ready's repeated kernel_info requests):
+    # a reply the cell's own must not be confused with, or a failing cell reads as "ok".
+    kernel.kc.kernel_info()
+    shown = kernel.run("1 / 0")
+    assert shown["status"] == "error" and shown["error"]["ename"] == "ZeroDivisionError"
 
 
 def test_rank_output_is_labelled_stdout_with_no_stderr_in_the_cell(kernel):
@@ -166,7 +183,7 @@ def test_distributed_magic_stores_result_with_out(kernel):
 
 
 def test_interrupt_leaves_no_process_and_next_launch_works(kernel):
-    kernel.kc.execute(textwrap.dedent("""
+    msg_id = kernel.kc.execute(textwrap.dedent("""
         def forever():
             print("started", os.getpid(), flush=True)
             time.sleep(300)
@@ -180,7 +197,7 @@ def test_interrupt_leaves_no_process_and_next_launch_works(kernel):
     assert len(ranks) >= 4
     time.sleep(0.5)
     kernel.km.interrupt_kernel()  # the notebook's stop button
-    reply = kernel.kc.get_shell_msg(timeout=60)
+    reply = kernel.reply(msg_id, timeout=60)
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
     gone, alive = psutil.wait_procs(ranks, timeout=5)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
