@@ -153,6 +153,20 @@ def _two_rank_traces(tmp_path):
     return profiling.load_traces(tmp_path), events
 
 
+def test_profiled_without_a_folder_keeps_the_trace_in_memory_and_leaves_no_file(tmp_path, monkeypatch):
+    # Two runs profiling at once (two kernels, two checks of 12.3) once shared $TMPDIR/rank0.json.
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    profiling.warm_profiler()
+    with profiling.profiled() as prof:
+        torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+    assert "kitClock" in prof.trace and prof.trace["kitRank"] == 0
+    assert any(e.get("name") == "aten::mm" for e in prof.trace["traceEvents"])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_profiled_writes_one_trace_per_rank_with_a_clock_and_gloo_events(tmp_path):
     traces, events = _two_rank_traces(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["rank0.json", "rank1.json"]

@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,8 @@ def _rank() -> int:
 @contextmanager
 def profiled(folder: str | os.PathLike | None = None, *, shapes: bool = False,
              memory: bool = False, stack: bool = False) -> Iterator[Any]:
-    """Profile the block on this rank (CPU activities); write ``folder/rank<r>.json`` after it.
+    """Profile the block on this rank (CPU activities); write ``folder/rank<r>.json`` after it
+    (without ``folder``, the trace is written to a private temporary folder and removed once parsed).
 
     ``shapes``, ``memory`` and ``stack`` are ``record_shapes``, ``profile_memory`` and
     ``with_stack`` (each makes the trace bigger and slower to write). Yields the
@@ -95,15 +96,20 @@ def profiled(folder: str | os.PathLike | None = None, *, shapes: bool = False,
     finally:
         _quietly(prof.stop)
     rank = _rank()
-    base = Path(folder) if folder is not None else Path(os.environ.get("TMPDIR", "/tmp"))
-    base.mkdir(parents=True, exist_ok=True)
-    path = base / f"rank{rank}.json"
-    prof.export_chrome_trace(str(path))
-    trace = json.loads(path.read_text())
-    marker = next((e for e in trace["traceEvents"] if e.get("name") == CLOCK_MARKER), None)
-    if marker is not None:
-        trace["kitClock"] = {"perf_counter_s": clock, "ts_us": float(marker["ts"])}
-        path.write_text(json.dumps(trace))
+    with ExitStack() as scratch:
+        if folder is None:  # a folder of this call's own: concurrent runs never share a file
+            base = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="kit-trace-")))
+        else:
+            base = Path(folder)
+            base.mkdir(parents=True, exist_ok=True)
+        path = base / f"rank{rank}.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+        marker = next((e for e in trace["traceEvents"] if e.get("name") == CLOCK_MARKER), None)
+        if marker is not None:
+            trace["kitClock"] = {"perf_counter_s": clock, "ts_us": float(marker["ts"])}
+            if folder is not None:
+                path.write_text(json.dumps(trace))
     trace["kitRank"] = rank
     prof.trace = trace
 
