@@ -450,6 +450,7 @@ def _agent(fn: Any, args: tuple, nproc_per_node: int, max_restarts: int, log_dir
                 handler.setStream(sys.stderr)
                 if type(handler.formatter).__module__.startswith("torch._logging"):
                     handler.setFormatter(plain)
+    _no_first_round_jitter()
     threads = None
     if nproc_per_node > 1:
         # torchrun sets OMP_NUM_THREADS=1 for several workers unless it is set, so they do not
@@ -469,6 +470,25 @@ def _agent(fn: Any, args: tuple, nproc_per_node: int, max_restarts: int, log_dir
               f"{e.format_msg()}", flush=True)
         return 1
     return 0
+
+
+def _no_first_round_jitter() -> None:
+    """In the forked agent only: join round 0 of the rendezvous without a random 0-0.3 s sleep.
+
+    torch's ``DynamicRendezvousHandler.next_rendezvous`` sleeps that long before joining round 0,
+    so that many nodes do not reach the store at once. This agent is the only node, and it joins
+    round 0 twice (at the start and at the first restart), so each run paid 0-0.6 s for nothing.
+    The 1 s pause between polls of a rendezvous that waits for other nodes is kept.
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    delay = dynamic_rendezvous._delay
+
+    def no_jitter(seconds: float | tuple[float, float]) -> None:
+        if not isinstance(seconds, tuple):  # (low, high) is the jitter; a number is a real wait
+            delay(seconds)
+
+    dynamic_rendezvous._delay = no_jitter
 
 
 class _Worker:

@@ -211,6 +211,26 @@ def test_elastic_run_is_torchruns_agent_restarting_after_a_kill(tmp_path):
     assert re.findall(r"missing=(.*)", real.output) == ["", ""]
 
 
+def test_elastic_run_joins_the_rendezvous_without_the_first_round_jitter(tmp_path, monkeypatch):
+    # torch sleeps a random 0-0.3 s before joining round 0, once at the start and again at the
+    # first restart; the agent of elastic_run is the only node, so it skips that sleep. What
+    # reaches torch's own _delay is recorded (in the agent, forked from here).
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    calls = tmp_path / "delays.txt"
+
+    def recorded(seconds):
+        with open(calls, "a") as f:
+            f.write(f"{seconds!r}\n")
+
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", recorded)
+    work = tmp_path / "work"
+    work.mkdir()
+    result = elastic_run(_killed_once, str(work), nproc_per_node=2, max_restarts=1, timeout=120)
+    assert len(re.findall(r"finished rank=\d attempt=1", result.output)) == 2  # it did restart
+    assert not calls.exists() or "(" not in calls.read_text(), calls.read_text()
+
+
 def _fails_on_rank_1() -> None:
     if os.environ["RANK"] == "1":
         raise ValueError("rank 1 gives up")
