@@ -339,7 +339,9 @@ def elastic_run(fn: Any, *args: Any, nproc_per_node: int = 2, max_restarts: int 
     dies (even by SIGKILL) makes the agent stop the others and restart them all, up to
     ``max_restarts`` times, exactly as under torchrun. Each output line is labelled like
     torchrun's ``--tee=3`` (``[default0]:``). The checks of Lessons 02 and 06 use it: the same
-    restarts and kills as a torchrun command, at a fraction of its start-up cost.
+    restarts and kills as a torchrun command, at a fraction of its start-up cost. One difference:
+    the agent joins the rendezvous without torch's random start-up sleep, which spreads many
+    nodes' first requests and is of no use to one (:func:`_no_first_round_jitter`).
 
     Raises:
         TorchrunError: the workers still failed after the restarts (``summary``: the agent's
