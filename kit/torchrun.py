@@ -484,7 +484,9 @@ def _no_first_round_jitter() -> None:
     """
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    delay = dynamic_rendezvous._delay
+    delay = getattr(dynamic_rendezvous, "_delay", None)
+    if delay is None:  # a torch without this private helper: keep whatever it does instead
+        return
 
     def no_jitter(seconds: float | tuple[float, float]) -> None:
         if not isinstance(seconds, tuple):  # (low, high) is the jitter; a number is a real wait
