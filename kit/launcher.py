@@ -72,7 +72,8 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 4, backend: str
         world_size: number of ranks.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (one GPU per rank).
         timeout: seconds before the launch is declared hung; each rank's stack is then shown.
-        start_method: ``"fork"`` (default where safe: fast) or ``"spawn"``.
+        start_method: ``"fork"`` (the default for gloo where safe: fast) or ``"spawn"`` (the
+            default for NCCL, whose ranks must initialise CUDA themselves).
         preload: modules to import before the ranks start (``"torch.distributed.fsdp"``): forked
             ranks inherit them instead of each paying the import (see :func:`preload_modules`).
 
@@ -104,6 +105,11 @@ def default_start_method(backend: str) -> str:
 
     if sys.platform != "linux" or "fork" not in _mp().get_all_start_methods():
         return "spawn"  # macOS/Windows: fork is unsafe or absent
+    if backend == "nccl":
+        # A forked child cannot initialise CUDA once the parent has touched the driver, and even
+        # torch.cuda.is_available() does (cudaGetDeviceCount: "Cannot re-initialize CUDA in
+        # forked subprocess"). NCCL ranks are spawned, as torch.multiprocessing's docs ask.
+        return "spawn"
     if torch.cuda.is_initialized():
         return "spawn"  # a forked child cannot use the kernel's CUDA context
     return "fork"
@@ -132,7 +138,9 @@ def _validate(fn: Any, args: tuple, kwargs: dict, world_size: Any, backend: Any,
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' for CPU tensors or 'nccl' for "
                          "GPUs (one GPU per rank).")
     if backend == "nccl":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # device_count() asks NVML and leaves the CUDA driver alone; is_available() would
+        # initialise it in this process (the kernel) for nothing.
+        gpus = torch.cuda.device_count()
         if gpus < world_size:
             raise ValueError(f"backend='nccl' needs one GPU per rank: found {gpus} GPU(s) for "
                              f"world_size={world_size}. On CPU use backend='gloo', or lower "
@@ -147,6 +155,10 @@ def _validate(fn: Any, args: tuple, kwargs: dict, world_size: Any, backend: Any,
     if start_method not in _mp().get_all_start_methods():
         raise ValueError(f"start_method={start_method!r} is not available on {sys.platform}; "
                          "use start_method='spawn'.")
+    if start_method == "fork" and backend == "nccl":
+        raise ValueError("backend='nccl' ranks cannot be forked: a forked child cannot initialise "
+                         "CUDA once the kernel has touched it. Leave start_method unset (NCCL "
+                         "ranks are spawned) or pass start_method='spawn'.")
     if start_method == "fork" and torch.cuda.is_initialized():
         raise RuntimeError("CUDA is already initialised in this kernel, and forked ranks cannot use "
                            "it. Use start_method='spawn', or restart the kernel and launch before "

@@ -312,6 +312,30 @@ def test_fork_with_cuda_initialised_is_refused(monkeypatch):
     assert default_start_method("gloo") == "spawn"
 
 
+def test_nccl_ranks_are_spawned_and_never_forked(monkeypatch):
+    """Seen on an H200 with torch 2.11: forked NCCL ranks died in torch.cuda.set_device with
+    "Cannot re-initialize CUDA in forked subprocess", because the GPU count check had called
+    torch.cuda.is_available() (cudaGetDeviceCount) in the parent first."""
+    from kit.launcher import default_start_method
+
+    if sys.platform == "linux":
+        assert default_start_method("gloo") == "fork"
+    assert default_start_method("nccl") == "spawn"
+
+    def driver_touched():
+        raise AssertionError("torch.cuda.is_available() initialises CUDA in the kernel")
+
+    monkeypatch.setattr(torch.cuda, "is_available", driver_touched)
+    with pytest.raises(ValueError, match="needs one GPU per rank"):  # counted by NVML alone
+        kit.launch(lambda: None, world_size=2, backend="nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "is_backend_available", lambda backend: True)
+    before = len(_children())
+    with pytest.raises(ValueError, match="cannot be forked.*start_method='spawn'"):
+        kit.launch(lambda: None, world_size=2, backend="nccl", start_method="fork")
+    assert len(_children()) == before
+
+
 # ----------------------------------------------------------------------------- spawn
 
 
