@@ -685,7 +685,8 @@ plt.show()
 # local_labels, local_ids)`, called on every rank with that rank's shard of a screen (shards of
 # any size, some empty; `local_ids` are global int64 ids), returning on every rank
 # `{"ef1": EF@1%, "bedroc": BEDROC(20), "top100": [the 100 best ids, best first]}` for the
-# **whole** screen, exactly as one process would compute them.
+# **whole** screen, exactly as one process would compute them. Create every tensor you send on
+# `local_scores.device`, so that the same function runs under NCCL on GPUs.
 
 # %% tags=["task-10.4"]
 def _ranked_labels(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -729,12 +730,12 @@ def screen_metrics(local_scores: torch.Tensor, local_labels: torch.Tensor,
                    local_ids: torch.Tensor) -> dict:
     """Global {"ef1", "bedroc", "top100"} of a screen sharded unevenly over ranks; on every rank."""
     ### BEGIN SOLUTION
-    world_size = dist.get_world_size()
-    size = torch.tensor([len(local_scores)])
+    world_size, device = dist.get_world_size(), local_scores.device  # NCCL: CUDA tensors only
+    size = torch.tensor([len(local_scores)], device=device)
     sizes = [torch.zeros_like(size) for _ in range(world_size)]
     dist.all_gather(sizes, size)  # shard sizes differ: learn them first
     longest = max(int(s) for s in sizes)
-    packed = torch.zeros(longest, 3, dtype=torch.float64)  # (S, 3) score, label, id; ids < 2**53
+    packed = torch.zeros(longest, 3, dtype=torch.float64, device=device)  # (S, 3) score, label, id
     packed[:len(local_scores), 0] = local_scores.double()
     packed[:len(local_scores), 1] = local_labels.double()
     packed[:len(local_scores), 2] = local_ids.double()
