@@ -1,10 +1,11 @@
-"""Run the "Running at scale" code of Lessons 00-10 with NCCL, one rank per GPU.
+"""Run the "Running at scale" code of Lessons 00-10, 12 and 13 with NCCL, one rank per GPU.
 
 Each lesson ends with a note saying its functions run unchanged under ``torchrun`` with NCCL.
 This script is that note, executed: it loads the lessons' solutions (``solutions/NN_*.py``,
 setup and task cells only) and runs each snippet on CUDA tensors, checking the result against
 torch's own collectives or an unsharded reference. Every call a snippet of Lessons 05-10 makes
 is made here too (``tests/test_gpu_smoke.py`` holds them equal); sizes shrink on CPU only.
+Lesson 11's note needs pyg-lib (not on PyPI) for its sampler, so it has no snippet here.
 Run it on a machine with GPUs::
 
     python benchmarks/gpu_smoke.py                                   # one rank per visible GPU
@@ -449,6 +450,86 @@ def lesson10(device: torch.device) -> str:
     return f"DDP on {device.type}: last loss {loss.item():.2f}; screen_metrics EF@1% {got['ef1']:.1f}"
 
 
+def lesson12(device: torch.device) -> str:
+    """train.py under the profiler: CPU and (on GPUs) CUDA activity, a schedule, one trace per
+    rank through tensorboard_trace_handler; with NCCL the all-reduce shows up as an nccl kernel."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    rank = dist.get_rank()
+    model = torch.nn.Linear(256, 256).to(device)
+    x = torch.randn(64, 256, device=device)
+
+    def train_step(batch: torch.Tensor) -> None:
+        model(batch).square().mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with tempfile.TemporaryDirectory(prefix="gpu-smoke-traces-") as root:
+        with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3),
+                     on_trace_ready=tensorboard_trace_handler(f"{root}/traces/rank{rank}")) as prof:
+            for _step, batch in enumerate([x] * 6):
+                train_step(batch)
+                prof.step()
+        files = list(Path(root, "traces", f"rank{rank}").glob("*.json"))
+        assert len(files) == 1, f"one trace per rank expected, found {files}"
+        events = json.loads(files[0].read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any("all_reduce" in n for n in names), "no all_reduce op in the trace"
+    if device.type != "cuda":
+        return "1 trace per rank, all_reduce recorded (CPU: no CUDA kernels)"
+    on_gpu = {(e["cat"], e["name"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy")}
+    nccl = sorted({e["name"] for e in events if e.get("cat") == "kernel" and "nccl" in e["name"].lower()})
+    if dist.get_world_size() == 1:
+        # One rank has nothing to send: NCCL launches no kernel (seen on an H200, NCCL 2.28.9:
+        # an in-place all_reduce ran nothing on the GPU, an out-of-place collective one DtoD copy).
+        assert not nccl, f"one rank, yet NCCL kernels ran: {nccl}"
+        return f"1 rank: NCCL ran no kernel (nothing to send); GPU work in the trace: {len(on_gpu)} kinds"
+    assert nccl, f"no NCCL kernel in the CUDA trace, only {sorted(on_gpu)[:5]}"
+    streams = {e.get("tid") for e in events if e.get("cat") == "kernel" and e["name"] in nccl}
+    return f"NCCL kernels {nccl[:2]} on stream(s) {sorted(streams)}"
+
+
+def lesson13(device: torch.device) -> str:
+    """train_moe.py: a (dp, ep) mesh, the router and this rank's experts on the device,
+    ExpertParallelMoE over the ep group; forward and backward equal MoELayer with every expert."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kit.lessons.moe import capacity, expert_range, make_experts, make_router
+
+    m = _lesson(13)
+    world_size = dist.get_world_size()
+    ep = 4 if world_size % 4 == 0 else world_size  # the note's (W // 4, 4); else one ep group
+    mesh = init_device_mesh(device.type, (dist.get_world_size() // ep, ep), mesh_dim_names=("dp", "ep"))
+    ep_rank = mesh.get_local_rank("ep")
+    d_model, num_experts, d_hidden = (1024, 16, 704) if device.type == "cuda" else (64, 8, 32)
+    router = make_router(d_model, num_experts).to(device)
+    experts = make_experts(num_experts, d_model, d_hidden,
+                           which=expert_range(num_experts, ep, ep_rank)).to(device)
+    moe = m.ExpertParallelMoE(router, experts, k=2, capacity_factor=1.25, group=mesh.get_group("ep"))
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(256, d_model, device=device, requires_grad=True)
+    out = moe(x)
+    out.square().sum().backward()
+    # Lesson 13's MoELayer (a demo cell, so written out here): every expert in this process.
+    router_all = make_router(d_model, num_experts).to(device)
+    experts_all = make_experts(num_experts, d_model, d_hidden).to(device)
+    x_one = x.detach().clone().requires_grad_()
+    routing = m.route(router_all(x_one), 2, capacity(2, len(x_one), 1.25, num_experts))
+    expected = torch.zeros_like(x_one)
+    for e, expert in enumerate(experts_all):
+        token, choice = torch.nonzero((routing.expert == e) & routing.kept, as_tuple=True)
+        if token.numel():
+            expected = expected.index_add(0, token, routing.weight[token, choice, None] * expert(x_one[token]))
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x_one.grad)
+    return (f"mesh ({world_size // ep}, {ep}) (dp, ep), {len(experts)} of {num_experts} experts here: "
+            f"forward and backward == MoELayer on {device.type}")
+
+
 def worker(local_rank: int, world_size: int, port: int, shared: str, backend: str = "nccl") -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # started by mp.spawn: set what torchrun sets
         os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
@@ -478,6 +559,8 @@ def worker(local_rank: int, world_size: int, port: int, shared: str, backend: st
     results.check("Lesson 08: a (dp, tp) mesh: parallelize_module + fully_shard; your TP layers", lambda: lesson08(device))
     results.check("Lesson 09: ESM-2 from meta, FSDP2 bf16 + checkpointing (train_esm.py)", lambda: lesson09(device))
     results.check("Lesson 10: DDP message passing, sampler and loader, screen_metrics (train_freesolv.py)", lambda: lesson10(device))
+    results.check("Lesson 12: the profiler with CPU and CUDA activity, one trace per rank (train.py)", lambda: lesson12(device))
+    results.check("Lesson 13: ExpertParallelMoE on a (dp, ep) mesh (train_moe.py)", lambda: lesson13(device))
     failed = results.failed
     dist.destroy_process_group()
     if failed:

@@ -744,7 +744,8 @@ print("find_straggler blames the slow rank:", all(found))
 # >
 # > - With NCCL, collectives are kernels (`ncclDevKernel_*` or `ncclKernel_*`, by NCCL version)
 # >   on their own CUDA stream, so a GPU trace shows how much communication *overlaps* compute, which a CPU gloo
-# >   trace cannot: gloo runs on host threads and the CPU ops are all there is.
+# >   trace cannot: gloo runs on host threads and the CPU ops are all there is. A single GPU
+# >   shows none: one rank has nothing to send, and NCCL launches no kernel for it.
 # > - [Holistic Trace Analysis](https://hta.readthedocs.io/) (`pip install HolisticTraceAnalysis`,
 # >   [tutorial](https://pytorch.org/tutorials/beginner/hta_intro_tutorial.html)) reads a folder
 # >   of such per-rank traces: the GPUs' time split into compute, communication, memory and

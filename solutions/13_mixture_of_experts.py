@@ -473,7 +473,8 @@ class ExpertParallelMoE(nn.Module):
         # 2. Dispatch: each kept choice's token to the rank holding its expert.
         received = AllToAll.apply(x[token], recv_splits, send_splits, self.group)
         # 3. My experts on what arrived: grouped by source rank, then by local expert.
-        local = torch.arange(n_local).repeat(W).repeat_interleave(recv_per_expert.reshape(-1))
+        local = torch.arange(n_local, device=x.device).repeat(W).repeat_interleave(
+            recv_per_expert.reshape(-1))
         results = torch.zeros_like(received)
         for i, expert_module in enumerate(self.experts):
             rows = torch.nonzero(local == i).squeeze(1)

@@ -1,6 +1,7 @@
-"""benchmarks/gpu_smoke.py is Lessons 00-10's "Running at scale" code, executed: every lesson with
-such a note has a check there, every call a snippet of Lessons 05-10 makes is made by its check,
-and (slow) the whole script passes with gloo on 2 CPU ranks, CUDA-only parts skipped by name."""
+"""benchmarks/gpu_smoke.py is the "Running at scale" code of Lessons 00-10, 12 and 13, executed
+(Lesson 11's needs pyg-lib, which PyPI lacks): every lesson with such a note has a check there,
+every call a snippet of Lessons 05-10, 12 and 13 makes is made by its check, and (slow) the whole
+script passes with gloo on 2 CPU ranks, CUDA-only parts skipped by name."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _check_source(lesson: int) -> str:
     return funcs[f"lesson{lesson:02d}"] + funcs["_one_step"]
 
 
-@pytest.mark.parametrize("lesson", range(11))
+@pytest.mark.parametrize("lesson", [*range(11), 12, 13])
 def test_every_lessons_running_at_scale_has_its_check(lesson):
     assert "## Running at scale" in _source(lesson)
     text = SCRIPT.read_text()
@@ -56,7 +57,7 @@ def test_every_lessons_running_at_scale_has_its_check(lesson):
     assert re.search(rf'results\.check\("Lesson {lesson:02d}: .*lambda: lesson{lesson:02d}\(device', text)
 
 
-@pytest.mark.parametrize("lesson", range(5, 11))
+@pytest.mark.parametrize("lesson", [*range(5, 11), 12, 13])
 def test_the_script_makes_every_call_of_the_lessons_snippet(lesson):
     code = snippet_code(lesson)
     assert code.strip(), f"Lesson {lesson:02d}'s Running at scale has no ```python block"
@@ -77,7 +78,7 @@ def test_gpu_smoke_passes_on_two_gloo_ranks():
                          timeout=900, cwd=ROOT)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert [line[6:15] for line in lines] == [f"Lesson {n:02d}" for n in range(11)], lines
+    assert [line[6:15] for line in lines] == [f"Lesson {n:02d}" for n in (*range(11), 12, 13)], lines
     assert all(line.startswith("PASS") for line in lines), lines
     for n in (5, 7):  # the CUDA-only parts say what they skipped
         assert "CUDA only, skipped" in lines[n], lines[n]
