@@ -2,8 +2,10 @@
 
 Runs every task of the chosen lessons on the solutions, in this process, as ``check()`` does
 in a notebook (the trusted expectations included, computed on first use), and counts the
-launches of ranks (``kit.launch``/``run_ranks``) and of ``torchrun`` processes. Shared runs
-should make launches per task close to the number of distinct runs a task needs.
+launches of ranks (``kit.launch``/``run_ranks``) and of ``torchrun`` processes, and the CPU
+seconds spent by this process and the ranks (above the wall time where ranks ran in parallel:
+what a grading batch pays per submission). Shared runs should make launches per task close to
+the number of distinct runs a task needs.
 
     .venv/bin/python benchmarks/check_cost.py               # every lesson
     .venv/bin/python benchmarks/check_cost.py 5 6 --json out.json
@@ -13,12 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process and of its children that were waited for
+    (the ranks and torchrun processes a check starts)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + kids.ru_utime, me.ru_stime + kids.ru_stime
 
 
 def main() -> None:
@@ -55,26 +65,32 @@ def main() -> None:
         module = load_tasks(sources[lesson])
         for task in lesson_tasks(lesson):
             before = dict(counts)
+            cpu_before = _cpu_seconds()
             start = time.perf_counter()
             report = run_checks(task.id, getattr(module, task.name))
             seconds = time.perf_counter() - start
+            cpu = [after - was for after, was in zip(_cpu_seconds(), cpu_before)]
             row = {"task": task.id, "cases": len(task.cases), "seconds": round(seconds, 2),
+                   "cpu": round(cpu[0] + cpu[1], 2), "sys": round(cpu[1], 2),
                    "launches": counts["launches"] - before["launches"],
                    "torchrun": counts["torchrun"] - before["torchrun"],
                    "score": f"{report.score:g}/{report.max_score:g}"}
             rows.append(row)
             print(f"{row['task']:>5}  {row['cases']:>3} cases  {row['seconds']:>6.2f} s  "
+                  f"{row['cpu']:>6.2f} cpu-s ({row['sys']:.2f} sys)  "
                   f"{row['launches']:>3} launches  {row['torchrun']:>2} torchrun  {row['score']}",
                   flush=True)
     by_lesson: dict[int, dict[str, float]] = {}
     for row in rows:
         agg = by_lesson.setdefault(int(row["task"].split(".")[0]),
-                                   {"seconds": 0.0, "launches": 0, "torchrun": 0, "cases": 0})
+                                   {"seconds": 0.0, "cpu": 0.0, "sys": 0.0, "launches": 0, "torchrun": 0,
+                                    "cases": 0})
         for key in agg:
             agg[key] += row[key]
-    print("\nlesson  cases  seconds  launches  torchrun")
+    print("\nlesson  cases  seconds  cpu-s (sys)  launches  torchrun")
     for lesson, agg in sorted(by_lesson.items()):
-        print(f"{lesson:>6}  {agg['cases']:>5}  {agg['seconds']:>7.1f}  {agg['launches']:>8}  "
+        print(f"{lesson:>6}  {agg['cases']:>5}  {agg['seconds']:>7.1f}  {agg['cpu']:>5.1f} ({agg['sys']:>4.1f})"
+              f"  {agg['launches']:>8}  "
               f"{agg['torchrun']:>8}")
     if args.json:
         args.json.write_text(json.dumps({"tasks": rows, "lessons": by_lesson}, indent=1))
