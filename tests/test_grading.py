@@ -207,3 +207,26 @@ def test_the_command_grades_a_folder_with_progress_and_every_output(tmp_path, ca
     assert json.loads((tmp_path / "out" / "gradescope" / "stub" / "results.json").read_text())["score"] == 0
     assert main(args) == 0  # a second run regrades nothing
     assert "resuming: 2 of 2 submission(s) already graded" in capsys.readouterr().out
+
+
+def test_a_later_lessons_notebook_cannot_reach_an_earlier_lessons_cases(tmp_path):
+    """The worker loads each lesson just before its own cases run: Lesson 01's setup cell, which
+    breaks dist.all_reduce for all code loaded after it, leaves Lesson 00's grade alone."""
+    from autograder.build import render, source_notebook
+
+    root = Path(__file__).resolve().parents[1]
+    student = tmp_path / "bob"
+    student.mkdir()
+    for lesson in (0, 1):
+        source = next((root / "solutions").glob(f"{lesson:02d}_*.py"))
+        nb = json.loads(render(source_notebook(source)))
+        if lesson == 1:
+            setup = next(c for c in nb["cells"] if c.get("id") == "setup")
+            setup["source"] = "".join(setup["source"]) + \
+                "\nimport torch.distributed as _dist\n_dist.all_reduce = lambda *a, **k: None\n"
+        (student / f"{source.stem}.ipynb").write_text(json.dumps(nb))
+    records = grade_batch(discover([student]), BatchConfig(tmp_path / "out", [0, 1], workers=1,
+                                                          limits=LIMITS, seed=5))
+    status = {t["task"]: t["status"] for t in records["bob"]["tasks"]}
+    assert status["0.1"] == status["0.2"] == "passed", feedback_text(records["bob"])
+    assert "1.1" in status  # Lesson 01 was loaded and graded (all its cases after Lesson 00's)
