@@ -338,8 +338,9 @@ with tempfile.TemporaryFile() as child_stderr:
 # %% [markdown]
 # `launch` avoids this in two ways. On Linux it **forks** by default: a forked rank is a copy of
 # the kernel, your function is already in its memory, and nothing has to be pickled. Where fork
-# is not safe (macOS and Windows, or after this kernel has used CUDA, whose state a forked child
-# cannot use) it **spawns**, but sends the function with
+# is not safe (macOS and Windows; `backend="nccl"`, whose ranks must initialise CUDA themselves;
+# or after this kernel has used CUDA, whose state a forked child cannot use) it **spawns**, but
+# sends the function with
 # [`cloudpickle`](https://github.com/cloudpipe/cloudpickle), which pickles functions of
 # `__main__` *by value*: their code, and the globals they use. That is longer than pickle's
 # name, and it works:
