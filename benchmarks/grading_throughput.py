@@ -9,6 +9,8 @@ path), one notebook per lesson with checks. Reported, measured in this one run o
 * the wall time of one full submission graded sandboxed (``kit grade --out``), against the same
   notebooks checked in this process with no sandbox (the trusting ``kit grade NOTEBOOK`` path),
   and the in-process seconds of each lesson;
+* the CPU seconds the sandboxed submission's worker and ranks used: what bounds a batch, which
+  grades at most cores * 60 / CPU-s submissions a minute;
 * submissions per minute for ``--copies`` full submissions with ``--workers 1`` and
   ``--workers 2``, their ratio (2.0 would be perfect scaling), and what a 300-student class
   would take at that rate.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -81,12 +84,18 @@ def main() -> None:
             per_lesson[lesson_of(nb)] = (grade_notebook(nb, lessons=[lesson_of(nb)]).score,
                                          time.perf_counter() - start)
         in_process = sum(t for _, t in per_lesson.values())
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         sandboxed, points = _batch([tmp / "alice"], tmp / "out-full", lessons, 1)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         print("in-process seconds per lesson (expectations already computed): " + ", ".join(
             f"{n:02d} {t:.1f}" for n, (_, t) in sorted(per_lesson.items())))
         print(f"one full submission (lessons {','.join(f'{n:02d}' for n in lessons)}): sandboxed "
               f"{sandboxed:.1f} s ({points:g} points), in-process {in_process:.1f} s "
               f"({sum(p for p, _ in per_lesson.values()):g} points), ratio {sandboxed / in_process:.2f}")
+        # A batch that keeps every core busy grades cores * 60 / cpu submissions a minute at best.
+        print(f"CPU of the sandboxed submission (worker and ranks): {cpu:.1f} CPU-s, so at most "
+              f"{(os.cpu_count() or 1) * 60 / cpu:.2f}/min on {os.cpu_count()} cores")
 
         if args.copies < 1:
             return
