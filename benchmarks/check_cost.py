@@ -83,15 +83,13 @@ def main() -> None:
     by_lesson: dict[int, dict[str, float]] = {}
     for row in rows:
         agg = by_lesson.setdefault(int(row["task"].split(".")[0]),
-                                   {"seconds": 0.0, "cpu": 0.0, "sys": 0.0, "launches": 0, "torchrun": 0,
-                                    "cases": 0})
+                                   dict.fromkeys(("seconds", "cpu", "sys", "launches", "torchrun", "cases"), 0))
         for key in agg:
             agg[key] += row[key]
     print("\nlesson  cases  seconds  cpu-s (sys)  launches  torchrun")
     for lesson, agg in sorted(by_lesson.items()):
-        print(f"{lesson:>6}  {agg['cases']:>5}  {agg['seconds']:>7.1f}  {agg['cpu']:>5.1f} ({agg['sys']:>4.1f})"
-              f"  {agg['launches']:>8}  "
-              f"{agg['torchrun']:>8}")
+        print(f"{lesson:>6}  {agg['cases']:>5}  {agg['seconds']:>7.1f}  {agg['cpu']:>5.1f} ({agg['sys']:>4.1f})  "
+              f"{agg['launches']:>8}  {agg['torchrun']:>8}")
     if args.json:
         args.json.write_text(json.dumps({"tasks": rows, "lessons": by_lesson}, indent=1))
     sys.exit(0)

@@ -452,7 +452,8 @@ def lesson10(device: torch.device) -> str:
 
 def lesson12(device: torch.device) -> str:
     """train.py under the profiler: CPU and (on GPUs) CUDA activity, a schedule, one trace per
-    rank through tensorboard_trace_handler; with NCCL the all-reduce shows up as an nccl kernel."""
+    rank through tensorboard_trace_handler; with NCCL on 2 or more GPUs the all-reduce shows up as
+    an nccl kernel, on one GPU as none."""
     import json
 
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
@@ -502,7 +503,7 @@ def lesson13(device: torch.device) -> str:
     m = _lesson(13)
     world_size = dist.get_world_size()
     ep = 4 if world_size % 4 == 0 else world_size  # the note's (W // 4, 4); else one ep group
-    mesh = init_device_mesh(device.type, (dist.get_world_size() // ep, ep), mesh_dim_names=("dp", "ep"))
+    mesh = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
     ep_rank = mesh.get_local_rank("ep")
     d_model, num_experts, d_hidden = (1024, 16, 704) if device.type == "cuda" else (64, 8, 32)
     router = make_router(d_model, num_experts).to(device)

@@ -735,7 +735,8 @@ def screen_metrics(local_scores: torch.Tensor, local_labels: torch.Tensor,
     sizes = [torch.zeros_like(size) for _ in range(world_size)]
     dist.all_gather(sizes, size)  # shard sizes differ: learn them first
     longest = max(int(s) for s in sizes)
-    packed = torch.zeros(longest, 3, dtype=torch.float64, device=device)  # (S, 3) score, label, id
+    # (S, 3): score, label, id per row; float64 holds every id exactly (ids < 2**53)
+    packed = torch.zeros(longest, 3, dtype=torch.float64, device=device)
     packed[:len(local_scores), 0] = local_scores.double()
     packed[:len(local_scores), 1] = local_labels.double()
     packed[:len(local_scores), 2] = local_ids.double()
