@@ -250,7 +250,12 @@ def _compare_training(got: Any, expected: dict[str, Any]) -> None:
         if len(run["grads"]) != len(expected["grads"]):
             raise CheckFailed(f"rank {rank}: wrong number of steps recorded",
                               expected=len(expected["grads"]), got=len(run["grads"]))
-        for step, (have, want) in enumerate(zip(run["grads"], expected["grads"])):
+    # Step by step across the ranks, not rank by rank: a rank whose gradient went wrong at step 0
+    # trains on other weights, so at step 1 every rank's all-reduced gradients differ everywhere.
+    # The earliest step names the slip; a later one shows only its consequences.
+    for step, want in enumerate(expected["grads"]):
+        for rank, run in enumerate(got):
+            have = run["grads"][step]
             for name, tensor in want.items():
                 problem = _mismatch(have.get(name), tensor, world_size)
                 if problem is not None:
