@@ -45,7 +45,8 @@ from autograder.registry import pickle_for_worker, task
 # DDP's Dynamo, FSDP2's, DCP's and the lesson's modules, imported once before ranks fork (the
 # elastic agent's workers are forked too, so they start with them).
 PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-           "torch.distributed.fsdp", "kit.lessons.resume")
+           "torch.distributed.fsdp", "kit.lessons.resume",
+           "torch.distributed.checkpoint._fsspec_filesystem")  # dcp.save/load import it lazily
 # DCP's save and load entry points, new and old (deprecated aliases, the private functions under
 # them, the checkpointer class, the torch.save converters): 6.1 builds them; 6.2's TrainingState
 # is saved by the checks' dcp.save and must not save or load itself.

@@ -9,6 +9,7 @@ the number of distinct runs a task needs.
 
     .venv/bin/python benchmarks/check_cost.py               # every lesson
     .venv/bin/python benchmarks/check_cost.py 5 6 --json out.json
+    .venv/bin/python benchmarks/check_cost.py --warm       # what each submission pays in a batch
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("lessons", nargs="*", type=int)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--warm", action="store_true",
+                        help="run every task once untimed first: the timed pass then costs what a "
+                             "grading batch pays per submission (expectations already computed)")
     args = parser.parse_args()
 
     import kit.launcher
@@ -63,6 +67,9 @@ def main() -> None:
     rows = []
     for lesson in args.lessons or sorted(sources):
         module = load_tasks(sources[lesson])
+        if args.warm:
+            for task in lesson_tasks(lesson):
+                run_checks(task.id, getattr(module, task.name))
         for task in lesson_tasks(lesson):
             before = dict(counts)
             cpu_before = _cpu_seconds()

@@ -6,9 +6,11 @@
 Submissions are the lessons' solutions as notebooks (every check runs to the end, the slow
 path), one notebook per lesson with checks. Reported, measured in this one run on this machine:
 
-* the wall time of one full submission graded sandboxed (``kit grade --out``), against the same
-  notebooks checked in this process with no sandbox (the trusting ``kit grade NOTEBOOK`` path),
-  and the in-process seconds of each lesson;
+* the wall time of one full submission graded sandboxed (``kit grade --out``) with one worker,
+  against the same notebooks checked in this process with no sandbox (the trusting ``kit grade
+  NOTEBOOK`` path), and the in-process seconds of each lesson;
+* the same submission alone in a 2-worker batch, which splits its lessons over both workers
+  (what a student's own ``kit grade`` or Gradescope waits for);
 * the CPU seconds the sandboxed submission's worker and ranks used: what bounds a batch, which
   grades at most cores * 60 / CPU-s submissions a minute;
 * submissions per minute for ``--copies`` full submissions with ``--workers 1`` and
@@ -88,11 +90,15 @@ def main() -> None:
         sandboxed, points = _batch([tmp / "alice"], tmp / "out-full", lessons, 1)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        print("in-process seconds per lesson (expectations already computed): " + ", ".join(
+        alone, _ = _batch([tmp / "alice"], tmp / "out-alone-2", lessons, 2)
+        print("in-process seconds per lesson (expectations already computed; "
+              "autograder.grade.batch.LESSON_SECONDS): " + ", ".join(
             f"{n:02d} {t:.1f}" for n, (_, t) in sorted(per_lesson.items())))
         print(f"one full submission (lessons {','.join(f'{n:02d}' for n in lessons)}): sandboxed "
               f"{sandboxed:.1f} s ({points:g} points), in-process {in_process:.1f} s "
               f"({sum(p for p, _ in per_lesson.values()):g} points), ratio {sandboxed / in_process:.2f}")
+        print(f"the same submission alone with --workers 2 (its lessons split over both): "
+              f"{alone:.1f} s")
         # A batch that keeps every core busy grades cores * 60 / cpu submissions a minute at best.
         print(f"CPU of the sandboxed submission (worker and ranks): {cpu:.1f} CPU-s, so at most "
               f"{(os.cpu_count() or 1) * 60 / cpu:.2f}/min on {os.cpu_count()} cores")

@@ -173,7 +173,8 @@ def test_out_folder_overlapping_a_submission_is_refused(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
-    """Every lesson's cases run in the worker as they do in a notebook (ranks, spawn, torchrun)."""
+    """Every lesson's cases run in the worker as they do in a notebook (ranks, spawn, torchrun),
+    and a submission split over two workers adds up to the whole of it."""
     from autograder.build import render, source_notebook
     from autograder.loading import lesson_of
 
@@ -184,7 +185,8 @@ def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
     for source in sorted((root / "solutions").glob("[0-9][0-9]_*.py")):
         (student / f"{source.stem}.ipynb").write_text(render(source_notebook(source)))
         lessons.append(lesson_of(source))
-    records = grade_batch(discover([student]), BatchConfig(tmp_path / "out", lessons, workers=1, seed=3))
+    # Alone with 2 workers, the submission's lessons are split over both (split_lessons).
+    records = grade_batch(discover([student]), BatchConfig(tmp_path / "out", lessons, workers=2, seed=3))
     record = records["alice"]
     assert [t["status"] for t in record["tasks"]] == ["passed"] * len(record["tasks"]), \
         feedback_text(record)
@@ -230,3 +232,62 @@ def test_a_later_lessons_notebook_cannot_reach_an_earlier_lessons_cases(tmp_path
     status = {t["task"]: t["status"] for t in records["bob"]["tasks"]}
     assert status["0.1"] == status["0.2"] == "passed", feedback_text(records["bob"])
     assert "1.1" in status  # Lesson 01 was loaded and graded (all its cases after Lesson 00's)
+
+
+def test_one_submission_alone_spreads_its_lessons_over_the_idle_workers(tmp_path, monkeypatch):
+    """Alone in a 2-worker batch, a submission's lessons run in two workers at once, each with
+    its own slot and its own lessons, and the record is the same as one worker gives."""
+    import threading
+    import time
+
+    from autograder.build import render, source_notebook
+    from autograder.grade import batch
+
+    root = Path(__file__).resolve().parents[1]
+    student = tmp_path / "carol"
+    student.mkdir()
+    for lesson in (0, 1):
+        source = next((root / "solutions").glob(f"{lesson:02d}_*.py"))
+        (student / f"{source.stem}.ipynb").write_text(render(source_notebook(source)))
+    calls, lock, real = [], threading.Lock(), batch.run_worker
+
+    def spy(work, limits, *, slot, **kwargs):
+        job = json.loads((work / "job.json").read_text())
+        start = time.monotonic()
+        try:
+            return real(work, limits, slot=slot, **kwargs)
+        finally:
+            with lock:
+                calls.append((slot, [n for n, _ in job["notebooks"]], start, time.monotonic()))
+
+    monkeypatch.setattr(batch, "run_worker", spy)
+    split = grade_batch(discover([student]), BatchConfig(tmp_path / "two", [0, 1], workers=2,
+                                                        limits=LIMITS, seed=5))["carol"]
+    assert sorted(c[0] for c in calls) == [0, 1] and sorted(c[1] for c in calls) == [[0], [1]], calls
+    (_, _, a0, a1), (_, _, b0, b1) = calls
+    assert a0 < b1 and b0 < a1, calls  # the two workers ran at the same time
+    calls.clear()
+    whole = grade_batch(discover([student]), BatchConfig(tmp_path / "one", [0, 1], workers=1,
+                                                        limits=LIMITS, seed=5))["carol"]
+    assert [(slot, lessons) for slot, lessons, _, _ in calls] == [(0, [0, 1])]
+    assert split["score"] == whole["score"] == split["max_score"] > 0, feedback_text(split)
+    assert [t["task"] for t in split["tasks"]] == [t["task"] for t in whole["tasks"]]
+    assert [(t["status"], t["score"]) for t in split["tasks"]] == \
+        [(t["status"], t["score"]) for t in whole["tasks"]]
+
+
+def test_split_lessons_balances_the_lessons_and_knows_every_lesson_with_checks():
+    from autograder.grade.batch import LESSON_SECONDS, split_lessons
+
+    graded = sorted(int(p.stem[6:]) for p in (Path(__file__).resolve().parents[1] / "autograder")
+                    .glob("lesson[0-9][0-9].py"))
+    assert sorted(LESSON_SECONDS) == graded  # a new lesson needs its seconds for a fair split
+    for parts in (1, 2, 3, 4):
+        groups = split_lessons(graded, parts)
+        assert sorted(n for g in groups for n in g) == graded and all(g == sorted(g) for g in groups)
+        assert len(groups) == parts
+        loads = [sum(LESSON_SECONDS[n] for n in g) for g in groups]
+        # longest-first greedy: no group exceeds the ideal share by more than the largest lesson
+        assert max(loads) <= sum(loads) / parts + max(LESSON_SECONDS.values()), loads
+    assert split_lessons([0, 99], 4) == [[99], [0]]  # an unknown lesson weighs the mean (2.4 s)
+    assert split_lessons([], 2) == [] and split_lessons([3], 1) == [[3]]

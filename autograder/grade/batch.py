@@ -238,12 +238,58 @@ def _death(exit: WorkerExit, limits: Limits) -> tuple[str, str]:
                    "do not call sys.exit() or os._exit() in graded code")
 
 
+# Seconds each lesson's checks take on the solutions in a sandbox worker on 2 cores (the
+# per-lesson line of benchmarks/grading_throughput.py). Only a weight for splitting one
+# submission's lessons evenly over idle workers: a stale number costs balance, never a grade.
+LESSON_SECONDS = {0: 0.7, 1: 4.5, 2: 1.1, 3: 2.7, 4: 2.2, 5: 6.2, 6: 7.1, 7: 1.8, 8: 2.3, 9: 0.7,
+                  10: 0.5, 11: 1.2, 12: 2.4, 13: 0.4}
+
+
+def split_lessons(lessons: list[int], parts: int) -> list[list[int]]:
+    """``lessons`` in at most ``parts`` groups of about equal grading time (longest first, each
+    to the lightest group; :data:`LESSON_SECONDS`, the mean for a lesson it lacks), each group
+    sorted, no group empty."""
+    mean = sum(LESSON_SECONDS.values()) / len(LESSON_SECONDS)
+    groups: list[list[int]] = [[] for _ in range(max(1, min(parts, len(lessons))))]
+    load = [0.0] * len(groups)
+    for lesson in sorted(lessons, key=lambda n: (-LESSON_SECONDS.get(n, mean), n)):
+        lightest = load.index(min(load))
+        groups[lightest].append(lesson)
+        load[lightest] += LESSON_SECONDS.get(lesson, mean)
+    return [sorted(g) for g in groups if g]
+
+
 def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], expected: dict[str, Any],
-                     seed: int, limits: Limits, slot: int, hide: tuple[Path, ...] = ()) -> dict[str, Any]:
+                     seed: int, limits: Limits, slot: int | list[int],
+                     hide: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Grade one submission in sandbox workers; returns its record (not yet signed).
 
-    ``hide``: paths its worker must not see (the output folder, every submission)."""
+    ``slot``: the worker slot to use, or a list of them: with more than one, the lessons are
+    split over that many workers running at once (:func:`split_lessons`), so one submission
+    alone is graded in about half the time on two idle slots. Each worker still sees only this
+    submission. ``hide``: paths its worker must not see (the output folder, every submission)."""
     start = time.monotonic()
+    slots = [slot] if isinstance(slot, int) else list(slot)
+    groups = split_lessons([n for n in lessons if sub.notebook_for(n) is not None], len(slots))
+    if len(groups) <= 1:
+        parts = [_grade_lessons(sub, lessons, tasks, expected, seed, limits, slots[0], hide)]
+    else:
+        groups[0] += [n for n in lessons if sub.notebook_for(n) is None]  # judged missing here
+        with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+            futures = [pool.submit(_grade_lessons, sub, group, tasks, expected, seed, limits,
+                                   part_slot, hide) for group, part_slot in zip(groups, slots)]
+            parts = [f.result() for f in futures]
+    results = {k: v for part in parts for k, v in part[0].items()}
+    loads = {k: v for part in parts for k, v in part[1].items()}
+    output = "\n".join(part[2] for part in parts if part[2])
+    return _record(sub, lessons, tasks, results, loads, output, time.monotonic() - start)
+
+
+def _grade_lessons(sub: Submission, lessons: list[int], tasks: list[Task], expected: dict[str, Any],
+                   seed: int, limits: Limits, slot: int, hide: tuple[Path, ...]
+                   ) -> tuple[dict[str, CaseResult], dict[int, dict[str, Any]], str]:
+    """The cases of ``lessons`` run in one worker slot (restarted after a death): (judged cases
+    by key, what loading each notebook reported, the worker's output)."""
     results: dict[str, CaseResult] = {}  # case key -> judged case
     loads: dict[int, dict[str, Any]] = {}
     pending = []  # (task, index) still to run
@@ -319,7 +365,7 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
         pending = [(t, i) for t, i in pending if case_key(t, i) not in results]
     for task, index in pending:  # out of attempts
         results[case_key(task, index)] = _case(task, index, ERROR, "the case did not run")
-    return _record(sub, lessons, tasks, results, loads, "\n".join(output), time.monotonic() - start)
+    return results, loads, "\n".join(output)
 
 
 def _read_load(path: Path) -> dict[str, Any]:
@@ -395,13 +441,19 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
     hide = (config.out, *{p for s in subs for p in (s.source, s.any_lesson, *s.notebooks.values()) if p})
     finished = [0]
 
+    # Fewer submissions than workers (one submission alone, the usual case of a student's own
+    # `kit grade` or of Gradescope): each one spreads its lessons over the idle workers. Never
+    # more slots taken at once than exist, so no thread waits for a slot another one holds.
+    share = max(1, config.workers // len(todo))
+
     def one(sub: Submission) -> None:
-        slot = slots.get()
+        mine = [slots.get() for _ in range(share)]
         try:
             record = grade_submission(sub, config.lessons, tasks, expected, secret["seed"],
-                                      config.limits, slot, hide)
+                                      config.limits, mine, hide)
         finally:
-            slots.put(slot)
+            for slot in mine:
+                slots.put(slot)
         record.update(stamp[sub.student])
         record["hmac"] = _sign(record, secret["key"])
         write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json", json.dumps(record, indent=1))
