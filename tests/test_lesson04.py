@@ -276,3 +276,66 @@ def test_torch_ddp_reducer_all_reduces_are_traced_inside_backward_as_cpp_route()
             assert sum(nbytes for _, _, nbytes, _, _ in reduces) == grad_bytes  # every gradient once
         # after the first step DDP rebuilds its buckets under the cap: several all-reduces
         assert len([e for e in rank_steps[-1] if e[0] == "all_reduce"]) >= 2
+
+
+_RANK_IMPORTS = r'''
+import json, os, pickle, sys
+import kit._rank
+from autograder.checking import run_checks
+from autograder.loading import load_tasks
+from autograder.registry import lesson_tasks
+
+out, source = sys.argv[1], sys.argv[2]
+tasks = lesson_tasks(4)
+pid = os.fork()  # the trusted expectations train in this process: keep their imports out of it
+if pid == 0:
+    from autograder.grade.batch import expectations
+    expectations(tasks, 0)
+    with open(os.path.join(out, "expected.pkl"), "wb") as f:
+        pickle.dump({t.id: t._expected for t in tasks}, f)
+    os._exit(0)
+assert os.waitpid(pid, 0)[1] == 0
+with open(os.path.join(out, "expected.pkl"), "rb") as f:
+    for t, got in zip(tasks, [pickle.load(f)] * len(tasks)):
+        t._expected.update(got[t.id])
+module = load_tasks(source, lesson=4)
+print(json.dumps({"parent": "torch._dynamo" in sys.modules}))
+real = kit._rank.rank_main
+
+def rank_main(*args, **kwargs):  # each rank writes the modules it imported on its way out
+    before, exit = set(sys.modules), os._exit
+
+    def _exit(code):
+        with open(os.path.join(out, f"rank-{os.getpid()}.json"), "w") as f:
+            json.dump([os.environ["TASK"], sorted(set(sys.modules) - before)], f)
+        exit(code)
+
+    os._exit = _exit
+    real(*args, **kwargs)
+
+kit._rank.rank_main = rank_main
+for t in tasks:
+    os.environ["TASK"] = t.id
+    report = run_checks(t.id, getattr(module, t.name))
+    assert report.score == report.max_score, report.to_text()
+'''
+
+
+def test_no_rank_of_the_checks_imports_dynamo_itself(tmp_path):
+    """Every rank builds a torch.optim optimizer, whose __init__ imports Dynamo on first use:
+    about a second of CPU per rank, 26 ranks for the lesson, when no earlier lesson had imported
+    it (a worker grading Lesson 04 alone). The tasks preload it: forked ranks inherit it."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank_imports.py"
+    script.write_text(_RANK_IMPORTS)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(SOURCE)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"parent": False}  # not imported by loading
+    ranks = [json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")]
+    assert {task for task, _ in ranks} == set(TASK_IDS)
+    heavy = {(task, m) for task, modules in ranks for m in modules if m.startswith("torch._dynamo")}
+    assert not heavy, sorted(heavy)[:10]
