@@ -54,6 +54,7 @@ import sys
 import sysconfig
 import tempfile
 import textwrap
+import threading
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -275,8 +276,9 @@ def _print(code: types.CodeType) -> int:
 def answer_fingerprints() -> dict[str, str]:
     """``{fingerprint: name}`` of every reference loaded in this (trusted) process: what the
     batch worker needs to recognise a pasted reference (see :func:`trust_answer_fingerprints`)."""
-    _grader.update()
-    return {f"{fp:016x}": name for fp, name in _grader.prints.items()}
+    with _grader._lock:
+        _grader.update()
+        return {f"{fp:016x}": name for fp, name in _grader.prints.items()}
 
 
 def trust_answer_fingerprints(prints: dict[str, str]) -> None:
@@ -425,8 +427,15 @@ class _GraderCode:
         self._keep: list[Any] = []
         self._references: set[int] = set()
         self._seen_at: Any = None
+        # A batch grades submissions from several threads: one must not read the fingerprints
+        # while another, having marked them current, is still adding to them.
+        self._lock = threading.RLock()
 
     def update(self) -> None:
+        with self._lock:
+            self._update()
+
+    def _update(self) -> None:
         from autograder.registry import TASKS
 
         # The grader's modules and tasks as they are now (a count of sys.modules alone can come

@@ -418,3 +418,28 @@ def test_fingerprints_are_the_same_in_every_process():
     theirs = json.loads(other.stdout.strip().splitlines()[-1])
     mine = {k: v for k, v in here.items() if v.startswith("autograder.references.lesson13")}
     assert mine and all(theirs.get(k) == v for k, v in mine.items()), (mine, theirs)
+
+
+def test_threads_asking_for_the_answer_fingerprints_at_once_all_get_every_one(monkeypatch):
+    """A batch's worker threads ask at the same moment: none may read the fingerprints while
+    another, having marked them current, is still collecting them (its worker would then not
+    recognise a pasted reference)."""
+    import threading
+
+    import autograder.references.lesson13  # noqa: F401 - references to fingerprint
+    from autograder import gates
+
+    get_task("13.1")
+    monkeypatch.setattr(gates, "_grader", gates._GraderCode())
+    start, got = threading.Barrier(8), []
+
+    def ask():
+        start.wait()
+        got.append(gates.answer_fingerprints())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and got[0] and all(g == got[0] for g in got), [len(g) for g in got]
