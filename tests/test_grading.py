@@ -263,7 +263,8 @@ def test_one_submission_alone_spreads_its_lessons_over_the_idle_workers(tmp_path
     monkeypatch.setattr(batch, "run_worker", spy)
     split = grade_batch(discover([student]), BatchConfig(tmp_path / "two", [0, 1], workers=2,
                                                         limits=LIMITS, seed=5))["carol"]
-    assert sorted(c[0] for c in calls) == [0, 1] and sorted(c[1] for c in calls) == [[0], [1]], calls
+    assert sorted(c[0] for c in calls) == [0, 1], calls  # two slots
+    assert sorted(c[1] for c in calls) == [[0], [1]], calls  # one lesson each
     (_, _, a0, a1), (_, _, b0, b1) = calls
     assert a0 < b1 and b0 < a1, calls  # the two workers ran at the same time
     calls.clear()

@@ -238,9 +238,9 @@ def _death(exit: WorkerExit, limits: Limits) -> tuple[str, str]:
                    "do not call sys.exit() or os._exit() in graded code")
 
 
-# Seconds each lesson's checks take on the solutions in a sandbox worker on 2 cores (the
-# per-lesson line of benchmarks/grading_throughput.py). Only a weight for splitting one
-# submission's lessons evenly over idle workers: a stale number costs balance, never a grade.
+# Seconds each lesson's checks take on the solutions on 2 cores (the in-process per-lesson line
+# of benchmarks/grading_throughput.py). Only a weight for splitting one submission's lessons
+# evenly over idle workers: a stale number costs balance, never a grade.
 LESSON_SECONDS = {0: 0.7, 1: 4.5, 2: 1.1, 3: 2.7, 4: 2.2, 5: 6.2, 6: 7.1, 7: 1.8, 8: 2.3, 9: 0.7,
                   10: 0.5, 11: 1.2, 12: 2.4, 13: 0.4}
 

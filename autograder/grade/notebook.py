@@ -121,7 +121,8 @@ def main(argv: list[str]) -> int:
                         help="lessons to grade, e.g. 00,01 (default: from the file name; "
                         "in a batch: every lesson with checks)")
     parser.add_argument("--out", help="batch: the output folder (grades.csv, records/, feedback/)")
-    parser.add_argument("--workers", type=int, default=2, help="batch: sandbox workers at once, one submission each (with fewer "
+    parser.add_argument("--workers", type=int, default=2,
+                        help="batch: sandbox workers at once, one submission each (with fewer "
                         "submissions than workers, a submission's lessons are split over them)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="batch: seconds one case may run before its task is marked timeout")
