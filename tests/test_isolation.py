@@ -460,3 +460,57 @@ def test_two_graders_on_one_machine_never_share_a_uid(tmp_path):
         assert len(held) == 2 and not held & set(map(int, second.stdout.split()))
     finally:
         first.communicate(input="", timeout=60)
+
+
+class _FakeCgroups:
+    def __init__(self, pids: list[int] | None):
+        self.controllers = {} if pids is None else {"pids": Path("/nonexistent")}
+        self.pids = pids or []
+
+    def members_of(self, controller):
+        return list(self.pids)
+
+    def members(self):
+        return list(self.pids)
+
+
+def test_the_process_count_reads_the_pids_cgroup_once_the_worker_is_in_it(monkeypatch):
+    """The poll loop's count: /proc is scanned until the worker's pids cgroup holds it, then never."""
+    scans = []
+    monkeypatch.setattr(sandbox, "_members", lambda pid, uid: scans.append(pid) or [pid, 7, 8, 9])
+    waiting = _FakeCgroups([])  # the worker has not joined yet (or joining failed)
+    counter = sandbox._ProcessCounter(100, 61000, waiting)
+    assert counter.count() == 4 and len(scans) == 1
+    waiting.pids = [100, 101]  # joined: the cgroup's list is the count from now on
+    assert [counter.count(), counter.count()] == [2, 2] and len(scans) == 1
+    waiting.pids = [101]  # still trusted once joined: a worker that exited leaves its ranks counted
+    assert counter.count() == 1 and len(scans) == 1
+    no_cgroup = sandbox._ProcessCounter(100, 61000, _FakeCgroups(None))
+    assert [no_cgroup.count(), no_cgroup.count()] == [4, 4] and len(scans) == 3
+
+
+def test_a_workers_pids_cgroup_counts_what_a_scan_of_proc_counts(tmp_path):
+    """As root with cgroup v1's pids controller: the cgroup holds every process a worker forks."""
+    cgroups = sandbox._Cgroups(f"kit-grade-{os.getpid()}-test-{secrets.token_hex(3)}", Limits())
+    if "pids" not in cgroups.controllers:
+        cgroups.remove()
+        pytest.skip("no pids cgroup can be made here (needs root and cgroup v1's pids controller)")
+    code = ("import os, sys, time\n"
+            "for _ in range(5):\n"
+            "    if os.fork() == 0:\n"
+            "        time.sleep(60); os._exit(0)\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    # Joins the cgroup before it runs any Python, as the sandbox's shell does before bwrap.
+    proc = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$1"; exec "$2" -c "$3"', "sh",
+                             str(cgroups.controllers["pids"] / "cgroup.procs"), sys.executable, code],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        counter = sandbox._ProcessCounter(proc.pid, None, cgroups)
+        assert counter.count() == len(sandbox._members(proc.pid, None)) == 6
+        assert counter.joined
+    finally:
+        sandbox._kill_all(proc.pid, None, cgroups)
+        proc.wait()
+        cgroups.remove()
+    assert not any(p.exists() for p in cgroups.paths)
