@@ -169,6 +169,34 @@ def test_a_fresh_optimizer_has_no_state_until_get_state_dict_creates_it():
     assert all(p.grad is None for p in model.parameters())
 
 
+@settings(max_examples=25, deadline=None)
+@given(numel=st.integers(1, 300), cuts=st.lists(st.integers(0, 300), max_size=4),
+       seed=st.integers(0, 2**16))
+def test_the_lessons_fused_adamw_updates_any_split_of_a_tensor_bit_for_bit_as_the_whole(numel, cuts,
+                                                                                        seed):
+    """make_optimizer's fused AdamW: FSDP2 shards on other world sizes train exactly alike, which
+    the resume-on-4-ranks checks rely on (kit/lessons/resume.py)."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randn(numel, generator=g)
+    grads = [torch.randn(numel, generator=g) for _ in range(3)]
+
+    def train(sizes):
+        model = torch.nn.Module()
+        model.pieces = torch.nn.ParameterList(torch.nn.Parameter(t.clone())
+                                              for t in start.split(sizes) if t.numel())
+        optimizer = make_optimizer(model)
+        assert optimizer.defaults["fused"] is True
+        for grad in grads:
+            for p, gp in zip(model.pieces, [t for t in grad.split(sizes) if t.numel()]):
+                p.grad = gp.clone()
+            optimizer.step()
+        return torch.cat([p.detach() for p in model.pieces])
+
+    whole = train([numel])
+    assert not torch.equal(whole, start)
+    assert torch.equal(train(_split(numel, cuts)), whole)
+
+
 def test_async_save_requires_a_group_with_a_cpu_backend_as_the_lesson_quotes():
     source = inspect.getsource(dcp.async_save)
     assert "A CPU backend must be enabled for async save; try initializing process group with " \

@@ -202,7 +202,7 @@ def fsdp_forward_peak_bound(seed: int) -> dict[str, int]:
 def _fsdp2_compute(seed: int) -> dict[str, Any]:
     """Data parallelism in one process: each rank's slice loss, AdamW on their mean."""
     model = L._fsdp2_model(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     losses = [[] for _ in range(L.FSDP2_RANKS)]
     for step in range(L.FSDP2_STEPS):
         for rank in range(L.FSDP2_RANKS):
