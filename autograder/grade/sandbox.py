@@ -11,8 +11,9 @@ Limits, and who enforces them:
 * the worker sets its own ``RLIMIT_AS`` (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and
   ``RLIMIT_NPROC`` before any submission code runs; ranks it forks inherit them;
 * the parent enforces wall time per case, total output size and the number of processes (it
-  counts them in ``/proc``: ``RLIMIT_NPROC`` is per user and not enforced for root), and kills
-  the whole group when one is exceeded;
+  counts them in the worker's ``pids`` cgroup where it can make one, else in ``/proc``:
+  ``RLIMIT_NPROC`` is per user and not enforced for root), and kills the whole group when one is
+  exceeded;
 * run as root with bubblewrap (``bwrap``) installed, each worker runs in mount, PID, network
   and IPC namespaces of its own as an unprivileged uid of its own (see :func:`sandbox_uid`, dropped
   with util-linux's ``setpriv``). It sees the system directories, the interpreter, the venv and
