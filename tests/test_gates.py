@@ -120,6 +120,37 @@ def test_guard_restores_every_function_it_watched():
     assert not gates._swapped
 
 
+def test_inside_watching_a_tasks_cases_share_its_trampolines_and_every_use_is_still_caught():
+    """gates.watching (run_checks, the sandbox worker): a task's functions are swapped once for
+    all its cases; between cases a trampoline calls the original; another task's case gets its
+    own set, without the first task's; on leaving, every function has its own code again."""
+    import torch.distributed as dist
+
+    code, bcast = dist.all_reduce.__code__, dist.broadcast.__code__
+    ring, tree = get_task("1.2"), get_task("1.1")  # forbid all_reduce / broadcast (COLLECTIVES)
+    ring_only = types.SimpleNamespace(id="99.2", forbidden=("torch.distributed.all_reduce",))
+
+    def student():  # a student's call: its file is this test's, not the grader's
+        dist.all_reduce(None)
+
+    with gates.watching():
+        with gates.guard(ring, None):
+            trampoline = dist.all_reduce.__code__
+            assert trampoline is not code
+        assert dist.all_reduce.__code__ is trampoline  # kept between the cases
+        with pytest.raises(TypeError, match="Expected parameter `tensor`"):  # no gate: the original
+            student()
+        with pytest.raises(gates.ForbiddenUse, match="all_reduce"), gates.guard(ring, None):
+            student()  # the next case of the task: still caught
+        swapped = dict(gates._swapped)
+        with gates.guard(tree, None):
+            assert gates._swapped.keys() == swapped.keys()  # the same names: nothing swapped again
+        with gates.guard(ring_only, None):  # fewer names: broadcast is no longer watched
+            assert dist.broadcast.__code__ is bcast and dist.all_reduce.__code__ is not code
+    assert dist.all_reduce.__code__ is code and dist.broadcast.__code__ is bcast
+    assert not gates._swapped and gates._installed is None
+
+
 # --------------------------------------------------------------------------- the nets, one by one
 # A task here is only what the gates read (an id and its forbidden names); the student's module
 # is written to a file and imported, as load_tasks does with a notebook.

@@ -29,6 +29,7 @@ Limits, and who enforces them:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import gc
@@ -716,7 +717,13 @@ def _worker(job_path: str) -> int:
     # side effects reach an earlier lesson's cases.
     notebooks = {lesson: notebook for lesson, notebook in job["notebooks"]}
     skip: dict[str, dict[str, Any]] = {}  # task id -> the record its remaining cases get
+    # A task's cases share its trampolines (gates.watching); they come off before the next task's
+    # cases, and before a notebook is loaded, as check() does.
+    watched, watch = None, contextlib.ExitStack()
     for task_id, index, key in job["cases"]:
+        if task_id != watched:
+            watch.close()
+            watched = None
         task = get_task(task_id)
         case = task.cases[index]
         if task.lesson not in modules and task.lesson in notebooks:
@@ -729,6 +736,9 @@ def _worker(job_path: str) -> int:
             continue
         control.write(f"case {key}\n")
         impl = getattr(module, task.name, None)
+        if watched is None:
+            watch.enter_context(gates.watching())
+            watched = task_id
         start = time.perf_counter()
         try:
             with gates.guard(task, impl):  # what the task re-implements scores it 0, as in check()
@@ -747,6 +757,7 @@ def _worker(job_path: str) -> int:
             os._exit(1)
         record["seconds"] = time.perf_counter() - start
         save(key, record)
+    watch.close()
     control.write("done\n")
     control.flush()
     sys.stdout.flush()
