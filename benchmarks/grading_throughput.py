@@ -14,8 +14,8 @@ path), one notebook per lesson with checks. Reported, measured in this one run o
 * the CPU seconds the sandboxed submission's worker and ranks used: what bounds a batch, which
   grades at most cores * 60 / CPU-s submissions a minute;
 * submissions per minute for ``--copies`` full submissions with ``--workers 1`` and
-  ``--workers 2``, their ratio (2.0 would be perfect scaling), and what a 300-student class
-  would take at that rate.
+  ``--workers 2`` (or the counts given), their ratio (2.0 would be perfect scaling), and what a
+  300-student class would take at that rate.
 
 Each batch grades into a fresh output folder, so nothing is resumed. Timing only: correctness
 is tests/test_grading*.py's job.
@@ -63,6 +63,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=3, help="full submissions per batch")
     parser.add_argument("--lessons", help="only these lessons, e.g. 00,01 (default: all with checks)")
+    parser.add_argument("--workers", default="1,2",
+                        help="the batches' worker counts, e.g. 1,2,3 (default 1,2; the speed-up "
+                             "is the last over the first)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kit-grade-bench-"))
     try:
@@ -109,13 +112,14 @@ def main() -> None:
         for i in range(args.copies):
             shutil.copytree(tmp / "alice", copies / f"student{i:02d}")
         rates = {}
-        for workers in (1, 2):
+        counts = [int(w) for w in args.workers.split(",")]
+        for workers in counts:
             seconds, _ = _batch(sorted(copies.iterdir()), tmp / f"out-{workers}", lessons, workers)
             rates[workers] = 60 * args.copies / seconds
             print(f"{args.copies} full submissions, {workers} worker(s): {seconds:.1f} s "
                   f"({rates[workers]:.2f}/min; 300 students in {300 / rates[workers] / 60:.1f} h)")
-        print(f"speed-up with 2 workers: {rates[2] / rates[1]:.2f}x; load average now "
-              f"{os.getloadavg()[0]:.1f}")
+        print(f"speed-up with {counts[-1]} workers over {counts[0]}: "
+              f"{rates[counts[-1]] / rates[counts[0]]:.2f}x; load average now {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
