@@ -78,7 +78,7 @@ from kit.torchrun import TorchrunError, init_process_group_per_attempt, torchrun
 # %% [markdown]
 # The setup cell's helpers come from [`kit/lessons/resume.py`](../kit/lessons/resume.py): `make_model()` (a
 # small transformer with dropout, the same initial weights in every process), `shard_model`
-# (FSDP2's `fully_shard` on each block, then the root), `make_optimizer` (AdamW, `fused=True`),
+# (FSDP2's `fully_shard` on each block, then the root), `make_optimizer` (AdamW),
 # `make_sampler()` (a shuffling `DistributedSampler` that also remembers its `position` in the
 # epoch), `seed_everything(seed)` (torch, Python and NumPy seeded with `seed + rank`),
 # `train_step(state)` (one step; it draws from all three RNGs and adds 1 to `state.step`) and

@@ -63,12 +63,7 @@ def shard_model(model: TinyTransformer) -> TinyTransformer:
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     # AdamW keeps two state tensors per parameter and a step count: a resume must restore them.
-    # fused=True (CPU and CUDA): one kernel updates every parameter. On FSDP2's DTensor
-    # parameters DTensor then plans 9 ops in a fresh rank's first step instead of 64 (8 kinds of
-    # op for each of the 16 parameters), the bulk of that step's cost; Lesson 06's checks take 19%
-    # less CPU. The update is the same for a whole tensor and for any split of it into shards, bit
-    # for bit, so a resume on another number of ranks stays exact.
-    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
 
 def token_dataset(n: int = 48, seed: int = 0) -> torch.Tensor:
