@@ -677,9 +677,10 @@ def _watch(spec: _Forbidden) -> None:
 @contextmanager
 def watching() -> Iterator[None]:
     """Keep each case's trampolines installed after its :func:`guard` ends, until a case that
-    watches for other functions, or the end of this block: a task's cases (and a sandboxed
-    submission's tasks) then swap the functions once, not once per case (0.7 CPU-s of a full
-    submission's 240 cases). Between cases no gate is active, so a trampoline just calls its
+    watches for other functions, or the end of this block: a task's cases then swap the
+    functions once, and again only for what was imported since, not once per case (over every
+    task's 240 cases: 30,393 swaps and 0.42 s instead of 110,238 and 0.72 s). Between cases no
+    gate is active, so a trampoline just calls its
     original: code that runs there (the trusted expectation, saving a result) behaves the same.
     On leaving, every function gets its own code back, as after a plain :func:`guard`."""
     global _keeping
