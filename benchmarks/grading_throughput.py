@@ -15,7 +15,9 @@ path), one notebook per lesson with checks. Reported, measured in this one run o
   grades at most cores * 60 / CPU-s submissions a minute;
 * submissions per minute for ``--copies`` full submissions with ``--workers 1`` and
   ``--workers 2`` (or the counts given), their ratio (2.0 would be perfect scaling), and what a
-  300-student class would take at that rate.
+  300-student class would take at that rate; and the steady rate, counted only while every
+  worker was busy (a short batch's expectations, start and lone last submissions weigh on its
+  rate far more than on a class's; needs more copies than workers).
 
 Each batch grades into a fresh output folder, so nothing is resumed. Timing only: correctness
 is tests/test_grading*.py's job.
@@ -52,11 +54,29 @@ def _full_submission(folder: Path) -> list[int]:
     return lessons
 
 
-def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int) -> tuple[float, float]:
-    """(seconds, total score of all submissions)."""
+def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int,
+           finished: list[float] | None = None) -> tuple[float, float]:
+    """(seconds, total score of all submissions); ``finished`` receives the seconds, after the
+    batch's expectations, at which each submission's record was written."""
+
+    def progress(done: int, total: int, elapsed: float) -> None:
+        if finished is not None:
+            finished.append(elapsed)
+
     start = time.perf_counter()
-    records = grade_batch(discover(paths), BatchConfig(out, lessons, workers, Limits(), seed=0))
+    records = grade_batch(discover(paths), BatchConfig(out, lessons, workers, Limits(), seed=0),
+                          progress)
     return time.perf_counter() - start, sum(r["score"] for r in records.values())
+
+
+def _steady_rate(finished: list[float], workers: int) -> float | None:
+    """Submissions a minute while every worker was busy: from the first record to the last one
+    written before a worker ran out of submissions (a class's rate, which a short batch's start
+    and its last lone submissions understate). None with too few submissions."""
+    last = len(finished) - workers  # index of the last completion with every worker still busy
+    if last < 1 or finished[last] <= finished[0]:
+        return None
+    return 60 * last / (finished[last] - finished[0])
 
 
 def main() -> None:
@@ -114,10 +134,15 @@ def main() -> None:
         rates = {}
         counts = [int(w) for w in args.workers.split(",")]
         for workers in counts:
-            seconds, _ = _batch(sorted(copies.iterdir()), tmp / f"out-{workers}", lessons, workers)
+            finished: list[float] = []
+            seconds, _ = _batch(sorted(copies.iterdir()), tmp / f"out-{workers}", lessons, workers,
+                                finished)
             rates[workers] = 60 * args.copies / seconds
+            steady = _steady_rate(finished, workers)
             print(f"{args.copies} full submissions, {workers} worker(s): {seconds:.1f} s "
-                  f"({rates[workers]:.2f}/min; 300 students in {300 / rates[workers] / 60:.1f} h)")
+                  f"({rates[workers]:.2f}/min; 300 students in {300 / rates[workers] / 60:.1f} h)"
+                  + (f"; steady {steady:.2f}/min while every worker was busy (300 students in "
+                     f"{300 / steady / 60:.1f} h and the expectations)" if steady else ""))
         print(f"speed-up with {counts[-1]} workers over {counts[0]}: "
               f"{rates[counts[-1]] / rates[counts[0]]:.2f}x; load average now {os.getloadavg()[0]:.1f}")
     finally:
