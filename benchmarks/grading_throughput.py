@@ -17,7 +17,8 @@ path), one notebook per lesson with checks. Reported, measured in this one run o
   ``--workers 2`` (or the counts given), their ratio (2.0 would be perfect scaling), and what a
   300-student class would take at that rate; and the steady rate, counted only while every
   worker was busy (a short batch's expectations, start and lone last submissions weigh on its
-  rate far more than on a class's; needs more copies than workers).
+  rate far more than on a class's; needs at least twice as many copies as workers), and
+  the CPU per submission and how busy the cores were in each batch.
 
 Each batch grades into a fresh output folder, so nothing is resumed. Timing only: correctness
 is tests/test_grading*.py's job.
@@ -72,9 +73,10 @@ def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int,
 def _steady_rate(finished: list[float], workers: int) -> float | None:
     """Submissions a minute while every worker was busy: from the first record to the last one
     written before a worker ran out of submissions (a class's rate, which a short batch's start
-    and its last lone submissions understate). None with too few submissions."""
+    and its last lone submissions understate). None with fewer than twice as many submissions
+    as workers: the workers' first records then come nearly together, and so would the span."""
     last = len(finished) - workers  # index of the last completion with every worker still busy
-    if last < 1 or finished[last] <= finished[0]:
+    if last < workers or finished[last] <= finished[0]:
         return None
     return 60 * last / (finished[last] - finished[0])
 
@@ -135,14 +137,21 @@ def main() -> None:
         counts = [int(w) for w in args.workers.split(",")]
         for workers in counts:
             finished: list[float] = []
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             seconds, _ = _batch(sorted(copies.iterdir()), tmp / f"out-{workers}", lessons, workers,
                                 finished)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
             rates[workers] = 60 * args.copies / seconds
             steady = _steady_rate(finished, workers)
             print(f"{args.copies} full submissions, {workers} worker(s): {seconds:.1f} s "
                   f"({rates[workers]:.2f}/min; 300 students in {300 / rates[workers] / 60:.1f} h)"
                   + (f"; steady {steady:.2f}/min while every worker was busy (300 students in "
                      f"{300 / steady / 60:.1f} h and the expectations)" if steady else ""))
+            # Below cores * 60 / CPU-s: either cores stood idle or each submission cost more CPU
+            # with others beside it (ranks of several workers contending for the cores).
+            print(f"  CPU per submission in this batch: {used / args.copies:.1f} CPU-s; the cores "
+                  f"were {100 * used / (seconds * (os.cpu_count() or 1)):.0f}% busy with its workers")
         print(f"speed-up with {counts[-1]} workers over {counts[0]}: "
               f"{rates[counts[-1]] / rates[counts[0]]:.2f}x; load average now {os.getloadavg()[0]:.1f}")
     finally:
