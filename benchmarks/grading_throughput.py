@@ -56,18 +56,23 @@ def _full_submission(folder: Path) -> list[int]:
 
 
 def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int,
-           finished: list[float] | None = None) -> tuple[float, float]:
-    """(seconds, total score of all submissions); ``finished`` receives the seconds, after the
-    batch's expectations, at which each submission's record was written."""
+           finished: list[float] | None = None) -> tuple[float, float, float]:
+    """(seconds, total score of all submissions, CPU seconds of the workers and their ranks);
+    ``finished`` receives the seconds, after the batch's expectations, at which each
+    submission's record was written."""
 
     def progress(done: int, total: int, elapsed: float) -> None:
         if finished is not None:
             finished.append(elapsed)
 
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     records = grade_batch(discover(paths), BatchConfig(out, lessons, workers, Limits(), seed=0),
                           progress)
-    return time.perf_counter() - start, sum(r["score"] for r in records.values())
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return seconds, sum(r["score"] for r in records.values()), cpu
 
 
 def _steady_rate(finished: list[float], workers: int) -> float | None:
@@ -111,11 +116,8 @@ def main() -> None:
             per_lesson[lesson_of(nb)] = (grade_notebook(nb, lessons=[lesson_of(nb)]).score,
                                          time.perf_counter() - start)
         in_process = sum(t for _, t in per_lesson.values())
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        sandboxed, points = _batch([tmp / "alice"], tmp / "out-full", lessons, 1)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        alone, _ = _batch([tmp / "alice"], tmp / "out-alone-2", lessons, 2)
+        sandboxed, points, cpu = _batch([tmp / "alice"], tmp / "out-full", lessons, 1)
+        alone, _, _ = _batch([tmp / "alice"], tmp / "out-alone-2", lessons, 2)
         print("in-process seconds per lesson (expectations already computed; "
               "autograder.grade.batch.LESSON_SECONDS): " + ", ".join(
             f"{n:02d} {t:.1f}" for n, (_, t) in sorted(per_lesson.items())))
@@ -137,11 +139,8 @@ def main() -> None:
         counts = [int(w) for w in args.workers.split(",")]
         for workers in counts:
             finished: list[float] = []
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            seconds, _ = _batch(sorted(copies.iterdir()), tmp / f"out-{workers}", lessons, workers,
-                                finished)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            seconds, _, used = _batch(sorted(copies.iterdir()), tmp / f"out-{workers}", lessons,
+                                      workers, finished)
             rates[workers] = 60 * args.copies / seconds
             steady = _steady_rate(finished, workers)
             print(f"{args.copies} full submissions, {workers} worker(s): {seconds:.1f} s "
