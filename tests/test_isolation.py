@@ -514,3 +514,38 @@ def test_a_workers_pids_cgroup_counts_what_a_scan_of_proc_counts(tmp_path):
         proc.wait()
         cgroups.remove()
     assert not any(p.exists() for p in cgroups.paths)
+
+
+HUGE_PAGES = """
+import os, sys
+from autograder.grade.sandbox import _collapse_anonymous_memory
+
+def huge_kb():
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+data = bytearray(os.urandom(1 << 20) * 48)  # 48 MiB on the heap, every page written
+digest = hash(bytes(data))
+before = huge_kb()
+collapsed = _collapse_anonymous_memory()
+assert isinstance(collapsed, int) and collapsed >= 0, collapsed
+assert collapsed == 0 or huge_kb() > before, (collapsed, before, huge_kb())
+pid = os.fork()
+if pid == 0:  # a rank: sees the same bytes, writes its own copy
+    ok = hash(bytes(data)) == digest
+    data[12345] ^= 0xFF
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert hash(bytes(data)) == digest  # the child's write stayed in the child
+print("collapsed", collapsed)
+"""
+
+
+def test_huge_pages_for_the_worker_keep_its_memory_and_its_forks_intact():
+    # Where the kernel has no MADV_COLLAPSE (before Linux 6.1, THP "never") it collapses nothing
+    # and says 0; where it collapsed something, the process now holds huge pages.
+    done = subprocess.run([sys.executable, "-c", HUGE_PAGES], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "collapsed " in done.stdout

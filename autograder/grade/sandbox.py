@@ -655,6 +655,47 @@ class _NoReferences:
         return None
 
 
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # <linux/mman.h>; MADV_COLLAPSE since Linux 6.1
+_HUGE = 2 << 20
+
+
+def _collapse_anonymous_memory() -> int:
+    """Back this process's private anonymous memory (the malloc heap, Python's arenas, torch's
+    blocks) with 2 MiB pages where the kernel can, with ``madvise(MADV_COLLAPSE)``; return the
+    bytes of the ranges collapsed whole (0 where the kernel cannot: before Linux 6.1, or THP set to ``never``).
+
+    Every rank is forked from this worker. fork copies a page-table entry for each 4 KiB page the
+    worker holds, and the rank's exit drops them again; a 2 MiB page takes one entry. With every
+    lesson loaded (about 300 MB), a bare fork and exit went from 26 to 11 CPU-ms on 2 cores, and
+    a 4-rank launch's ranks from 32 to 25 CPU-ms each. A full sandboxed submission, 10 alternating
+    pairs, took 1.4 CPU-s less on average (about 4%). The first call copies ~250 MB into huge
+    pages (0.6 CPU-s); later calls only collapse what grew or was split since.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
+    except (OSError, AttributeError):
+        return 0
+    collapsed = 0
+    for line in maps:
+        fields = line.split()
+        if len(fields) > 5 and fields[5] != "[heap]":
+            continue  # a file, a thread's stack, [vdso]: not the process's private heap
+        if not fields[1].startswith("rw") or fields[1][3] != "p":
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        start, end = (lo + _HUGE - 1) & ~(_HUGE - 1), hi & ~(_HUGE - 1)
+        if end - start < _HUGE:
+            continue
+        if madvise(start, end - start, _MADV_HUGEPAGE) == 0 and \
+                madvise(start, end - start, _MADV_COLLAPSE) == 0:
+            collapsed += end - start
+    return collapsed
+
+
 def _worker(job_path: str) -> int:
     os.dup2(1, 2)  # one stream: the parent caps its size
     job = json.loads(Path(job_path).read_text())
@@ -708,6 +749,7 @@ def _worker(job_path: str) -> int:
         # garbage is frozen with the rest; what is frozen is freed when the worker exits.
         gc.collect(1)
         gc.freeze()
+        _collapse_anonymous_memory()  # cheaper forks for this lesson's ranks: see there
         return module
 
     # Each lesson is loaded just before its own cases run, not all of them first: a lesson's
