@@ -655,14 +655,15 @@ class _NoReferences:
         return None
 
 
-_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # <linux/mman.h>; MADV_COLLAPSE since Linux 6.1
+_MADV_COLLAPSE = 25  # <linux/mman.h>, since Linux 6.1
 _HUGE = 2 << 20
 
 
 def _collapse_anonymous_memory() -> int:
     """Back this process's private anonymous memory (the malloc heap, Python's arenas, torch's
     blocks) with 2 MiB pages where the kernel can, with ``madvise(MADV_COLLAPSE)``; return the
-    bytes of the ranges collapsed whole (0 where the kernel cannot: before Linux 6.1, or THP set to ``never``).
+    bytes of the ranges collapsed whole (0 where the kernel has no MADV_COLLAPSE: before 6.1).
+    MADV_COLLAPSE leaves areas marked no-huge-pages alone (thread stacks since Linux 6.7).
 
     Every rank is forked from this worker. fork copies a page-table entry for each 4 KiB page the
     worker holds, and the rank's exit drops them again; a 2 MiB page takes one entry. With every
@@ -683,15 +684,14 @@ def _collapse_anonymous_memory() -> int:
     for line in maps:
         fields = line.split()
         if len(fields) > 5 and fields[5] != "[heap]":
-            continue  # a file, a thread's stack, [vdso]: not the process's private heap
+            continue  # a file, [stack], [vdso]: not the process's private heap
         if not fields[1].startswith("rw") or fields[1][3] != "p":
             continue
         lo, hi = (int(x, 16) for x in fields[0].split("-"))
         start, end = (lo + _HUGE - 1) & ~(_HUGE - 1), hi & ~(_HUGE - 1)
         if end - start < _HUGE:
             continue
-        if madvise(start, end - start, _MADV_HUGEPAGE) == 0 and \
-                madvise(start, end - start, _MADV_COLLAPSE) == 0:
+        if madvise(start, end - start, _MADV_COLLAPSE) == 0:
             collapsed += end - start
     return collapsed
 
