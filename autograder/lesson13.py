@@ -57,6 +57,8 @@ ROUTE_SETTINGS: dict[str, tuple[int, int, int, int, str, torch.dtype]] = {
     "ties": (24, 6, 2, 6, "ties", torch.float32),
     "capacity 0": (10, 4, 2, 0, "random", torch.float32),
     "huge capacity": (10, 4, 2, 1000, "random", torch.float32),
+    "no tokens": (0, 4, 2, 3, "random", torch.float32),  # a rank whose batch is empty
+    "k = E": (6, 3, 3, 6, "random", torch.float64),  # every expert chosen by every token
 }
 
 
@@ -205,6 +207,37 @@ _route_case("capacity 0 drops every choice; a capacity above every load keeps al
             ("capacity 0", "huge capacity"),
             hint="Capacity is the number of slots per expert: with 0 slots every choice is "
                  "dropped (slot -1, weight 0), and with enough slots none is.")
+
+_route_case("no tokens gives four empty (0, k) tensors; k = E chooses every expert",
+            ("no tokens", "k = E"),
+            hint="A rank may have no tokens (an empty batch): route returns (0, k) tensors, not "
+                 "an error. With k = E every token chooses every expert, best first.")
+
+
+@ROUTE.case("k larger than the number of experts is a ValueError naming k and E")
+def _(route: Any, seed: int) -> Any:
+    try:
+        result = route(route_logits(seed, "k=1")[:, :3], 4, 8)
+    except ValueError as e:
+        return ["ValueError", str(e)]
+    except Exception as e:  # noqa: BLE001 - the wrong kind of error is an answer too
+        return [type(e).__name__, str(e)[:200]]
+    return ["returned", describe(result, 80)]
+
+
+def _compare_k_too_large(got: Any, expected: Any) -> None:
+    if not (isinstance(got, list) and got[0] == "ValueError" and "k" in got[1]):
+        raise CheckFailed("route(logits of 3 experts, k=4, ...) must raise a ValueError naming "
+                          "k and the number of experts", expected="ValueError: k = 4 ... 3 experts",
+                          got=got if isinstance(got, list) else describe(got, 80),
+                          hint="A token cannot choose more distinct experts than there are: k "
+                               "must lie between 1 and E. Say so, rather than fail deep inside "
+                               "with a shape error.",
+                          recipe="Before routing, check 1 <= k <= E and raise ValueError with "
+                                 "both numbers otherwise.")
+
+
+ROUTE.cases[-1].compare = _compare_k_too_large
 
 
 def _compare_type(got: Any, expected: Any) -> None:
@@ -368,16 +401,63 @@ MOE_RUNS: dict[str, dict[str, Any]] = {
     "4 ranks": {"world_size": 4, "experts": 8, "d_model": 16, "d_hidden": 32, "k": 2,
                 "capacity_factor": 1.25, "tokens": [10, 7, 13, 4], "favourite": 5, "skew": 1.0},
 }
+# The edges real runs reach, one shared run each. ``lean`` puts the regime in, whatever the seed:
+# every token's first feature is 1 and the router's first column gives those experts that
+# logit (+30: every token's first choice, router collapse; -30: no token's choice at all).
+# The trusted expectation checks that each run really is in its regime (``idle``, ``empty``).
+MOE_EDGES: dict[str, dict[str, Any]] = {
+    "router collapse, 2 ranks": {
+        "world_size": 2, "experts": 4, "d_model": 16, "d_hidden": 32, "k": 1,
+        "capacity_factor": 4.0, "tokens": [8, 8], "favourite": 0, "skew": 0.0, "lean": {0: 30.0},
+        "regime": "every token picks expert 0, so rank 1's experts get no token",
+        "idle": [1]},
+    "an expert no token picks, 4 ranks": {
+        "world_size": 4, "experts": 4, "d_model": 16, "d_hidden": 32, "k": 2,
+        "capacity_factor": 2.0, "tokens": [6, 5, 7, 4], "favourite": 0, "skew": 0.0,
+        "lean": {3: -30.0},
+        "regime": "every token avoids expert 3, so rank 3, its only holder, gets no token",
+        "idle": [3]},
+    "a rank with no tokens, 4 ranks": {
+        "world_size": 4, "experts": 8, "d_model": 16, "d_hidden": 32, "k": 2,
+        "capacity_factor": 1.25, "tokens": [6, 0, 5, 3], "favourite": 2, "skew": 1.0,
+        "regime": "rank 1 has 0 tokens (an empty (0, d_model) batch) but its experts get some",
+        "empty": [1]},
+    "an input without grad, 2 ranks": {
+        "world_size": 2, "experts": 4, "d_model": 16, "d_hidden": 32, "k": 1,
+        "capacity_factor": 4.0, "tokens": [8, 8], "favourite": 0, "skew": 0.0, "lean": {0: 30.0},
+        "input_grad": False,
+        "regime": "x needs no grad and every token picks expert 0: only the experts' parameters "
+                  "tie rank 1's output to the combine all-to-all",
+        "idle": [1]},
+}
+MOE_CONFIGS = {**MOE_RUNS, **MOE_EDGES}
+EDGE_HANG = ("A rank whose experts got no token skipped the backward all-to-all: its output did "
+             "not depend on the rows it received and its experts' parameters, so backward never "
+             "reached the combine's all-to-all there.")
+
+
+def moe_router(seed: int, name: str) -> torch.nn.Linear:
+    """The run's float64 router: ``make_router``'s, with the run's ``lean`` in its first column."""
+    cfg = MOE_CONFIGS[name]
+    router = make_router(cfg["d_model"], cfg["experts"], seed=seed, dtype=torch.float64)
+    if cfg.get("lean"):
+        with torch.no_grad():
+            router.weight[:, 0] = 0.0
+            for expert, logit in cfg["lean"].items():
+                router.weight[expert, 0] = logit
+    return router
 
 
 def moe_inputs(seed: int, name: str, rank: int, router: torch.nn.Module
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s float64 tokens (T_r, d_model), leaning to the run's favourite expert, and
     the upstream gradient its outputs are multiplied by."""
-    cfg = MOE_RUNS[name]
+    cfg = MOE_CONFIGS[name]
     T, d = cfg["tokens"][rank], cfg["d_model"]
     x = skewed_tokens(T, d, router, favourite=cfg["favourite"], skew=cfg["skew"],
                       seed=seed * 1009 + rank, dtype=torch.float64)
+    if cfg.get("lean"):
+        x[:, 0] = 1.0  # the feature the router's lean reads
     g = torch.Generator().manual_seed(seed * 1013 + rank + 500)
     return x, torch.randn(T, d, generator=g, dtype=torch.float64)
 
@@ -389,16 +469,16 @@ def _moe_on_rank(ExpertParallelMoE: Any, seed: int, name: str) -> dict[str, Any]
     from kit import meter
     from kit.trace import region, trace
 
-    cfg = MOE_RUNS[name]
+    cfg = MOE_CONFIGS[name]
     rank, W = dist.get_rank(), dist.get_world_size()
     E, d = cfg["experts"], cfg["d_model"]
     mine = expert_range(E, W, rank)
     with meter.track() as usage:
-        router = make_router(d, E, seed=seed, dtype=torch.float64)
+        router = moe_router(seed, name)
         experts = make_experts(E, d, cfg["d_hidden"], seed=seed, which=mine, dtype=torch.float64)
         moe = ExpertParallelMoE(router, experts, cfg["k"], cfg["capacity_factor"])
     x, upstream = moe_inputs(seed, name, rank, make_router(d, E, seed=seed, dtype=torch.float64))
-    x.requires_grad_()
+    x.requires_grad_(cfg.get("input_grad", True))
     with trace() as t:
         with region("forward"):
             out = moe(x)
@@ -453,7 +533,12 @@ def _compare_grads(got: Any, expected: dict[str, Any]) -> None:
 
 def _compare_grad_values(ranks: list[Any], expected: dict[str, Any]) -> None:
     for rank, (g, e) in enumerate(zip(ranks, expected["ranks"])):
-        wrong = tensor_mismatch(g["x_grad"], e["x_grad"], rtol=1e-10, atol=1e-10)
+        if e["x_grad"] is None:  # the input needs no grad: backward must not make one
+            wrong = None if g["x_grad"] is None else "exists, though x does not require grad"
+        elif g["x_grad"] is None and e["x_grad"].numel() == 0:
+            wrong = None  # no tokens: an empty gradient and none alike
+        else:
+            wrong = tensor_mismatch(g["x_grad"], e["x_grad"], rtol=1e-10, atol=1e-10)
         if wrong:
             raise CheckFailed(f"rank {rank}: the gradient of its input tokens {wrong}",
                               expected=describe(e["x_grad"]), got=describe(g["x_grad"]))
@@ -469,7 +554,9 @@ def _compare_grad_values(ranks: list[Any], expected: dict[str, Any]) -> None:
                                       f"{i} {wrong}", expected=describe(w),
                                       got=describe(h),
                                       hint=GRAD_HINT, recipe=GRAD_RECIPE)
-    grads = [g["router_grad"] for g in ranks]
+    grads = [torch.zeros_like(expected["router_grad"]) if g["router_grad"] is None
+             and e["out"].shape[0] == 0 else g["router_grad"]  # no tokens: no gradient, or 0
+             for g, e in zip(ranks, expected["ranks"])]
     if any(not isinstance(g, torch.Tensor) for g in grads):
         raise CheckFailed("the router got no gradient on some rank",
                           expected="router.weight.grad on every rank", got=[describe(g, 40) for g in grads],
@@ -572,6 +659,27 @@ for _name, _run in MOE_SHARED.items():
              recipe="Exchange the per-expert counts first (they give every rank its receive "
                     "splits), then send only the kept choices' rows with uneven splits, and "
                     "return exactly the rows you received.")
+
+
+
+def _compare_edge(got: Any, expected: dict[str, Any]) -> None:
+    _compare_outputs(got, expected)
+    _compare_grad_values(per_rank(got, len(expected["ranks"])), expected)
+
+
+for _name, _cfg in MOE_EDGES.items():
+    _expect = partial(lambda seed, n: MOE.trusted("moe_in_one_process")(seed, n), n=_name)
+    MOE.case(f"{_name} ({_cfg['regime']}): outputs and gradients equal the single-process MoE",
+             uses=MOE.shared(partial(_moe_on_rank, name=_name), world_size=_cfg["world_size"],
+                             timeout=RANK_TIMEOUT_S),
+             compare=_compare_edge, expect=_expect, hang=EDGE_HANG,
+             hint="Every rank joins every all-to-all, forward and backward, whatever its load: "
+                  "a rank with no tokens or whose experts got none, and an input that needs no "
+                  "grad, run the same collectives as their peers.",
+             recipe="Run every local expert on its received rows, even zero of them (an empty "
+                    "batch is a valid one): then each rank's output depends on the received "
+                    "rows and its experts' parameters, and backward reaches both all-to-alls "
+                    "on every rank. Never return early or skip an idle expert.")
 
 
 MOE.bound("expert weights per rank", formula=f"{BOUND_SLACK} x (router + E/W experts)",

@@ -199,6 +199,10 @@ class Case:
     # A name (a str) stands for that function in autograder.references.lessonNN (trusted only).
     expect: Callable[[int], Any] | str | None = None
     recipe: str = ""  # the steps, in words, shown after repeated failures or on request
+    # What a hang of this case's ranks means, in the regime it tests ("a rank whose experts got
+    # no token skipped the backward all-to-all"): it leads the feedback, before the launcher's
+    # reading of who waited in which collective and who had returned.
+    hang: str = ""
 
 
 @dataclass
@@ -279,10 +283,12 @@ class Task:
     def case(self, name: str, *, compare: Callable[[Any, Any], None] = assert_same,
              weight: float = 1.0, hint: str = "", needs: str | None = None,
              expect: Callable[[int], Any] | str | None = None, recipe: str = "",
-             uses: SharedRun | None = None, pick: str | Callable[[Any], Any] | None = None):
+             uses: SharedRun | None = None, pick: str | Callable[[Any], Any] | None = None,
+             hang: str = ""):
         """Decorator registering ``run(impl, seed) -> data`` as a case of this task.
 
-        ``hint`` (the concept) and ``recipe`` (the steps) default to the task's. A case that
+        ``hint`` (the concept) and ``recipe`` (the steps) default to the task's; ``hang`` says
+        what a hang of the case's ranks means in the regime it tests (see :class:`Case`). A case that
         judges a shared run needs no body: ``T.case("name", uses=run, pick="losses")`` registers
         ``run(impl, seed)`` (its ``pick`` key, or ``pick(data)``) and returns None.
         """
@@ -291,7 +297,7 @@ class Task:
             if any(c.name == name for c in self.cases):
                 raise ValueError(f"task {self.id}: two cases named {name!r}")
             self.cases.append(Case(name, run, compare, weight, hint or self.hint, needs, expect,
-                                   recipe or self.recipe))
+                                   recipe or self.recipe, hang))
             return run
 
         if uses is None:

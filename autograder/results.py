@@ -269,6 +269,17 @@ def _student_traceback(e: BaseException) -> str:
     return "".join(traceback.format_list(frames) + traceback.format_exception_only(type(e), e))
 
 
+def hang_finding(case: Case, e: BaseException) -> str:
+    """A hang as a finding: what the case's hang means (``Case.hang``), then the launcher's own
+    reading of the stacks, which ranks wait in which collective and which had returned."""
+    lines = [line.strip() for line in str(e).splitlines()]
+    first = lines[0] if lines else "The ranks hung."
+    when = first.split(":", 1)[0]  # "Deadlock after 0.9 s" or "Timed out after 30 s"
+    diagnosis = lines[1] if len(lines) > 1 and lines[1] else first
+    found = f"{when}: {diagnosis}" if when != first else diagnosis
+    return f"{case.hang} {found}" if case.hang else found
+
+
 def raised(task: Task, case: Case, e: BaseException, seconds: float = 0.0) -> CaseResult:
     """What a case that raised ``e`` (here, or on one of its ranks) scores, and why."""
     from kit.launcher import LaunchError, LaunchTimeout
@@ -281,8 +292,7 @@ def raised(task: Task, case: Case, e: BaseException, seconds: float = 0.0) -> Ca
         return CaseResult(case.name, FORBIDDEN, 0.0, max_points, str(e), hint=case.hint,
                           seconds=seconds)
     if isinstance(e, LaunchTimeout):
-        return CaseResult(case.name, TIMEOUT, 0.0, max_points, "the ranks hung: they did not finish "
-                          "in time. Does every rank call every collective, in the same order?",
+        return CaseResult(case.name, TIMEOUT, 0.0, max_points, hang_finding(case, e),
                           hint=case.hint, details=str(e), seconds=seconds, recipe=case.recipe)
     if isinstance(e, LaunchError):
         first = e.failures[0].summary if e.failures else str(e).splitlines()[0]

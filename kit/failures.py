@@ -111,9 +111,15 @@ def clean_fatal_error(text: str) -> str:
 
 
 def timeout_message(stacks: dict[int, hang.RankStack], returned: dict[int, float], timeout: float,
-                    world_size: int) -> str:
-    """The error text for a hang; ``returned`` maps ranks that returned to their run time."""
-    lines = [f"Timed out after {timeout:g} s: the ranks did not finish.",
+                    world_size: int, deadlock: float | None = None) -> str:
+    """The error text for a hang; ``returned`` maps ranks that returned to their run time.
+
+    ``deadlock``: the seconds after which the launcher saw a certain deadlock (a rank returned
+    while every other one sat in a collective), when it stopped before the timeout."""
+    first = (f"Deadlock after {deadlock:.1f} s: a rank returned while the others wait in a "
+             "collective it will never call." if deadlock is not None
+             else f"Timed out after {timeout:g} s: the ranks did not finish.")
+    lines = [first,
              hang.diagnose(stacks, list(returned), world_size), ""]
     for rank in range(world_size):
         if rank in returned:

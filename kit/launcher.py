@@ -44,6 +44,15 @@ __all__ = ["LaunchError", "LaunchResult", "LaunchTimeout", "RankFailure", "launc
 STOP_GRACE_S = 0.5  # after a first failure, how long peers get to report their own failure
 STACK_WAIT_S = 1.5  # at a timeout, how long ranks get to dump their stacks
 EXIT_WAIT_S = 10.0  # after every rank returned, how long the group teardown may take
+# Once a rank has returned, it will never call a collective again. After this long, the others'
+# stacks are read, then again every PROBE_GAP_S: if every rank still working sits in the same
+# collective call each time and used (almost) no CPU in between, none can make progress (a
+# collective moving data uses CPU; one that waits for a peer still computing is not a deadlock,
+# since that peer is not in a collective), and the launch is a deadlock at once, not at the timeout.
+DEADLOCK_PROBE_S = 0.5
+PROBE_GAP_S = 0.2
+PROBES_ALIKE = 3  # how many probes in a row must agree (spanning 2 x PROBE_GAP_S)
+IDLE_CPU_S = 0.03  # CPU seconds a blocked rank may use between two probes (signals, the dump)
 
 
 class LaunchResult(list):
@@ -197,6 +206,7 @@ class _Rank:
     killed: bool = False
     released: bool = False
     noted: bool = False  # its outcome has been looked at
+    stack_seen: int = 0  # bytes of its stack file already read (each dump is appended)
 
 
 def _rank_env(rank: int, world_size: int, addr: str, port: int) -> dict[str, str]:
@@ -332,7 +342,9 @@ def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = No
     outputs = [output.text(r) for r in range(world_size)]
     returned = {r.rank: r.message.seconds for r in ranks if r.message and r.message.kind == _rank.OK}
     if stacks is not None:
-        raise LaunchTimeout(timeout_message(stacks, returned, timeout, world_size),
+        hung_for = None if stacks.get("timeout", True) else wall
+        stacks = {k: v for k, v in stacks.items() if k != "timeout"}
+        raise LaunchTimeout(timeout_message(stacks, returned, timeout, world_size, deadlock=hung_for),
                             {k: v.raw for k, v in stacks.items()}, outputs)
     if failures:
         for f in failures:  # a signal or a bare exit: the rank's last stderr lines say most
@@ -366,6 +378,9 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
     deadline = started + timeout
     failures: list[RankFailure] = []
     stop_at: float | None = None
+    probe_at: float | None = None  # when to look for a deadlock next (a rank has returned)
+    alike = 0  # probes in a row that found every working rank blocked in the same place
+    last_probe: _Probe | None = None
     while any(r.exitcode is None for r in ranks):
         now = time.monotonic()
         if stop_at is not None and now >= stop_at:
@@ -374,6 +389,15 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
                     _kill(r)
         if stop_at is None and now >= deadline:
             return failures, _collect_stacks(ranks, output)
+        if stop_at is None and probe_at is not None and now >= probe_at:
+            probe = _probe_deadlock(ranks)
+            alike = alike + 1 if _same_place(probe, last_probe) else 0
+            if probe is not None and alike + 1 >= PROBES_ALIKE:
+                stacks = _collect_stacks(ranks, output, probe.stacks)
+                stacks["timeout"] = False  # a deadlock found, not the timeout
+                return failures, stacks
+            last_probe = probe
+            probe_at = time.monotonic() + (PROBE_GAP_S if probe is not None else DEADLOCK_PROBE_S)
         wait = (stop_at if stop_at is not None else deadline) - now
         # The sentinel fires only once every holder of it has exited, and a rank's children
         # (DataLoader workers) hold it too: poll the exit status as well.
@@ -413,6 +437,9 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
                     failures.sort(key=lambda f: f.after_s)
                     if stop_at is None:
                         stop_at = time.monotonic() + STOP_GRACE_S
+        done = [r for r in ranks if r.message and r.message.kind == _rank.OK]
+        if probe_at is None and done and len(done) < len(ranks):
+            probe_at = time.monotonic() + DEADLOCK_PROBE_S
         if stop_at is None and all(r.message and r.message.kind == _rank.OK for r in ranks):
             for r in ranks:  # everyone returned: let them tear the group down and exit
                 if not r.released:
@@ -446,9 +473,13 @@ def _receive(r: _Rank, sel: selectors.BaseSelector) -> None:
             pass
 
 
-def _collect_stacks(ranks: list[_Rank], output: RankOutput) -> dict[int, hang.RankStack]:
-    """Ask every rank still working for its stack (faulthandler on SIGUSR1), then parse them."""
-    waiting = [r for r in ranks if r.exitcode is None and not (r.message and r.message.kind == _rank.OK)]
+def _working(ranks: list[_Rank]) -> list[_Rank]:
+    return [r for r in ranks if r.exitcode is None and not (r.message and r.message.kind == _rank.OK)]
+
+
+def _dump_stacks(waiting: list[_Rank]) -> dict[int, hang.RankStack]:
+    """Ask each rank for its stack (faulthandler on SIGUSR1) and parse what it appends."""
+    seen = {r.rank: r.stack_seen for r in waiting}
     for r in waiting:
         try:
             os.kill(r.process.pid, signal.SIGUSR1)
@@ -458,17 +489,69 @@ def _collect_stacks(ranks: list[_Rank], output: RankOutput) -> dict[int, hang.Ra
     sizes: dict[int, int] = {}
     while time.monotonic() < end:
         now = {r.rank: _size(r.stack_path) for r in waiting}
-        if all(now.values()) and now == sizes:
+        if all(now[k] > seen[k] for k in now) and now == sizes:
             break
         sizes = now
         time.sleep(0.05)
-    for r in ranks:
-        _kill(r)
     stacks = {}
     for r in waiting:
-        text = _read(r.stack_path)
+        text = _read(r.stack_path)[seen[r.rank]:]
+        r.stack_seen = seen[r.rank] + len(text)
         if text:
             stacks[r.rank] = hang.parse_dump(r.rank, text)
+    return stacks
+
+
+@dataclass
+class _Probe:
+    stacks: dict[int, hang.RankStack]
+    cpu: dict[int, float]  # CPU seconds each rank had used when its stack was read
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), or -1 when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
+
+
+def _probe_deadlock(ranks: list[_Rank]) -> _Probe | None:
+    """Each working rank's stack and CPU time when every one of them is inside a collective (a
+    rank has returned, so it cannot be waiting for that one); None when some rank is elsewhere."""
+    waiting = _working(ranks)
+    if not waiting:
+        return None
+    cpu = {r.rank: _cpu_seconds(r.process.pid) for r in waiting}
+    stacks = _dump_stacks(waiting)
+    if len(stacks) < len(waiting) or not all(s.collective for s in stacks.values()):
+        return None
+    return _Probe(stacks, cpu)
+
+
+def _same_place(a: _Probe | None, b: _Probe | None) -> bool:
+    """Whether two probes found every rank blocked in the same call: the same frames (not one
+    collective after another) and next to no CPU used in between (not a slow transfer)."""
+    if a is None or b is None or a.stacks.keys() != b.stacks.keys():
+        return False
+    for k in a.stacks:
+        if [(f.file, f.line, f.func) for f in a.stacks[k].frames] != \
+                [(f.file, f.line, f.func) for f in b.stacks[k].frames]:
+            return False
+        if min(a.cpu[k], b.cpu[k]) < 0 or abs(a.cpu[k] - b.cpu[k]) > IDLE_CPU_S:
+            return False
+    return True
+
+
+def _collect_stacks(ranks: list[_Rank], output: RankOutput,
+                    stacks: dict[int, hang.RankStack] | None = None) -> dict[Any, Any]:
+    """Every working rank's stack (asked for now, unless a deadlock probe just read them), then
+    every rank killed."""
+    stacks = dict(_dump_stacks(_working(ranks)) if stacks is None else stacks)
+    for r in ranks:
+        _kill(r)
     return stacks
 
 

@@ -567,6 +567,11 @@ except LaunchTimeout as err:
 # seconds: `torch.distributed` waits 10 minutes (NCCL) or 30 minutes (gloo) by default before
 # a stuck collective fails, and a whole cluster sits idle meanwhile. Every rank must call the
 # same collectives in the same order.
+#
+# One hang `launch` does not wait out: when a rank has already *returned* and every other rank
+# sits in the same collective, using no CPU, nobody can ever complete that collective. `launch`
+# checks for this from half a second after the first rank returns and raises `LaunchTimeout`
+# at once, its message starting "Deadlock after ... s", with the same report.
 
 # %% [markdown]
 # ## Running at scale

@@ -128,9 +128,13 @@ def route(logits: torch.Tensor, k: int, capacity: int) -> Routing:
             order: every token's first choice, in token order, then every second choice, ...;
             -1 for a dropped choice.
         kept: whether the choice got a slot (slot < capacity).
+    T = 0 (no tokens) gives four empty (0, k) tensors. Raises ValueError unless 1 <= k <= E.
     """
     ### BEGIN SOLUTION
     num_tokens, num_experts = logits.shape
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k = {k} choices per token, but there are {num_experts} experts: k "
+                         "must be between 1 and the number of experts")
     probs = logits.softmax(dim=-1)  # (T, E)
     # A stable sort keeps equal probabilities in index order: ties go to the lower expert.
     top, expert = probs.sort(dim=-1, descending=True, stable=True)
@@ -404,6 +408,19 @@ for run, name in zip(runs, ("without aux loss", "with aux loss   ")):
 # single-process layer on 2 and 4 ranks, reads the recorder (one count exchange, two token
 # all-to-alls of exactly the kept rows, the mirror in backward) and the meter (each rank holds
 # its $E/W$ experts only). All-gathering tokens or experts is forbidden.
+#
+# **A collective behind a gradient path.** The backward all-to-alls run only where autograd
+# reaches them, and autograd reaches the combine's backward only if this rank's output depends
+# on what its experts computed. Under router collapse (the very regime of section 2) some
+# rank's experts receive no token; if that rank skips its idle experts and returns
+# `torch.zeros_like(received)`, its output has no path back to the combine all-to-all: in
+# backward it calls one all-to-all fewer than its peers, returns, and they wait for it forever.
+# `received * 0` is not enough either: when `x` needs no grad, `received` has no grad history
+# on any rank. Run every local expert, on however many rows it got (zero rows is a valid
+# batch), so the output depends on the received rows *and* the experts' parameters everywhere.
+# The check runs the collapse on 2 ranks, an expert no token picks on 4, a rank with no tokens
+# and an input without grad; a hang there is reported within seconds, with the rank that
+# returned and the collective its peers wait in.
 
 # %% tags=["task-13.3"]
 class AllToAll(torch.autograd.Function):
@@ -437,6 +454,13 @@ class ExpertParallelMoE(nn.Module):
     router is replicated. forward((T_r, d_model)) -> (T_r, d_model): each token's kept
     choices, computed on the ranks holding their experts, weighted and summed. Router
     gradients stay per rank (the caller all-reduces them).
+
+    Every rank joins every all-to-all, forward and backward, whatever its load: a rank with no
+    tokens (T_r = 0), a rank whose experts receive no token (router collapse), and an input
+    that needs no grad all run the same collectives as their peers, so the output must depend
+    on the received rows and the local experts' parameters on every rank. Raises ValueError
+    when `experts_local` is empty (each rank holds E/W >= 1 experts) or when the router's
+    width is not E = len(experts_local) * W.
     """
 
     def __init__(self, router: nn.Module, experts_local: nn.ModuleList, k: int,
@@ -449,6 +473,14 @@ class ExpertParallelMoE(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.num_local = len(experts_local)
         self.num_experts = self.num_local * self.world_size
+        if self.num_local == 0:
+            raise ValueError("experts_local is empty: expert parallelism gives every rank E/W >= 1 "
+                             "experts; choose at least as many experts as ranks")
+        width = getattr(router, "out_features", self.num_experts)
+        if width != self.num_experts:
+            raise ValueError(f"the router scores {width} experts, but {self.num_local} local "
+                             f"experts on {self.world_size} ranks make {self.num_experts}: pass "
+                             "each rank its E/W experts of a router over all E")
         ### END SOLUTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -475,11 +507,13 @@ class ExpertParallelMoE(nn.Module):
         # 3. My experts on what arrived: grouped by source rank, then by local expert.
         local = torch.arange(n_local, device=x.device).repeat(W).repeat_interleave(
             recv_per_expert.reshape(-1))
+        # Every local expert runs, on its rows even when it has none: an empty batch still ties
+        # `results` to the received rows and the expert's parameters, so backward reaches the
+        # return all-to-all on this rank as on every other (skipping it deadlocks the peers).
         results = torch.zeros_like(received)
         for i, expert_module in enumerate(self.experts):
             rows = torch.nonzero(local == i).squeeze(1)
-            if rows.numel():
-                results = results.index_copy(0, rows, expert_module(received[rows]))
+            results = results.index_copy(0, rows, expert_module(received[rows]))
         # 4. Combine: the results come back in dispatch order; weight and add to their tokens.
         returned = AllToAll.apply(results, send_splits, recv_splits, self.group)
         return torch.zeros_like(x).index_add(0, token, weight[:, None] * returned)

@@ -246,6 +246,38 @@ def test_skipped_collective_times_out_with_diagnosis():
     assert isinstance(info.value, TimeoutError)
 
 
+def test_deadlock_after_a_rank_returned_is_reported_long_before_the_timeout():
+    def skip_on_rank_1():
+        t = torch.ones(1)
+        if dist.get_rank() != 1:
+            dist.all_reduce(t)
+        return "done"
+
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        kit.launch(skip_on_rank_1, world_size=3, timeout=120)
+    took = time.monotonic() - start
+    assert took < 15, f"the deadlock took {took:.1f} s to report"
+    text = str(info.value)
+    assert text.startswith("Deadlock after "), text[:300]
+    assert "ranks 0, 2 are waiting in all_reduce, but rank 1 already returned" in text, text[:600]
+    assert set(info.value.stacks) == {0, 2}
+
+
+def test_a_busy_subgroup_after_a_rank_returned_is_not_a_deadlock():
+    def ranks_1_2_keep_reducing():
+        group = dist.new_group([1, 2])
+        if dist.get_rank() == 0:
+            return 0
+        t = torch.ones(8_000_000)
+        start = time.monotonic()
+        while time.monotonic() - start < 2.5:  # long transfers, same line, past the probes
+            dist.all_reduce(t, group=group)
+        return 1
+
+    assert kit.launch(ranks_1_2_keep_reducing, world_size=3, timeout=60) == [0, 1, 1]
+
+
 def test_mismatched_collectives_are_named():
     def mismatch():
         t = torch.ones(1)

@@ -211,6 +211,65 @@ def test_solution_layer_equals_one_process_on_other_world_sizes(solution, tokens
     assert results[-1]["out"][0].abs().sum() > 0
 
 
+@settings(max_examples=6, deadline=None)
+@given(st.data())
+def test_solution_layer_equals_one_process_on_random_world_sizes_and_skews(solution, data):
+    # world size 1 to 4, ranks with no tokens, k and the capacity drawn, tokens leaning to an
+    # expert or collapsing onto it: the distributed layer is the single-process one per rank.
+    W = data.draw(st.integers(1, 4), label="world size")
+    tokens = data.draw(st.lists(st.integers(0, 9), min_size=W, max_size=W), label="tokens")
+    E = W * data.draw(st.integers(1, 2), label="experts per rank")
+    k = data.draw(st.integers(1, min(2, E)), label="k")
+    capacity_factor = data.draw(st.sampled_from([0.5, 1.0, 1.25, 8.0]), label="capacity factor")
+    results = run_ranks(_ep_against_one_process, (solution.ExpertParallelMoE, tokens, k,
+                                                  capacity_factor, E),
+                        world_size=W, echo=False, timeout=60)
+    for r in results:
+        for key in ("out", "x_grad"):
+            torch.testing.assert_close(*r[key], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(sum(r["router_grad"][0] for r in results),
+                               sum(r["router_grad"][1] for r in results), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("bug", ["skips a local expert that received no row",
+                                 "ties an idle rank's output to the received rows only"])
+def test_an_idle_rank_that_skips_the_backward_all_to_all_is_a_finding_not_a_timeout(bugs, bug):
+    from autograder.checking import run_checks
+    from autograder.results import TIMEOUT
+    from autograder.lesson13 import EDGE_HANG
+
+    impl = next(i for description, i in bugs["13.3"] if description.startswith(bug))
+    report = run_checks("13.3", impl)
+    hung = [c for c in report.cases if c.status == TIMEOUT]
+    assert hung, report.to_text()
+    for case in hung:
+        assert case.message.startswith(EDGE_HANG), case.message
+        assert "Deadlock after" in case.message and "already returned" in case.message
+        assert "waiting in all_to_all_single" in case.message
+        assert case.seconds < 5, f"{case.name} took {case.seconds:.1f} s to report its hang"
+    collapse = [c.name for c in hung if c.name.startswith("an input without grad")]
+    assert collapse, "the case with an input that needs no grad did not catch it"
+    # both fixes pass every case of the friendly runs: only the edges see the defect
+    assert all(c.status == "passed" for c in report.cases if c.name.startswith(("2 ranks", "4 ranks")))
+
+
+def _one_rank_without_experts(impl):
+    router = make_router(8, 2, dtype=torch.float64)
+    mine = range(2) if dist.get_rank() == 0 else range(0)  # rank 0: both, so E would be 4
+    try:
+        impl(router, make_experts(2, 8, 8, which=mine, dtype=torch.float64), 1, 1.0)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_without_experts_is_a_clear_error(solution):
+    messages = run_ranks(_one_rank_without_experts, (solution.ExpertParallelMoE,), world_size=2,
+                         echo=False)
+    assert messages[0] is not None and "router scores 2 experts" in messages[0], messages
+    assert messages[1] is not None and "experts_local is empty" in messages[1], messages
+
+
 def _a2a_bytes():
     import torch.distributed._functional_collectives as funcol
 

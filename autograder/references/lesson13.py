@@ -23,8 +23,10 @@ import torch
 from autograder.lesson13 import (
     BALANCE_SETTINGS,
     BOUND_SLACK,
+    MOE_CONFIGS,
     MOE_RUNS,
     moe_inputs,
+    moe_router,
     param_bytes,
 )
 from kit.lessons.moe import Routing, expert_range, make_experts, make_router
@@ -36,6 +38,8 @@ def route(logits: torch.Tensor, k: int, capacity: int) -> Routing:
     """Task 13.1's reference: softmax, top-k by (-p, index), slots in priority order."""
     probs = torch.softmax(logits, dim=-1)  # (T, E), torch's own: the values a tie is judged on
     num_tokens, num_experts = probs.shape
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k = {k} choices, {num_experts} experts: need 1 <= k <= E")
     table = probs.detach().tolist()
     chosen = [sorted(range(num_experts), key=lambda e, row=row: (-row[e], e))[:k] for row in table]
     expert = torch.tensor(chosen, dtype=torch.int64).reshape(num_tokens, k)
@@ -108,15 +112,15 @@ def moe_in_one_process(seed: int, name: str) -> dict[str, Any]:
 
 
 def _moe_in_one_process(seed: int, name: str) -> dict[str, Any]:
-    cfg = MOE_RUNS[name]
+    cfg = MOE_CONFIGS[name]
     E, W, k, d = cfg["experts"], cfg["world_size"], cfg["k"], cfg["d_model"]
-    router = make_router(d, E, seed=seed, dtype=torch.float64)
+    router = moe_router(seed, name)
     experts = make_experts(E, d, cfg["d_hidden"], seed=seed, dtype=torch.float64)
     inputs = [moe_inputs(seed, name, rank, router) for rank in range(W)]
     loss = torch.zeros((), dtype=torch.float64)
     outs, routings, xs = [], [], []
     for x, upstream in inputs:
-        x = x.clone().requires_grad_()
+        x = x.clone().requires_grad_(cfg.get("input_grad", True))
         cap = math.ceil(k * x.shape[0] * cfg["capacity_factor"] / E)
         out, routing = _moe(x, router, experts, k, cap)
         loss = loss + (out * upstream).sum()
@@ -133,7 +137,8 @@ def _moe_in_one_process(seed: int, name: str) -> dict[str, Any]:
                        for r in routings)  # every kept choice of any rank for its experts
         ranks.append({
             "out": outs[rank].detach(),
-            "x_grad": xs[rank].grad,
+            "x_grad": (None if not xs[rank].requires_grad else torch.zeros_like(xs[rank])
+                       if xs[rank].grad is None else xs[rank].grad.clone()),
             "expert_grads": {e: [torch.zeros_like(p) if p.grad is None else p.grad.clone()
                                  for p in experts[e].parameters()]
                              for e in expert_range(E, W, rank)},
@@ -142,6 +147,12 @@ def _moe_in_one_process(seed: int, name: str) -> dict[str, Any]:
             "kept": sent,
             "dropped": int((~routings[rank].kept).sum()),
         })
+    # An edge run must be in the regime its case names, or the case tests nothing.
+    idle = [r for r in range(W) if ranks[r]["received_bytes"] == 0]
+    empty = [r for r in range(W) if xs[r].shape[0] == 0]
+    if idle != cfg.get("idle", idle) or empty != cfg.get("empty", empty):
+        raise AssertionError(f"13.3 run {name!r} is out of its regime: ranks receiving no token "
+                             f"{idle} (want {cfg.get('idle')}), ranks with no tokens {empty}")
     return {"ranks": ranks, "router_grad": router.weight.grad.clone(), "count_bytes": 8 * E}
 
 

@@ -4,3 +4,29 @@
 where ``buggy_impl`` is the same kind of object a student writes (a function or a class).
 ``tests/test_checks.py`` fails when a registered task has no entry here or a bug passes.
 """
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+SOLUTIONS = Path(__file__).resolve().parents[2] / "solutions"
+_EDITED = Path(tempfile.mkdtemp(prefix="kit-seeded-bugs-"))
+
+
+def edited_solution(source: str, *edits: tuple[str, str]) -> ModuleType:
+    """The lesson ``source`` (``"13_mixture_of_experts.py"``) with each ``(old, new)`` text edit
+    made, loaded as a student's notebook would be: a bug built from the solution itself, one
+    step changed. Each ``old`` must occur exactly once, so a stale edit fails loudly."""
+    text = (SOLUTIONS / source).read_text()
+    for old, new in edits:
+        if text.count(old) != 1:
+            raise AssertionError(f"{source}: the seeded edit's text occurs {text.count(old)} times, "
+                                 f"not once: {old!r}")
+        text = text.replace(old, new)
+    folder = Path(tempfile.mkdtemp(dir=_EDITED))
+    (folder / source).write_text(text)
+    from autograder.loading import load_tasks
+
+    return load_tasks(folder / source)

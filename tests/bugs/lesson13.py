@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autograder.loading import load_tasks
+from bugs import edited_solution
 from kit.lessons.moe import Routing
 
 _lesson = load_tasks(Path(__file__).resolve().parents[2] / "solutions" / "13_mixture_of_experts.py")
@@ -402,6 +403,23 @@ BUGS = {
         ("calls the grader's own load_balancing_loss", loss_from_the_grader),
     ],
     "13.3": [
+        ("skips a local expert that received no row: an idle rank's output has no path to the "
+         "combine all-to-all, so its backward skips it (router collapse deadlocks)",
+         edited_solution("13_mixture_of_experts.py", (
+             "            results = results.index_copy(0, rows, expert_module(received[rows]))",
+             "            if rows.numel():\n"
+             "                results = results.index_copy(0, rows, expert_module(received[rows]))",
+         )).ExpertParallelMoE),
+        ("ties an idle rank's output to the received rows only (received * 0): no path to the "
+         "combine all-to-all once the input needs no grad",
+         edited_solution("13_mixture_of_experts.py", (
+             "        results = torch.zeros_like(received)\n",
+             "        results = received * 0\n",
+         ), (
+             "            results = results.index_copy(0, rows, expert_module(received[rows]))",
+             "            if rows.numel():\n"
+             "                results = results.index_copy(0, rows, expert_module(received[rows]))",
+         )).ExpertParallelMoE),
         ("exchanges no counts: a fixed split of capacity rows per expert, padded", MoEFixedSplit),
         ("adds the results in dispatch order instead of the tokens' order", MoEDispatchOrder),
         ("sends and computes the dropped choices too (weighted 0)", MoESendsDroppedWeightedZero),
