@@ -235,8 +235,8 @@ def test_solution_layer_equals_one_process_on_random_world_sizes_and_skews(solut
                                  "ties an idle rank's output to the received rows only"])
 def test_an_idle_rank_that_skips_the_backward_all_to_all_is_a_finding_not_a_timeout(bugs, bug):
     from autograder.checking import run_checks
-    from autograder.results import TIMEOUT
     from autograder.lesson13 import EDGE_HANG
+    from autograder.results import TIMEOUT
 
     impl = next(i for description, i in bugs["13.3"] if description.startswith(bug))
     report = run_checks("13.3", impl)
