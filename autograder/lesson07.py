@@ -26,13 +26,14 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autograder.compare import CheckFailed, assert_same, per_rank
+from autograder.compare import CheckFailed, assert_same, describe, per_rank
 from autograder.registry import task
 from kit.lessons.models import TinyTransformer, token_batch
 from kit.lessons.precision import GraphBreakNet, padded_batch
@@ -287,6 +288,65 @@ SCALER.case(f"4 ranks, each holding a quarter of the gradients; inf only in rank
             compare=_compare_sharded, weight=2, expect="sharded_with_torch")
 
 
+FSDP_WORLD = 2
+
+
+def _fsdp2_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+    """The MLP under FSDP2 (each Linear and the root fully_shard-ed: the gradients are DTensors
+    sharded over 2 ranks); same batch on each rank, so the averaged gradients are one process's.
+    At SHARD_INF_STEPS rank 1 puts an inf into its local shard of the last weight (global row 2)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp(seed)
+    for i in (0, 2, 4):
+        fully_shard(model[i])
+    fully_shard(model)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    with _watch(_torch_scalers()) as used:
+        scaler = impl(**SCALER_ARGS)
+        scales, stepped = [], []
+        for step in range(STEPS):
+            x, y = _batch(seed, step)
+            optimizer.zero_grad()
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            if dist.get_rank() == 1 and step in SHARD_INF_STEPS:
+                model[4].weight.grad.to_local()[0] = float("inf")
+            before = [p.detach().to_local().clone() for p in params]
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(float(scaler.get_scale()))
+            stepped.append(any(not torch.equal(b, p.detach().to_local())
+                               for b, p in zip(before, params)))
+        default = float(impl().get_scale())
+    return {"scales": scales, "stepped": stepped, "default scale": default, "uses": list(used),
+            "params": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
+
+
+def _compare_fsdp2(got: Any, expected: dict[str, Any]) -> None:
+    got = per_rank(got, FSDP_WORLD, "training run")
+    for rank, g in enumerate(got):
+        try:
+            _compare_scaled(g, expected, where=f"FSDP2, rank {rank}: ")
+        except CheckFailed as e:
+            e.cause = ""  # its own regime: not a consequence of the plain run's diagnosis
+            raise
+
+
+SCALER.case(f"FSDP2 on {FSDP_WORLD} ranks: gradients are sharded DTensors, inf only in rank 1's "
+            f"shard at steps {list(SHARD_INF_STEPS)}; every rank skips, as torch's GradScaler "
+            "over the whole model", uses=SCALER.shared(_fsdp2_on_rank, world_size=FSDP_WORLD,
+                                                        timeout=30.0),
+            compare=_compare_fsdp2, expect="fsdp2_with_torch",
+            hint="Under FSDP2 each gradient is a DTensor: this rank holds one shard of it "
+                 "(grad.to_local()). A plain tensor cannot be added to a DTensor, and the shard "
+                 "is all this rank has to test and unscale.",
+            recipe="For each gradient take g = grad.to_local() when it is a DTensor "
+                   "(torch.distributed.tensor.DTensor), test and unscale g in place, keep the "
+                   "found-inf flag in a plain tensor and all-reduce it (MAX) over the ranks.")
+
+
 # --------------------------------------------------------------------------- task 7.2
 
 # bounds nothing: saved_activation_bytes is a meter of what autograd saves; it saves nothing
@@ -396,20 +456,36 @@ CHECKPOINT = task(
 LAYERS, VOCAB, DROPOUT = 4, 32, 0.3
 
 
-def _dropout_model(seed: int) -> nn.Module:
-    """A 4-block TinyTransformer whose blocks end in dropout, in training mode."""
+def _dropout_model(seed: int, frozen: bool = False) -> nn.Module:
+    """A 4-block TinyTransformer whose blocks end in dropout, in training mode. ``frozen``:
+    the embeddings need no grad (so the first block's input needs none) and neither does the
+    second block's qkv weight."""
     torch.manual_seed(seed)
     model = TinyTransformer(vocab=VOCAB, dim=D, layers=LAYERS, heads=HEADS, context=T)
     model.blocks = nn.ModuleList(nn.Sequential(block, nn.Dropout(DROPOUT)) for block in model.blocks)
+    if frozen:
+        for p in (model.tok.weight, model.pos.weight, model.blocks[1][0].qkv.weight):
+            p.requires_grad_(False)
     return model.train()
 
 
-def _step_grads(model: nn.Module, named: list[tuple[str, nn.Parameter]], seed: int) -> dict[str, Any]:
-    """One forward and backward with a fixed RNG; every original parameter's gradient and the
-    next random number (the RNG must be where it would be without checkpointing)."""
+# The regimes a real run reaches beyond fp32 with every input needing grad: each a case.
+CHECKPOINT_REGIMES = {
+    "bf16 autocast": {"autocast": True},
+    "frozen embeddings and a frozen weight": {"frozen": True},
+}
+
+
+def _step_grads(model: nn.Module, named: list[tuple[str, nn.Parameter]], seed: int,
+                autocast: bool = False) -> dict[str, Any]:
+    """One forward and backward with a fixed RNG (under CPU bf16 autocast if ``autocast``);
+    every original parameter's gradient and the next random number (the RNG must be where it
+    would be without checkpointing)."""
     x, y = token_batch(B, T, VOCAB, seed)
     torch.manual_seed(seed + 1)
-    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(x)
+    F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
     after = torch.rand(3)
     return {"grads": {n: None if p.grad is None else p.grad.clone() for n, p in named},
             "rng after backward": after}
@@ -435,12 +511,13 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _checkpointed_grads(impl: Any, seed: int, every: int) -> dict[str, Any]:
+def _checkpointed_grads(impl: Any, seed: int, every: int, autocast: bool = False,
+                        frozen: bool = False) -> dict[str, Any]:
     with _one_thread():
-        model = _dropout_model(seed)
+        model = _dropout_model(seed, frozen)
         named = list(model.named_parameters())  # names before wrapping: wrapping renames them
         with _watch(_torch_checkpoints()) as used:
-            result = _step_grads(_apply(impl, model, every), named, seed)
+            result = _step_grads(_apply(impl, model, every), named, seed, autocast)
     return {**result, "uses": list(used)}
 
 
@@ -448,6 +525,13 @@ def _compare_bitwise(got: Any, expected: dict[str, Any]) -> None:
     _no_torch_helper(got, "the task is a checkpoint of your own")
     for name, want in expected["grads"].items():
         have = got["grads"].get(name)
+        if want is None:  # a frozen parameter
+            if have is not None:
+                raise CheckFailed(f"{name} needs no grad, yet got a gradient", expected=None,
+                                  got=describe(have, 60),
+                                  hint="Return a gradient only for what needs one "
+                                       "(ctx.needs_input_grad).")
+            continue
         if have is None:
             raise CheckFailed(f"{name} got no gradient", expected="a gradient", got=None,
                               hint="Backward must hand each input's gradient back to the outer "
@@ -475,6 +559,47 @@ for _every in (1, 2):
                     "equal to no checkpointing, RNG left untouched", compare=_compare_bitwise,
                     weight=1.5, expect="plain_grads")(
         lambda impl, seed, _every=_every: _checkpointed_grads(impl, seed, _every))
+
+_REGIME_HINTS = {
+    "bf16 autocast": ("Autocast is thread-local state, and backward runs outside the forward's "
+                      "autocast region: a recomputation that does not restore it runs in fp32, "
+                      "and the gradients change (torch's checkpoint saves and restores it).",
+                      "In forward, keep torch.is_autocast_enabled(device), "
+                      "torch.get_autocast_dtype(device) and torch.is_autocast_cache_enabled() for "
+                      "'cpu' (and the inputs' device); recompute inside torch.autocast(device, "
+                      "dtype=..., enabled=..., cache_enabled=...) with them."),
+    "frozen embeddings and a frozen weight": (
+        "When no input of an autograd.Function needs grad, its output needs none and its "
+        "backward never runs: a block whose input comes from frozen embeddings silently gets no "
+        "gradient for its parameters, nor does any later checkpointed block.",
+        "Make the block's trainable parameters inputs of the Function too (they are not saved, "
+        "only passed), compute the gradients of the inputs and parameters that need one with "
+        "torch.autograd.grad over the recomputation, and return them; a frozen parameter gets "
+        "none."),
+}
+
+
+def _compare_regime(got: Any, expected: dict[str, Any], regime: str) -> None:
+    """:func:`_compare_bitwise`, its feedback naming the regime and what it takes."""
+    try:
+        _compare_bitwise(got, expected)
+    except CheckFailed as e:
+        if getattr(e, "forbidden_use", None):
+            raise
+        e.message = f"with {regime}: {e.message}"
+        e.args = (e.message,)
+        e.hint, e.recipe = _REGIME_HINTS[regime]
+        raise
+
+
+for _regime, _settings in CHECKPOINT_REGIMES.items():
+    CHECKPOINT.case(f"every=1 with {_regime}: gradients bit for bit equal to no checkpointing "
+                    "(as torch's checkpoint gives them)",
+                    compare=partial(_compare_regime, regime=_regime),
+                    expect=partial(lambda seed, r: CHECKPOINT.trusted("plain_grads")(seed, r),
+                                   r=_regime),
+                    hint=_REGIME_HINTS[_regime][0], recipe=_REGIME_HINTS[_regime][1])(
+        lambda impl, seed, _settings=_settings: _checkpointed_grads(impl, seed, 1, **_settings))
 
 
 EVERY = (1, 2, 3, 4)

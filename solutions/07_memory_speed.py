@@ -39,6 +39,7 @@
 # Everything runs on CPU. Where a GPU behaves differently, the text says so.
 
 # %% tags=["setup"]
+import contextlib
 import logging
 import time
 
@@ -46,6 +47,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from kit import check, launch
@@ -220,6 +222,10 @@ class DynamicLossScaler:
         growth_factor: multiplies the scale after ``growth_interval`` finite steps in a row.
         backoff_factor: multiplies the scale after a step with an inf/NaN gradient.
         growth_interval: finite steps in a row before the scale grows.
+
+    Gradients may be plain tensors or sharded DTensors (FSDP2): each rank tests and unscales
+    the part it holds (a DTensor's local shard, possibly empty), and the ranks agree on the
+    skip with one all-reduce. A parameter without a gradient is left alone.
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -247,12 +253,15 @@ class DynamicLossScaler:
         if self.unscaled:
             return
         inv_scale = 1.0 / self.scale_value
-        found = torch.zeros(1)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    found += (~torch.isfinite(p.grad)).any()
-                    p.grad.mul_(inv_scale)
+        # This rank's gradients: the local shard of a sharded (DTensor) one, as FSDP2 leaves
+        # it. A plain tensor and a DTensor do not mix, and the shard is all this rank holds.
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            found += (~torch.isfinite(g)).any()
+            g.mul_(inv_scale)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)  # one rank's overflow is everyone's
         self.found_inf = bool(found.item() > 0)
@@ -526,13 +535,26 @@ print(f"fp32: {saved_activation_bytes(block, x32)} bytes, bf16 autocast: {low} b
 
 # %% tags=["task-7.3"]
 class Checkpoint(torch.autograd.Function):
-    """``fn(*args)`` without saving its activations: recomputed during backward."""
+    """``fn(*args)`` without saving its activations: recomputed during backward.
+
+    ``apply(fn, num_args, *args, *params)``: the first ``num_args`` inputs are ``fn``'s
+    arguments; ``params`` are the parameters ``fn`` uses, passed in so that the output needs
+    grad (and backward runs) even when no argument does.
+    """
 
     @staticmethod
-    def forward(ctx, fn, *args):
+    def forward(ctx, fn, num_args, *inputs):
         ### BEGIN SOLUTION
-        ctx.fn = fn
+        args = inputs[:num_args]
+        ctx.fn, ctx.num_args = fn, num_args
+        ctx.params = inputs[num_args:]  # parameters stay reachable; they are not activations
         ctx.rng_state = torch.get_rng_state()  # the CPU generator, as dropout will find it
+        # Autocast is thread-local state that backward does not inherit: recompute under the
+        # same one, or a bf16 forward is recomputed in fp32 and the gradients change.
+        devices = {"cpu"} | {a.device.type for a in args if torch.is_tensor(a)}
+        ctx.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                        for d in sorted(devices)]
+        ctx.autocast_cache = torch.is_autocast_cache_enabled()
         ctx.is_tensor = [torch.is_tensor(a) for a in args]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
         ctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
@@ -544,32 +566,45 @@ class Checkpoint(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         ### BEGIN SOLUTION
         saved = iter(ctx.saved_tensors)
+        needs = ctx.needs_input_grad[2:]  # per input after fn and num_args
         # Fresh leaves: the recomputation's graph ends here, so backward through it stops at
         # the inputs and hands their gradients back to the outer graph.
-        args = [next(saved).detach().requires_grad_(ctx.needs_input_grad[i + 1]) if is_t else other
+        args = [next(saved).detach().requires_grad_(needs[i]) if is_t else other
                 for i, (is_t, other) in enumerate(zip(ctx.is_tensor, ctx.others))]
-        with torch.random.fork_rng(devices=[]):  # leave the generator as backward found it
+        params = [p for p, need in zip(ctx.params, needs[ctx.num_args:]) if need]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[]))  # leave the generator be
             torch.set_rng_state(ctx.rng_state)  # the same dropout masks as in forward
-            with torch.enable_grad():
-                outputs = ctx.fn(*args)
+            stack.enter_context(torch.enable_grad())
+            for device, enabled, dtype in ctx.autocast:  # the forward's autocast, as it was
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=ctx.autocast_cache))
+            outputs = ctx.fn(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
                  if torch.is_tensor(o) and o.requires_grad and g is not None]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, *[a.grad if torch.is_tensor(a) else None for a in args])
+        wanted = [a for a, need in zip(args, needs) if torch.is_tensor(a) and need] + params
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                         allow_unused=True) if pairs and wanted else
+                     [None] * len(wanted))
+        return (None, None, *[next(grads) if need else None for need in needs])
         ### END SOLUTION
 
 
 def checkpoint(fn, *args):
-    """``fn(*args)``, keeping only the inputs and the RNG state for backward.
+    """``fn(*args)``, keeping only the inputs, the RNG state and the autocast state for backward.
 
     Forward runs ``fn`` without saving activations, keeps the tensor inputs with
-    ``ctx.save_for_backward`` and the CPU RNG state; backward restores that RNG state,
-    recomputes ``fn`` with grad on detached copies of the inputs and backpropagates through
-    the recomputation.
+    ``ctx.save_for_backward``, the CPU RNG state and the autocast state; backward restores
+    both, recomputes ``fn`` with grad on detached copies of the inputs and backpropagates
+    through the recomputation, returning the gradients of the inputs and of ``fn``'s
+    parameters (when ``fn`` is a module). So, as with ``torch.utils.checkpoint`` (non-reentrant):
+    gradients are the same bit for bit under bf16/fp16 autocast, an input that needs no grad
+    still gives the block's parameters their gradients, and a frozen parameter gets none.
     """
     ### BEGIN SOLUTION
-    return Checkpoint.apply(fn, *args)
+    params = [p for p in fn.parameters() if p.requires_grad] if isinstance(fn, nn.Module) else []
+    return Checkpoint.apply(fn, len(args), *args, *params)
     ### END SOLUTION
 
 

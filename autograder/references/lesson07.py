@@ -36,7 +36,8 @@ def clipped_with_torch(seed: int) -> dict[str, Any]:
     return L._train_scaled(torch_scaler, seed, clip=0.5)
 
 
-def _train_with_inf_in(make: Callable[..., Any], seed: int, name: str) -> dict[str, Any]:
+def _train_with_inf_in(make: Callable[..., Any], seed: int, name: str, row: int = 0
+                       ) -> dict[str, Any]:
     model = L._mlp(seed)
     params = dict(model.named_parameters())
     optimizer = torch.optim.SGD(params.values(), lr=0.05, momentum=0.9)
@@ -47,7 +48,7 @@ def _train_with_inf_in(make: Callable[..., Any], seed: int, name: str) -> dict[s
         optimizer.zero_grad()
         scaler.scale(F.mse_loss(model(x), y)).backward()
         if step in L.SHARD_INF_STEPS:
-            params[name].grad[0] = float("inf")
+            params[name].grad[row] = float("inf")
         before = [p.detach().clone() for p in params.values()]
         scaler.step(optimizer)
         scaler.update()
@@ -55,6 +56,12 @@ def _train_with_inf_in(make: Callable[..., Any], seed: int, name: str) -> dict[s
         stepped.append(any(not torch.equal(b, p) for b, p in zip(before, params.values())))
     return {"scales": scales, "stepped": stepped, "default scale": float(make().get_scale()),
             "params": {n: p.detach().clone() for n, p in params.items()}, "uses": []}
+
+
+def fsdp2_with_torch(seed: int) -> dict[str, Any]:
+    """GradScaler in one process, inf where FSDP2's rank 1 holds it: row 2 of the last weight
+    (rows 0-1 are rank 0's shard of the (3, 8) weight, row 2 rank 1's)."""
+    return _train_with_inf_in(torch_scaler, seed, "4.weight", row=2)
 
 
 def sharded_with_torch(seed: int) -> list[dict[str, Any]]:
@@ -146,11 +153,14 @@ def apply_checkpointing(model: nn.Module, every: int = 1) -> nn.Module:
     return model
 
 
-def plain_grads(seed: int) -> dict[str, Any]:
-    """The model without checkpointing: every gradient and the next random numbers."""
+def plain_grads(seed: int, regime: str | None = None) -> dict[str, Any]:
+    """The model without checkpointing: every gradient and the next random numbers (in one of
+    ``L.CHECKPOINT_REGIMES``: under bf16 autocast, or with frozen parameters)."""
+    settings = L.CHECKPOINT_REGIMES[regime] if regime else {}
     with L._one_thread():
-        model = L._dropout_model(seed)
-        return {**L._step_grads(model, list(model.named_parameters()), seed), "uses": []}
+        model = L._dropout_model(seed, settings.get("frozen", False))
+        return {**L._step_grads(model, list(model.named_parameters()), seed,
+                                settings.get("autocast", False)), "uses": []}
 
 
 def saved_bytes(records: list[list[int]]) -> int:

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bugs import edited_solution
+
 # --------------------------------------------------------------------------- task 7.1
 
 
@@ -354,6 +356,10 @@ class ReadyCopiesTheModel(_Ready):
 
 BUGS = {
     "7.1": [
+        ("tests the whole gradient, plain or DTensor: under FSDP2 a plain flag plus a DTensor "
+         "fails", edited_solution("07_memory_speed.py", (
+             "p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad", "p.grad",
+         )).DynamicLossScaler),
         ("no backoff: the scale stays after an overflow", ScalerNoBackoff),
         ("skipped steps count toward growth", ScalerCountsSkippedSteps),
         ("each rank decides alone whether to skip", ScalerDecidesAlone),
@@ -377,9 +383,23 @@ BUGS = {
         ("inputs not detached: recomputes on the originals", _checkpointing(detach=False)),
         ("forward runs fn with grad: activations are saved", _checkpointing(no_grad=False)),
         ("forward runs fn with grad and keeps its output on ctx: every activation stays alive",
-         _checkpointing(no_grad=False, keep_graph=True)),
+         edited_solution("07_memory_speed.py", (
+             "        with torch.no_grad():  # nothing inside fn is saved for backward\n"
+             "            return fn(*args)\n",
+             "        with torch.enable_grad():\n"
+             "            ctx.out = fn(*args)  # \"in case backward needs it\": its graph stays alive\n"
+             "        return ctx.out.detach()\n",
+         )).apply_checkpointing),
         ("checkpoints blocks 0, k, 2k, ... instead of the k-th, 2k-th, ...", _checkpointing(first=True)),
         ("wraps torch.utils.checkpoint (reentrant)", _checkpointing(torch_checkpoint=True)),
+        ("recomputes without the forward's autocast state: a bf16 forward, an fp32 recomputation",
+         edited_solution("07_memory_speed.py", (
+             "            for device, enabled, dtype in ctx.autocast:  # the forward's autocast, as it was\n"
+             "                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,\n"
+             "                                                   cache_enabled=ctx.autocast_cache))\n",
+             "")).apply_checkpointing),
+        ("the block's parameters are not inputs of the Function (reentrant style): a block whose "
+         "input needs no grad silently gets no gradient", _checkpointing()),
     ],
     "7.4": [
         ("a graph break left in: the .item() branch", ReadyKeepsItemBranch),
