@@ -573,8 +573,8 @@ _REGIME_HINTS = {
         "backward never runs: a block whose input comes from frozen embeddings silently gets no "
         "gradient for its parameters, nor does any later checkpointed block.",
         "Make the block's trainable parameters inputs of the Function too (they are not saved, "
-        "only passed), compute the gradients of the inputs and parameters that need one with "
-        "torch.autograd.grad over the recomputation, and return them; a frozen parameter gets "
+        "only passed), differentiate the recomputed "
+        "output with respect to whichever inputs and parameters need a gradient, and return those; a frozen parameter gets "
         "none."),
 }
 
