@@ -64,6 +64,21 @@ class RunResult:
     def ok(self) -> bool:
         return self.failure is None
 
+    def slowest(self, n: int = 5) -> str:
+        """The ``n`` slowest cells, one line each (``cell 12, 3.1 s: first line``), and what
+        they printed that reads as a failed launch: for a time budget's failure message."""
+        lines = []
+        cells = self.notebook.cells if self.notebook is not None else []
+        for index, seconds in sorted(self.cell_seconds.items(), key=lambda kv: -kv[1])[:n]:
+            cell = cells[index - 1] if 0 < index <= len(cells) else None
+            first = (cell.source.splitlines() or [""])[0][:70] if cell is not None else ""
+            lines.append(f"cell {index}, {seconds:.1f} s: {first}")
+            for out in cell.get("outputs", []) if cell is not None else []:
+                text = out.get("text", "")
+                if isinstance(text, str) and any(w in text for w in ("Error", "rank", "first")):
+                    lines.append("    " + " | ".join(text.strip().splitlines()[:3])[:300])
+        return f"{self.path.name} took {self.seconds:.0f} s; slowest cells:\n" + "\n".join(lines)
+
 
 def read_notebook(path: Path) -> NotebookNode:
     """A ``.ipynb`` (validated) or a jupytext ``.py`` source, as an nbformat v4 notebook."""

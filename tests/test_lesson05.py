@@ -366,8 +366,10 @@ def test_lesson05_runs_headless_with_its_solutions_and_shows_what_it_claims():
 
     result = run_notebook(SOURCE, timeout=240)
     assert result.ok, str(result.failure)
-    assert result.seconds < 240
+    assert result.seconds < 240, result.slowest()
     printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    # with the solutions in place no launch may fail (a caught LaunchError prints and goes on)
+    assert " first:" not in printed and "not yet (" not in printed, result.slowest(8)
     rows = [line.split() for line in printed.splitlines()
             if line.startswith(("DDP ", "ZeRO-1 ", "FSDP ")) and len(line.split()) == 4]
     assert len(rows) == 9, printed  # 3 schemes x (params, grads, optimizer)

@@ -336,7 +336,7 @@ def test_lesson13_runs_headless_and_shows_what_it_claims():
 
     result = run_notebook(SOURCE, timeout=300)
     assert result.ok, str(result.failure)
-    assert result.seconds < 300
+    assert result.seconds < 300, result.slowest()
     printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
     assert "a stable descending sort:            [[0, 1]]" in printed
     assert "every rank equals the single-process layer: True" in printed
