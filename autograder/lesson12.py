@@ -149,7 +149,7 @@ TRAFFIC = task(
            "multiple of world_size (ceil(rows / W) * W rows); all_gather_single is the root unit's "
            "padded bytes once plus every block's twice, reduce_scatter_single every unit's once. "
            "For TP, all_reduce is 2 x layers x batch x seq_len x dim x element_size. Use the "
-           "recorder's op names as keys and leave out zeros.",
+           "recorder's op names as keys and leave out zeros. On one rank FSDP and TP move nothing.",
 )
 
 
@@ -158,7 +158,7 @@ def _traffic_answers(step_traffic: Any, seed: int) -> dict[str, Any]:
     sizes = traffic_sizes(seed)
     out: dict[str, Any] = {}
     for layout in LAYOUTS:
-        for world_size in WORLD_SIZES:
+        for world_size in (1, *WORLD_SIZES):
             got = step_traffic(layout, traffic_model(sizes), world_size, sizes["batch"],
                                sizes["seq_len"])
             if isinstance(got, dict):
@@ -187,9 +187,10 @@ LAYOUT_HINTS = {
 }
 
 
-def _compare_traffic(got: Any, expected: dict[str, Any], layout: str) -> None:
+def _compare_traffic(got: Any, expected: dict[str, Any], layout: str,
+                     world_sizes: tuple[int, ...] = WORLD_SIZES, hint: str | None = None) -> None:
     sizes = expected["sizes"]
-    for world_size in WORLD_SIZES:
+    for world_size in world_sizes:
         key = f"{layout}@{world_size}"
         g, e = (got or {}).get(key) if isinstance(got, dict) else None, expected[key]
         if g != e:
@@ -202,7 +203,7 @@ def _compare_traffic(got: Any, expected: dict[str, Any], layout: str) -> None:
             raise CheckFailed(f"{layout} on {world_size} ranks (vocab={sizes['vocab']}, "
                               f"dim={sizes['dim']}, layers={sizes['layers']}, "
                               f"seq_len={sizes['seq_len']}, batch={sizes['batch']}): {diff}",
-                              expected=e, got=g, hint=LAYOUT_HINTS[layout])
+                              expected=e, got=g, hint=hint or LAYOUT_HINTS[layout])
 
 
 for _layout, _what in (("ddp", "torch DDP"), ("zero1", "ZeroRedundancyOptimizer under DDP"),
@@ -211,6 +212,21 @@ for _layout, _what in (("ddp", "torch DDP"), ("zero1", "ZeroRedundancyOptimizer 
     TRAFFIC.case(f"{_layout} ({_what}) on 2 and 4 ranks: the recorder's bytes of the third step",
                  uses=_traffic_answers, compare=partial(_compare_traffic, layout=_layout),
                  expect="measured_traffic", hint=LAYOUT_HINTS[_layout])
+
+ONE_RANK_HINT = ("On one rank a shard is the whole tensor and a partial sum is already the sum: "
+                 "FSDP2 gathers and reduce-scatters nothing and tensor parallelism all-reduces "
+                 "nothing, so the recorder sees no collective (an empty dict). DDP and ZeRO-1 still "
+                 "call all_reduce and broadcast on their whole buffers.")
+
+
+def _compare_one_rank(got: Any, expected: dict[str, Any]) -> None:
+    for layout in LAYOUTS:
+        _compare_traffic(got, expected, layout, world_sizes=(1,), hint=ONE_RANK_HINT)
+
+
+TRAFFIC.case("one rank (world size 1): FSDP and TP send nothing, DDP and ZeRO-1 still call "
+             "their collectives", uses=_traffic_answers, compare=_compare_one_rank,
+             expect="measured_traffic", hint=ONE_RANK_HINT)
 
 
 # --------------------------------------------------------------------------- task 12.3

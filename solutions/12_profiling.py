@@ -324,6 +324,10 @@ def step_traffic(layout: str, model: nn.Module, world_size: int, batch: int, seq
     "reduce_scatter_single"); entries of zero are left out. Read only the parameters' shapes
     and dtypes. ``batch`` and ``seq_len`` size TP's activations. FSDP pads each parameter's
     first dimension up to a multiple of world_size before sharding it.
+
+    On one rank FSDP and TP send nothing (the dict is empty: a shard is the whole tensor, a
+    partial sum is the sum), while DDP and ZeRO-1 still call their collectives on the whole
+    buffer. A world_size below 1 or an unknown layout is a ValueError.
     """
     ### BEGIN SOLUTION
     def nbytes(p: torch.Tensor, pad: bool = False) -> int:
@@ -332,6 +336,10 @@ def step_traffic(layout: str, model: nn.Module, world_size: int, batch: int, seq
             rows = -(-rows // world_size) * world_size  # ceil to a multiple of W
         return rows * (p[0].numel() if p.dim() else 1) * p.element_size()
 
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1; got {world_size}")
+    if layout in ("fsdp", "tp") and world_size == 1:
+        return {}  # one rank: FSDP gathers and scatters nothing, TP's partial sums are whole
     params = list(model.parameters())  # the tied weight once
     total = sum(nbytes(p) for p in params)
     if layout == "ddp":

@@ -113,6 +113,27 @@ def test_fsdp_pads_at_the_sizes_the_checks_draw(solution):
         assert fsdp["reduce_scatter_single"] > unpadded
 
 
+def test_one_rank_sends_nothing_under_fsdp_and_tp_and_the_check_names_that_regime(solution, bugs):
+    measured = ref._measured(0, 1)  # the recorder on a single rank
+    assert measured["fsdp"] == {} and measured["tp"] == {}
+    assert measured["ddp"] and measured["zero1"]
+    sizes = traffic_sizes(0)
+    for layout in LAYOUTS:
+        got = solution.step_traffic(layout, traffic_model(sizes), 1, sizes["batch"], sizes["seq_len"])
+        assert got == measured[layout], layout
+    with pytest.raises(ValueError, match="world_size"):
+        solution.step_traffic("ddp", traffic_model(sizes), 0, 1, 1)
+    bug = dict(bugs["12.2"])["FSDP and TP traffic predicted on one rank, where nothing is sent"]
+    failed = failed_cases("12.2", bug)
+    assert failed == [c.name for c in get_task("12.2").cases if c.name.startswith("one rank")]
+    from autograder.checking import run_checks
+
+    report = run_checks("12.2", bug)
+    one_rank = next(c for c in report.cases if c.name.startswith("one rank"))
+    assert one_rank.status != "passed" and "FSDP2 gathers and reduce-scatters nothing" in one_rank.hint
+    assert "fsdp on 1 ranks" in one_rank.message, one_rank.message
+
+
 # --------------------------------------------------------------------------- 12.3
 
 

@@ -139,7 +139,7 @@ def _measured(seed: int, world_size: int) -> dict[str, dict[str, int]]:
 def measured_traffic(seed: int) -> dict[str, Any]:
     """Task 12.2's expectation: ``{"<layout>@<W>": {op: bytes}}`` as the recorder counted them."""
     out: dict[str, Any] = {"sizes": traffic_sizes(seed)}
-    for world_size in WORLD_SIZES:
+    for world_size in (1, *WORLD_SIZES):  # one rank too: FSDP and TP send nothing there
         for layout, ops in _measured(seed, world_size).items():
             out[f"{layout}@{world_size}"] = ops
     return out

@@ -13,6 +13,8 @@ import statistics
 import torch
 from torch.nn import functional as F
 
+from bugs import edited_solution
+
 # --------------------------------------------------------------------------- task 12.1
 
 
@@ -246,6 +248,12 @@ BUGS = {
         ("ZeRO-1 broadcasts only a 1/W shard", traffic_zero1_broadcasts_a_shard),
         ("entries of zero kept", traffic_keeps_zero_entries),
         ("measured on real ranks with the recorder", traffic_measured_on_real_ranks),
+        ("FSDP and TP traffic predicted on one rank, where nothing is sent",
+         edited_solution("12_profiling.py", (
+             "    if layout in (\"fsdp\", \"tp\") and world_size == 1:\n"
+             "        return {}  # one rank: FSDP gathers and scatters nothing, TP's partial sums are whole\n",
+             "",
+         )).step_traffic),
     ],
     "12.3": [
         ("the longest waiter blamed", straggler_longest_waiter),
