@@ -81,6 +81,8 @@ def _traffic(layout, model, world_size, batch, seq_len, *, tied_twice=False, fsd
             rows = -(-rows // world_size) * world_size
         return rows * p[0].numel() * p.element_size()
 
+    if layout in ("fsdp", "tp") and world_size == 1:  # as the solution: one rank sends nothing
+        return {}
     params = ([p for _, p in model.named_parameters(remove_duplicate=False)] if tied_twice
               else list(model.parameters()))
     total = sum(nbytes(p) for p in params)
