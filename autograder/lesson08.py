@@ -1048,16 +1048,41 @@ ONE_F_ONE_B.bound("activation bytes a stage holds, per micro-batch 1F1B lets it 
 INTERLEAVED_GRID = [(p, v, k * p) for p in range(1, 5) for v in range(1, 4) for k in (1, 2, 3)]
 
 
+# The edges, as torch's ScheduleInterleaved1F1B takes them: m not a multiple of p goes round in
+# max(1, m // p) rounds of r = m / rounds micro-batches (fewer micro-batches than stages: one
+# round of all of them), which needs m to be a multiple of the rounds; any other m is refused.
+INTERLEAVED_UNEVEN = [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in range(1, 3 * p)
+                      if m % p and m % max(1, m // p) == 0]
+INTERLEAVED_REFUSED = [(2, 2, 5), (3, 2, 7), (4, 2, 9), (4, 3, 11)]
+
+
+def _order_data(order: Any) -> Any:
+    try:
+        return [[str(op), int(i), int(c)] for op, i, c in order]
+    except (TypeError, ValueError):
+        return repr(order)[:120]
+
+
 def _interleaved_orders(impl: Any, seed: int) -> dict[str, Any]:
-    """Every stage's order for every shape of INTERLEAVED_GRID, as plain data."""
+    """Every stage's order for every shape of INTERLEAVED_GRID and INTERLEAVED_UNEVEN, as plain
+    data, and what each shape of INTERLEAVED_REFUSED did (raised, or returned). An edge shape
+    that raises is recorded, not fatal: it fails only the edge's case."""
     orders = {}
     for p, v, m in INTERLEAVED_GRID:
         for s in range(p):
-            order = impl(s, p, m, v)
+            orders[f"{s},{p},{m},{v}"] = _order_data(impl(s, p, m, v))
+    for p, v, m in INTERLEAVED_UNEVEN:
+        for s in range(p):
             try:
-                orders[f"{s},{p},{m},{v}"] = [[str(op), int(i), int(c)] for op, i, c in order]
-            except (TypeError, ValueError):
-                orders[f"{s},{p},{m},{v}"] = repr(order)[:120]
+                orders[f"uneven {s},{p},{m},{v}"] = _order_data(impl(s, p, m, v))
+            except Exception as e:  # noqa: BLE001 - reported by the edge's case
+                orders[f"uneven {s},{p},{m},{v}"] = {"raised": f"{type(e).__name__}: {e}"[:200]}
+    for p, v, m in INTERLEAVED_REFUSED:
+        try:
+            returned = impl(0, p, m, v)
+            orders[f"refused {p},{m},{v}"] = {"returned": repr(returned)[:120]}
+        except Exception as e:  # noqa: BLE001 - judged by the refusal's case
+            orders[f"refused {p},{m},{v}"] = {"raised": type(e).__name__, "message": str(e)[:300]}
     return orders
 
 
@@ -1091,7 +1116,8 @@ def _interleaved_pipeline(check: Any = None) -> Any:
     def compare(got: Any, expected: Any) -> None:
         from kit.lessons.parallelism import simulate_schedule
 
-        if not isinstance(got, dict) or len(got) != sum(p for p, _, _ in INTERLEAVED_GRID):
+        if not isinstance(got, dict) or any(f"{s},{p},{m},{v}" not in got
+                                            for p, v, m in INTERLEAVED_GRID for s in range(p)):
             raise CheckFailed("could not read the orders", got=repr(got)[:200])
         for p, v, m in INTERLEAVED_GRID:
             where = f"interleaved_one_f_one_b(stage, num_stages={p}, num_microbatches={m}, chunks={v})"
@@ -1146,6 +1172,75 @@ def _interleaved_in_flight(where: str, run: Any, p: int, m: int, v: int) -> None
                                    "micro-batch has come back, then alternate.")
 
 
+def _uneven_rounds(got: Any, expected: dict[str, float]) -> None:
+    """m not a multiple of p: torch's rounds of r = m / max(1, m // p). Every stage's order well
+    formed, all played together without deadlock, no slower than torch's orders, and at most
+    (p − s − 1)·2 + (v − 1)·r + 1 chunks in flight on stage s."""
+    from kit.lessons.parallelism import simulate_schedule
+
+    for p, v, m in INTERLEAVED_UNEVEN:
+        r = m // max(1, m // p)
+        where = (f"interleaved_one_f_one_b(stage, num_stages={p}, num_microbatches={m}, chunks={v})"
+                 f" (m not a multiple of p: torch goes round in {m // r} round(s) of {r})")
+        orders = []
+        for s in range(p):
+            order = got.get(f"uneven {s},{p},{m},{v}") if isinstance(got, dict) else None
+            if isinstance(order, dict) and "raised" in order:
+                raise CheckFailed(f"{where.replace('stage,', f'stage={s},')} raised",
+                                  expected="an order: torch's ScheduleInterleaved1F1B runs this shape",
+                                  got=order["raised"],
+                                  hint=f"m = {m} is not a multiple of p = {p}, but it is a multiple "
+                                       f"of torch's max(1, m // p) = {m // r} round(s): go round in "
+                                       f"rounds of r = {r} micro-batches, with r where p was.")
+            try:
+                _chunk_steps_once(where.replace("stage,", f"stage={s},"), order, m, v)
+            except CheckFailed as e:
+                raise CheckFailed(e.message, got=e.got, hint=(
+                    f"With m = {m} not a multiple of p = {p}, rounds of p micro-batches run past "
+                    f"the last micro-batch or leave some out: go round in torch's rounds of r = "
+                    f"m / max(1, m // p) = {r} micro-batches, with r where p was.")) from None
+            orders.append([tuple(x) for x in order])
+        try:
+            run = simulate_schedule(orders, forward=1.0, backward=1.0, chunks=v)
+        except ValueError as e:
+            raise CheckFailed(f"{where}, every stage played together: {e}", got=orders,
+                              hint="The orders deadlock: a stage waits for a chunk the others "
+                                   "can only send after its own next step.") from None
+        slowest = expected[f"{p},{m},{v}"]
+        if run.makespan > slowest + 1e-9:
+            raise CheckFailed(f"{where}: every stage played together takes longer than torch's "
+                              "ScheduleInterleaved1F1B", expected=f"makespan <= {slowest:g}",
+                              got=f"{run.makespan:g}",
+                              hint=f"Warm up with (p − s − 1)·2 + (v − 1)·r forwards, r = {r} the "
+                                   "micro-batches per round, then alternate.")
+        for s, peak in enumerate(run.peak_in_flight):
+            bound = (p - s - 1) * 2 + (v - 1) * r + 1
+            if peak > bound:
+                raise CheckFailed(f"{where}: stage {s} holds {peak} chunks forwarded but not yet "
+                                  "backwarded", expected=f"at most (p − s − 1)·2 + (v − 1)·r + 1 = "
+                                                         f"{bound}, r = {r}", got=peak,
+                                  hint="Every forward beyond the warm-up keeps one more chunk's "
+                                       "activations alive, and the warm-up counts rounds of r.")
+
+
+def _refuses_partial_rounds(got: Any, expected: Any) -> None:
+    """m not a multiple of torch's rounds: a ValueError, as ScheduleInterleaved1F1B raises."""
+    for p, v, m in INTERLEAVED_REFUSED:
+        rounds = max(1, m // p)
+        where = f"interleaved_one_f_one_b(0, num_stages={p}, num_microbatches={m}, chunks={v})"
+        did = got.get(f"refused {p},{m},{v}", {}) if isinstance(got, dict) else {}
+        if did.get("raised") != "ValueError":
+            raise CheckFailed(
+                f"{where}: m = {m} is not a multiple of the max(1, m // p) = {rounds} rounds, so "
+                "it cannot go round in equal rounds",
+                expected="a ValueError naming the constraint (torch's ScheduleInterleaved1F1B "
+                         "raises one)",
+                got=(f"returned {did['returned']}" if "returned" in did
+                     else f"raised {did.get('raised')}: {did.get('message', '')}"),
+                hint="Check the shape first: raise ValueError(...) saying that num_microbatches "
+                     "must be a multiple of max(1, num_microbatches // num_stages).")
+
+
 # bounds nothing in bytes: what interleaving trades is time for activations, both read from the
 # trusted simulation of the orders the task returns (the bubble and the chunks in flight per
 # stage); 8.4's bound already measures a stage's activations per micro-batch on the meter.
@@ -1172,3 +1267,9 @@ INTERLEAVED.case("the bubble (makespan − 2vm)/2vm is (p − 1)/(v·m), 1F1B's 
 INTERLEAVED.case("at most (p − s − 1)·2 + (v − 1)·p + 1 chunks in flight on stage s",
                  weight=2, uses=_INTERLEAVED_ORDERS,
                  compare=_interleaved_pipeline(_interleaved_in_flight))
+INTERLEAVED.case("m not a multiple of p: torch's rounds of r = m / max(1, m // p), no slower "
+                 "than its orders, at most (p − s − 1)·2 + (v − 1)·r + 1 in flight",
+                 uses=_INTERLEAVED_ORDERS, expect="interleaved_uneven_makespans",
+                 compare=_uneven_rounds)
+INTERLEAVED.case("m not a multiple of max(1, m // p) rounds: a ValueError naming the constraint",
+                 weight=0.5, uses=_INTERLEAVED_ORDERS, compare=_refuses_partial_rounds)

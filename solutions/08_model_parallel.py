@@ -1101,7 +1101,10 @@ for name in ("ScheduleGPipe", "Schedule1F1B"):
 # With a unit time for every chunk's forward and backward, each stage has $2vm$ units of work,
 # and the bubble falls from 1F1B's $\frac{p-1}{m}$ of that work to $\frac{p-1}{v \cdot m}$, for
 # $v$ times the messages. Megatron-LM asks for $m$ to be a multiple of $p$: micro-batches go round
-# in groups of $p$.
+# in groups of $p$. torch's `ScheduleInterleaved1F1B` relaxes that: it makes
+# $\max(1, \lfloor m/p \rfloor)$ rounds of $r = m / \text{rounds}$ micro-batches and raises a
+# `ValueError` when $m$ is not a multiple of the rounds ($p = 4$: $m = 6$ is one round of 6,
+# $m = 10$ two rounds of 5, $m = 3$ one round of 3; $m = 9$ is refused).
 #
 # ### Task 8.5: `interleaved_one_f_one_b`
 #
@@ -1118,28 +1121,48 @@ for name in ("ScheduleGPipe", "Schedule1F1B"):
 #   0, still crosses $p - 1$ stages;
 # - stage $s$ holds at most $(p-s-1) \cdot 2 + (v-1) \cdot p + 1$ chunks forwarded but not yet
 #   backwarded: Megatron-LM's warm-up, plus one. GPipe's order (every forward first) fails it.
+#
+# At the edges, do as torch does: with $m$ not a multiple of $p$, go round in torch's rounds of
+# $r$ (above; $p$ becomes $r$ in the warm-up and in the bound, and no order of yours may take
+# longer than torch's); with $m$ not a multiple of the rounds, raise a `ValueError` that names
+# the constraint. One stage ($p = 1$), one chunk ($v = 1$, plain 1F1B) and one micro-batch are
+# shapes like any other.
 
 # %% tags=["task-8.5"]
 def interleaved_one_f_one_b(stage: int, num_stages: int, num_microbatches: int,
                             chunks: int) -> list[tuple[str, int, int]]:
     """The interleaved 1F1B order of ("F", i, c) and ("B", i, c) steps for stage `stage`.
 
-    Chunk c of stage s is virtual stage c * num_stages + s; num_microbatches is a multiple of
-    num_stages. Every (micro-batch, chunk) goes forward once, then backward once. All stages'
-    orders, played together with unit-time chunks, never deadlock, leave a bubble of
-    (num_stages - 1) / (chunks * num_microbatches) of the work, and stage s holds at most
-    (num_stages - s - 1) * 2 + (chunks - 1) * num_stages + 1 chunks forwarded but not yet
-    backwarded.
+    Chunk c of stage s is virtual stage c * num_stages + s. Micro-batches go round in
+    max(1, num_microbatches // num_stages) rounds of r = num_microbatches // rounds (r is
+    num_stages when num_microbatches is a multiple of it; fewer micro-batches than stages make
+    one round of all of them), so num_microbatches must be a multiple of the number of rounds,
+    as for torch's ScheduleInterleaved1F1B: a ValueError names the constraint otherwise (and any
+    argument out of range). Every (micro-batch, chunk) goes forward once, then backward once. All
+    stages' orders, played together with unit-time chunks, never deadlock; when
+    num_microbatches is a multiple of num_stages they leave a bubble of
+    (num_stages - 1) / (chunks * num_microbatches) of the work. Stage s holds at most
+    (num_stages - s - 1) * 2 + (chunks - 1) * r + 1 chunks forwarded but not yet backwarded.
     """
     ### BEGIN SOLUTION
-    p, v = num_stages, chunks
-    total = num_microbatches * v  # this stage's forward chunk-steps (and as many backwards)
-    warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    p, v, m = num_stages, chunks, num_microbatches
+    if p < 1 or v < 1 or m < 1 or not 0 <= stage < p:
+        raise ValueError(f"interleaved_one_f_one_b: need num_stages, chunks and num_microbatches "
+                         f">= 1 and 0 <= stage < num_stages; got stage={stage}, num_stages={p}, "
+                         f"num_microbatches={m}, chunks={v}")
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ValueError(f"interleaved 1F1B runs micro-batches in rounds: num_microbatches={m} "
+                         f"must be a multiple of the number of rounds, max(1, {m} // {p}) = "
+                         f"{rounds} (e.g. {m - m % rounds} or {m - m % rounds + rounds})")
+    r = m // rounds  # micro-batches per round
+    total = m * v  # this stage's forward chunk-steps (and as many backwards)
+    warmup = min((p - stage - 1) * 2 + (v - 1) * r, total)
 
-    def step(op, k):  # the k-th forward or backward: rounds of p micro-batches through each chunk
-        rounds, within = divmod(k, p * v)
-        chunk = within // p
-        return (op, rounds * p + within % p, chunk if op == "F" else v - 1 - chunk)
+    def step(op, k):  # the k-th forward or backward: rounds of r micro-batches through each chunk
+        rnd, within = divmod(k, r * v)
+        chunk = within // r
+        return (op, rnd * r + within % r, chunk if op == "F" else v - 1 - chunk)
 
     order = [step("F", k) for k in range(warmup)]
     for k in range(total - warmup):

@@ -226,7 +226,8 @@ def _torch_interleaved_order(rank, p, m, v):
 
 
 @pytest.mark.parametrize("p,v,m", [(1, 3, 2), (2, 2, 2), (2, 3, 6), (4, 2, 4), (4, 2, 8), (4, 3, 12),
-                                   (3, 4, 9)])
+                                   (3, 4, 9), (1, 1, 1), (4, 2, 1), (4, 2, 3), (4, 2, 6), (4, 3, 10),
+                                   (3, 2, 8), (5, 2, 7)])
 def test_interleaved_one_f_one_b_is_the_order_torch_schedule_interleaved_1f1b_computes(solution, p,
                                                                                       v, m):
     for stage in range(p):
@@ -243,6 +244,50 @@ def test_interleaved_bubble_is_p_minus_1_over_v_m_and_its_peak_megatrons_warmup_
                             forward=1.0, backward=1.0, chunks=v)
     assert (run.makespan - 2 * v * m) / (2 * v * m) == pytest.approx((p - 1) / (v * m))
     assert run.peak_in_flight == [min((p - s - 1) * 2 + (v - 1) * p + 1, v * m) for s in range(p)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 6), v=st.integers(1, 4), m=st.integers(1, 20))
+def test_interleaved_order_matches_torch_on_any_shape_and_refuses_what_torch_refuses(solution, p,
+                                                                                     v, m):
+    """Property: on every shape torch's ScheduleInterleaved1F1B accepts, the order is torch's and
+    all stages play without deadlock within the in-flight bound of rounds of r; on every shape it
+    refuses (m not a multiple of max(1, m // p) rounds), a ValueError that names the rounds."""
+    rounds = max(1, m // p)
+    if m % rounds:
+        with pytest.raises(ValueError, match="multiple of the number of rounds"):
+            solution.interleaved_one_f_one_b(0, p, m, v)
+        return
+    orders = [solution.interleaved_one_f_one_b(s, p, m, v) for s in range(p)]
+    assert orders == [_torch_interleaved_order(s, p, m, v) for s in range(p)]
+    run = simulate_schedule(orders, forward=1.0, backward=1.0, chunks=v)
+    r = m // rounds
+    assert all(peak <= (p - s - 1) * 2 + (v - 1) * r + 1 for s, peak in enumerate(run.peak_in_flight))
+    if m % p == 0:
+        assert (run.makespan - 2 * v * m) / (2 * v * m) == pytest.approx((p - 1) / (v * m))
+
+
+@pytest.mark.parametrize("args", [(0, 0, 4, 2), (0, 2, 0, 2), (0, 2, 4, 0), (2, 2, 4, 2), (-1, 2, 4, 2)])
+def test_interleaved_one_f_one_b_names_an_argument_out_of_range(solution, args):
+    with pytest.raises(ValueError, match="num_stages, chunks and num_microbatches"):
+        solution.interleaved_one_f_one_b(*args)
+
+
+@pytest.mark.parametrize("bug,case,words", [
+    ("rounds of p micro-batches when m is not a multiple of p", "m not a multiple of p:",
+     ("m not a multiple of p", "rounds of r")),
+    ("m not a multiple of the rounds: no ValueError", "m not a multiple of max(1, m // p) rounds",
+     ("ValueError", "not a multiple of the max(1, m // p)")),
+])
+def test_interleaved_edge_bugs_lose_only_their_edge_case_with_feedback_naming_it(bugs, bug, case,
+                                                                                words):
+    report = run_checks("8.5", next(impl for label, impl in bugs["8.5"] if label.startswith(bug)))
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name for c in failed] == [next(c.name for c in report.cases
+                                             if c.name.startswith(case))], report.to_text()
+    feedback = f"{failed[0].message} {failed[0].expected} {failed[0].hint}"
+    assert all(w in feedback for w in words), feedback
+    assert 0 < report.score < get_task("8.5").points
 
 
 # --------------------------------------------------------------------------- kit.lessons.parallelism

@@ -190,3 +190,31 @@ def one_f_one_b_played(seed: int) -> list[dict[str, Any]]:
 def held_activations_bound(seed: int) -> dict[str, float]:
     """One micro-batch's activations on the played stage: its input and its output."""
     return {"bound": MARGIN * 2 * HELD_MICRO_BATCH * HELD_HIDDEN * 4}
+
+
+def _torch_interleaved_order(stage: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """Stage ``stage``'s (op, micro-batch, chunk) order as torch's ScheduleInterleaved1F1B
+    computes it (torch 2.13, schedules.py): its per-rank method reads only these attributes, so
+    no process group is needed."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = p, v, m
+    schedule.number_of_rounds = max(1, m // p)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    names = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return [(names[a.computation_type.name], a.microbatch_index, a.stage_index // p)
+            for a in schedule._calculate_single_rank_operations(stage) if a is not None]
+
+
+def interleaved_uneven_makespans(seed: int) -> dict[str, float]:
+    """The makespan of torch's interleaved orders, every stage played together with unit-time
+    chunks, on each shape of INTERLEAVED_UNEVEN (m not a multiple of p): no order should take
+    longer."""
+    from autograder.lesson08 import INTERLEAVED_UNEVEN
+    from kit.lessons.parallelism import simulate_schedule
+
+    return {f"{p},{m},{v}": simulate_schedule([_torch_interleaved_order(s, p, m, v)
+                                               for s in range(p)], forward=1.0, backward=1.0,
+                                              chunks=v).makespan
+            for p, v, m in INTERLEAVED_UNEVEN}

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from bugs import edited_solution
+
 # --------------------------------------------------------------------------- task 8.1
 
 
@@ -777,5 +779,15 @@ BUGS = {
         ("plain 1F1B on each chunk in turn", interleaved_one_f_one_b_per_chunk),
         ("takes torch's order from ScheduleInterleaved1F1B's private rank ops",
          interleaved_from_torchs_schedule),
+        ("rounds of p micro-batches when m is not a multiple of p (Megatron-LM's rule only)",
+         edited_solution("08_model_parallel.py", (
+             "    r = m // rounds  # micro-batches per round\n",
+             "    r = p  # micro-batches per round\n",
+         )).interleaved_one_f_one_b),
+        ("m not a multiple of the rounds: no ValueError",
+         edited_solution("08_model_parallel.py", (
+             "    if m % rounds:\n        raise ValueError(",
+             "    if False:\n        raise ValueError(",
+         )).interleaved_one_f_one_b),
     ],
 }
