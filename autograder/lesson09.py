@@ -537,18 +537,21 @@ RING = task(
            "for them before the next step. For a block: scores = q k^T / sqrt(d), padded keys "
            "at -inf; m' = max(m, the block's row max); rescale o and l by exp(m - m'), then add "
            "exp(scores - m') times v to o and its row sums to l. Where m' is still -inf (every "
-           "key so far is padding), subtract 0 instead, so no nan appears. Return o / l. With a "
-           "group, turn the neighbours' group ranks into global ranks.",
+           "key so far is padding), subtract 0 instead, so no nan appears. Return o / l, dividing by "
+           "1 where l is 0 (a query with no real key: SDPA gives 0 there). With a group, turn "
+           "the neighbours' group ranks into global ranks.",
 )
 
 BATCH, HEADS, CHUNK, DIM = 2, 2, 8, 8  # q, k, v on each rank: (BATCH, HEADS, CHUNK, DIM)
 
 
-def ring_inputs(seed: int, world_size: int, dtype: torch.dtype, padded: bool) -> dict[str, Any]:
+def ring_inputs(seed: int, world_size: int, dtype: torch.dtype, padded: bool | str) -> dict[str, Any]:
     """The whole sequence: q, k, v ``(B, H, W*CHUNK, D)`` and the key padding mask ``(B, L)``.
 
     Chunks get very different scales (uneven-looking content: the running max moves), and
     sequence 1 ends after 1.5 chunks, so whole chunks of keys are padding on the last ranks.
+    ``padded="all"``: sequence 1 is padding from its first token (a batch's empty slot), so
+    every query of it has no key to attend to; SDPA returns 0 there.
     """
     g = torch.Generator().manual_seed(seed * 31 + world_size)
     length = world_size * CHUNK
@@ -558,7 +561,8 @@ def ring_inputs(seed: int, world_size: int, dtype: torch.dtype, padded: bool) ->
     mask = None
     if padded:
         mask = torch.zeros(BATCH, length, dtype=torch.bool)
-        mask[1, CHUNK + CHUNK // 2:] = True  # sequence 1: 12 real tokens, then padding
+        real = 0 if padded == "all" else CHUNK + CHUNK // 2  # sequence 1: 12 real tokens (or none)
+        mask[1, real:] = True  # then padding
         mask[0, 3] = True  # a pad in the middle of sequence 0, as after a crop
     return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype), "mask": mask}
 
@@ -569,6 +573,8 @@ RING_RUNS = {  # name -> (dtype, padded, tolerance)
     "fp64, padding": (torch.float64, True, 1e-10),
 }
 METERED = "fp32, padding"  # the run whose traffic and memory the checks read
+# The edge: a sequence with no key at all (every query of it sees only padding).
+EDGE_RUNS = {"fp32, sequence 1 all padding": (torch.float32, "all", 1e-5)}
 
 
 def _ring_on_rank(ring_attention: Any, seed: int) -> dict[str, Any]:
@@ -580,7 +586,7 @@ def _ring_on_rank(ring_attention: Any, seed: int) -> dict[str, Any]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mine = slice(rank * CHUNK, (rank + 1) * CHUNK)
     out: dict[str, Any] = {}
-    for name, (dtype, padded, _) in RING_RUNS.items():
+    for name, (dtype, padded, _) in {**RING_RUNS, **EDGE_RUNS}.items():
         inputs = ring_inputs(seed, world_size, dtype, padded)
         q, k, v = (inputs[n][:, :, mine].clone() for n in ("q", "k", "v"))
         mask = None if inputs["mask"] is None else inputs["mask"][:, mine].clone()
@@ -595,7 +601,7 @@ def _ring_on_rank(ring_attention: Any, seed: int) -> dict[str, Any]:
     return out
 
 
-_RING_RUNS = {w: RING.shared(_ring_on_rank, world_size=w, timeout=30.0) for w in (2, 3, 4)}
+_RING_RUNS = {w: RING.shared(_ring_on_rank, world_size=w, timeout=30.0) for w in (1, 2, 3, 4)}
 
 
 def _compare_ring(got: Any, expected: dict[str, Any]) -> None:
@@ -631,6 +637,55 @@ _ring_case(4, "equals scaled_dot_product_attention on the whole sequence: 4 rank
               "with and without padding")
 _ring_case(3, "the same on 3 ranks")
 _ring_case(2, "the same on 2 ranks")
+
+
+def _compare_all_padding(got: Any, expected: dict[str, Any]) -> None:
+    """SDPA gives 0 for a query whose every key is padding: a nan there names the regime."""
+    for name, (want, _) in expected.items():
+        world_size = want.shape[2] // CHUNK
+        for rank, r in enumerate(per_rank(got, world_size)):
+            have = r.get(name) if isinstance(r, dict) else r
+            if isinstance(have, torch.Tensor) and have.shape == want[:, :, :CHUNK].shape \
+                    and not torch.isfinite(have[1]).all():
+                raise CheckFailed(
+                    f"{world_size} rank{'s' if world_size > 1 else ''}, rank {rank}: sequence 1 is all padding, so its queries "
+                    "have no key to attend to, and your output there is not finite",
+                    expected="0 there, as scaled_dot_product_attention returns",
+                    got=short(have[1]),
+                    hint="A query whose every key is padding ends with a running sum of 0 and an "
+                         "output of 0: 0/0 is nan. Divide by 1 where the sum is 0, so the output "
+                         "is 0, as SDPA's is.")
+    _compare_ring(got, expected)
+
+
+RING.case("a sequence that is all padding: 0, as scaled_dot_product_attention returns, not nan "
+          "(4 ranks)", weight=0.5, uses=_RING_RUNS[4],
+          pick=lambda ranks: [{k: r[k] for k in EDGE_RUNS} if isinstance(r, dict) else r
+                              for r in ranks],
+          compare=_compare_all_padding,
+          expect=lambda seed: RING.trusted("sdpa_edges")(seed, 4))
+
+
+def _compare_one_rank(got: Any, expected: dict[str, Any]) -> None:
+    """One rank: the ring is the rank itself, its block its whole sequence, and nothing moves."""
+    r = per_rank(got, 1)[0]
+    if isinstance(r, dict) and r.get("events"):
+        raise CheckFailed(f"one rank sent or received {len(r['events'])} message(s): with world "
+                          "size 1 the ring is the rank itself and its block is the whole sequence",
+                          expected="no message (W - 1 = 0 steps)",
+                          got=sorted({e["op"] for e in r["events"]}),
+                          hint="Exchange blocks in every step but the last: with W = 1 there is "
+                               "only the last.")
+    _compare_all_padding([{k: r[k] for k in expected} if isinstance(r, dict) else r], expected)
+
+
+RING.case("one rank (world size 1): plain attention on its whole sequence, no message",
+          weight=0.5, uses=_RING_RUNS[1],
+          pick=lambda ranks: [{k: r[k] for k in (*RING_RUNS, *EDGE_RUNS, "events")}
+                              if isinstance(r, dict) else r for r in ranks],
+          compare=_compare_one_rank,
+          expect=lambda seed: {**RING.trusted("sdpa_on_the_whole_sequence")(seed, 1),
+                               **RING.trusted("sdpa_edges")(seed, 1)})
 
 
 def kv_bytes(world_size: int) -> int:

@@ -555,6 +555,11 @@ plt.show()
 # [`F.scaled_dot_product_attention`](https://pytorch.org/docs/stable/generated/torch.nn.functional.scaled_dot_product_attention.html)
 # on the whole sequence (fp32 within 1e-5, fp64 within 1e-10), record your traffic, and
 # measure the largest tensor you create. Gathering K/V, or calling SDPA, scores 0.
+#
+# The checks also try the edges: a sequence that is all padding (a batch's empty slot), whose
+# queries have no key at all, where SDPA returns 0 and a plain $o / \ell$ is $0/0$ = nan; and one
+# rank, where the ring is the rank itself and nothing is sent. Every rank's chunk has the same
+# length: pad the sequence to a multiple of $W$ and mark the pads in the mask.
 
 # %% tags=["task-9.3"]
 def ring_attention(q, k, v, key_padding_mask=None, group=None):
@@ -566,6 +571,11 @@ def ring_attention(q, k, v, key_padding_mask=None, group=None):
     sends the block it holds to its right neighbour (rank + 1) and receives the next from its
     left neighbour, with point-to-point calls. Each block's scores merge into a running max, a
     running sum of exponentials and an unnormalised output (the online softmax). Forward only.
+
+    Every rank's chunk has the same length (pad the sequence to a multiple of W and mark the
+    pads in ``key_padding_mask``). A query whose every key is padding gets 0, as
+    ``F.scaled_dot_product_attention`` returns; with world size 1 nothing is sent and the result
+    is plain attention over the rank's whole sequence.
     """
     ### BEGIN SOLUTION
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -598,7 +608,8 @@ def ring_attention(q, k, v, key_padding_mask=None, group=None):
             for w in works:
                 w.wait()
             block = incoming
-    return o / s
+    # A query whose every key is padding has s = 0 and o = 0: return 0 there, as SDPA does.
+    return o / torch.where(s == 0, torch.ones_like(s), s)
     ### END SOLUTION
 
 

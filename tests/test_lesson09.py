@@ -188,26 +188,40 @@ def test_ring_attention_works_on_a_subgroup(solution):
     assert max(errors) < 1e-12
 
 
-def _ring_vs_sdpa(ring_attention, chunk, heads, dim, seed):
+def _ring_vs_sdpa(ring_attention, chunk, heads, dim, seed, density=0.3):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seed)
     length = chunk * world_size
     q, k, v = (torch.randn(2, heads, length, dim, generator=g, dtype=torch.float64) * 3 for _ in range(3))
-    mask = torch.rand(2, length, generator=g) < 0.3
-    mask[:, 0] = False  # every row keeps one key
+    # skewed padding: none, some, nearly all, all (a sequence with no key: SDPA gives 0 there)
+    mask = torch.rand(2, length, generator=g) < density
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask[:, None, None, :])
     mine = slice(rank * chunk, (rank + 1) * chunk)
     got = ring_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], key_padding_mask=mask[:, mine])
     return (got - want[:, :, mine]).abs().max().item()
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(world_size=st.integers(1, 4), chunk=st.integers(1, 6), heads=st.integers(1, 3),
-       dim=st.sampled_from([1, 4, 16]), seed=st.integers(0, 100))
-def test_ring_attention_equals_sdpa_for_any_shape_and_padding(solution, world_size, chunk, heads, dim, seed):
-    errors = run_ranks(_ring_vs_sdpa, (solution.ring_attention, chunk, heads, dim, seed),
+       dim=st.sampled_from([1, 4, 16]), seed=st.integers(0, 100),
+       density=st.sampled_from([0.0, 0.3, 0.9, 1.0]))
+def test_ring_attention_equals_sdpa_for_any_shape_and_padding(solution, world_size, chunk, heads, dim, seed,
+                                                              density):
+    errors = run_ranks(_ring_vs_sdpa, (solution.ring_attention, chunk, heads, dim, seed, density),
                        world_size=world_size, echo=False)
-    assert max(errors) < 1e-10
+    assert max(errors) < 1e-10  # nan fails it too
+
+
+def test_an_all_padding_nan_loses_only_the_edge_cases_with_feedback_naming_the_regime(bugs):
+    report = run_checks("9.3", dict(bugs["9.3"])[
+        "divides by a running sum of 0 where a sequence is all padding (nan, not SDPA's 0)"])
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name.split(":")[0] for c in failed] == [
+        "a sequence that is all padding", "one rank (world size 1)"], report.to_text()
+    for case in failed:
+        assert "all padding" in case.message and "not finite" in case.message, case.message
+        assert "SDPA" in case.hint, case.hint
+    assert report.score == pytest.approx(get_task("9.3").points - sum(c.max_points for c in failed))
 
 
 @settings(max_examples=25, deadline=None)

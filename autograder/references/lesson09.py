@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from autograder.lesson09 import (
     C_Z,
     CHUNK_RUNS,
+    EDGE_RUNS,
     HEADS_TRI,
     METERED_CHUNK,
     METERED_L,
@@ -76,6 +77,12 @@ def sdpa_on_the_whole_sequence(seed: int, world_size: int) -> dict[str, Any]:
     """Every run's whole output and its tolerance."""
     return {name: (sdpa(ring_inputs(seed, world_size, dtype, padded)), tol)
             for name, (dtype, padded, tol) in RING_RUNS.items()}
+
+
+def sdpa_edges(seed: int, world_size: int) -> dict[str, Any]:
+    """SDPA's whole output on each edge run (a sequence all padding: 0 for its queries)."""
+    return {name: (sdpa(ring_inputs(seed, world_size, dtype, padded)), tol)
+            for name, (dtype, padded, tol) in EDGE_RUNS.items()}
 
 
 def ring_growth_bound(seed: int) -> dict[str, float]:

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from bugs import edited_solution
+
 CANONICAL = "ACDEFGHIKLMNPQRSTVWY"
 
 # --------------------------------------------------------------------------- task 9.1
@@ -218,8 +220,8 @@ def _ring(q, k, v, key_padding_mask=None, group=None, *, rescale=True, mask_dire
         scores = q @ k_all.transpose(-1, -2) / math.sqrt(dim)
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, -math.inf)
-        return scores.softmax(-1) @ v_all
-    return o / s
+        return scores.softmax(-1).nan_to_num(0.0) @ v_all  # a query with no real key: 0, as SDPA
+    return o / torch.where(s == 0, torch.ones_like(s), s)  # a query with no real key: 0, as SDPA
 
 
 def merged_without_rescaling(q, k, v, key_padding_mask=None, group=None):
@@ -283,7 +285,7 @@ def ring_by_direct_sends(q, k, v, key_padding_mask=None, group=None):
     if key_padding_mask is not None:
         mask = torch.cat([received[r][2] for r in range(world_size)], 1)
         scores = scores.masked_fill(mask[:, None, None, :], -math.inf)
-    return scores.softmax(-1) @ v_all
+    return scores.softmax(-1).nan_to_num(0.0) @ v_all  # a query with no real key: 0, as SDPA
 
 
 # --------------------------------------------------------------------------- task 9.4
@@ -430,6 +432,10 @@ BUGS = {
         ("all-gathers K/V and calls scaled_dot_product_attention (the forbidden route)", all_gather_then_sdpa),
         ("sends its block straight to every rank", ring_by_direct_sends),
         ("keeps every block it received (right values and traffic)", keeps_every_block_it_received),
+        ("divides by a running sum of 0 where a sequence is all padding (nan, not SDPA's 0)",
+         edited_solution("09_proteins.py", (
+             "    return o / torch.where(s == 0, torch.ones_like(s), s)\n", "    return o / s\n",
+         )).ring_attention),
     ],
     "9.4": [
         ("chunks along the wrong axis (columns)", chunks_along_the_wrong_axis),
