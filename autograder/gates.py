@@ -61,6 +61,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from autograder import likeness
+
 __all__ = ["ForbiddenUse", "check_source", "guard", "resolve", "watching"]
 
 _HERE = Path(__file__).resolve().parent  # autograder/
@@ -281,12 +283,25 @@ def answer_fingerprints() -> dict[str, str]:
         return {f"{fp:016x}": name for fp, name in _grader.prints.items()}
 
 
-def trust_answer_fingerprints(prints: dict[str, str]) -> None:
+def answer_shapes() -> dict[str, dict[str, int]]:
+    """``{name: shape}`` of every reference loaded in this (trusted) process
+    (:func:`autograder.likeness.shape`: statement hashes and sizes, no source): what the batch
+    worker needs to recognise a reference rewritten with other names or another order."""
+    with _grader._lock:
+        _grader.update()
+        return {name: dict(found) for name, found in _grader.shapes.items()}
+
+
+def trust_answer_fingerprints(prints: dict[str, str],
+                              shapes: dict[str, dict[str, int]] | None = None) -> None:
     """Judge copies against these references too: the batch worker gets them from the parent,
-    since ``autograder/references/`` is hidden from it. Only hashes and names travel."""
+    since ``autograder/references/`` is hidden from it. Only hashes, sizes and names travel."""
     _grader.update()
     for fp, name in prints.items():
         _grader.prints.setdefault(int(fp, 16), name)
+    for name, found in (shapes or {}).items():
+        if name not in SOLUTION_SHAPED:
+            _grader.shapes.setdefault(name, {str(h): int(w) for h, w in found.items()})
 
 
 def _code_of(fn: types.FunctionType) -> types.CodeType:
@@ -396,6 +411,18 @@ class _Forbidden:
             self.places[_place(code)] = name
             if len(code.co_code) >= _MIN_COPY_BYTES:
                 self.prints.setdefault(_print(code), f"{name} ({fn.__module__}.{fn.__qualname__})")
+        self._shapes: dict[str, likeness.Shape] | None = None
+
+    def shapes(self) -> dict[str, likeness.Shape]:
+        """The source shapes of the forbidden Python functions big enough to copy, read on first
+        use (after :meth:`index`)."""
+        if self._shapes is None:
+            self._shapes = {}
+            for fn, name in self.functions:
+                found = likeness.shape(fn)
+                if found is not None and likeness.weight(found) >= likeness.MIN_WEIGHT:
+                    self._shapes.setdefault(f"{name} ({fn.__module__}.{fn.__qualname__})", found)
+        return self._shapes
 
 
 _specs: dict[tuple[str, ...], _Forbidden] = {}
@@ -423,6 +450,7 @@ class _GraderCode:
         self.originals: set[int] = set()
         self.places: dict[tuple[str, int, str], str] = {}
         self.prints: dict[int, str] = {}
+        self.shapes: dict[str, likeness.Shape] = {}  # reference name -> its statements' shape
         self.functions: list[tuple[types.FunctionType, str]] = []  # what gets a trampoline
         self._keep: list[Any] = []
         self._references: set[int] = set()
@@ -476,6 +504,10 @@ class _GraderCode:
             return
         self._references.add(id(value))
         self._keep.append(value)
+        name = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+        if name not in SOLUTION_SHAPED and (found := likeness.shape(value)) is not None \
+                and likeness.weight(found) >= likeness.MIN_WEIGHT:
+            self.shapes.setdefault(name, found)
         for fn in _functions(value):
             code = _code_of(fn)
             # A reference's constructor is the task's scaffolding: the stub hands it out;
@@ -484,6 +516,13 @@ class _GraderCode:
                     and len(code.co_code) >= _MIN_COPY_BYTES:
                 self.prints.setdefault(_print(code), f"{fn.__module__}.{fn.__qualname__}")
 
+
+# References an honest solution writes statement for statement (reading four environment
+# variables; the EGNN layer's equations, as the paper writes them): a rewritten copy of them
+# cannot be told from the task done, so only their bytecode counts. tests/test_gates.py keeps
+# this list to exactly the references the solutions match.
+SOLUTION_SHAPED = frozenset({"autograder.references.lesson02.dist_info_from_env",
+                             "autograder.references.lesson10.ReferenceEGNNLayer"})
 
 _grader = _GraderCode()
 
@@ -872,6 +911,39 @@ def _copy_use(task: Any, spec: _Forbidden, impl: Any, module: types.ModuleType |
                     where = (f"{inner.co_filename}:{inner.co_firstlineno}" if own_file
                              else _binding(module, tree, fn))
                     return ForbiddenUse(task.id, what, where)
+    return _rewritten_copy(task, spec, candidates)
+
+
+def _rewritten_copy(task: Any, spec: _Forbidden, candidates: list[Any]) -> ForbiddenUse | None:
+    """A function or class of the student's whose statements are a reference's or a forbidden
+    function's with the names, constants, order or layout changed (:mod:`autograder.likeness`)."""
+    known = [(f"{_GRADER_NAME}: a rewritten copy of {name}", found)
+             for name, found in list(_grader.shapes.items())]
+    known += [(f"a rewritten copy of {name}", found) for name, found in spec.shapes().items()]
+    if not known:
+        return None
+    seen: set[int] = set()
+    for candidate in candidates:
+        objects = [candidate, *(_functions(candidate) if isinstance(candidate, type) else ())]
+        for obj in objects:
+            if id(obj) in seen or id(obj) in _grader.originals or id(obj) in spec.originals:
+                continue
+            seen.add(id(obj))
+            code = getattr(obj, "__code__", None)
+            if code is not None and _kind(_code_of(obj).co_filename) != "student":
+                continue
+            if code is None and not isinstance(obj, type):
+                continue
+            found = likeness.shape(obj)
+            if not found:
+                continue
+            for what, reference in known:
+                share = likeness.likeness(found, reference)
+                if share >= likeness.THRESHOLD:
+                    place = _source_of(obj)
+                    where = f"{place[2]}:{place[1]}" if place else getattr(obj, "__qualname__", "?")
+                    return ForbiddenUse(task.id, f"{what} ({share:.0%} of its statements, with "
+                                                 "other names, constants or order)", where)
     return None
 
 

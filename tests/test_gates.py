@@ -26,6 +26,7 @@ import pytest
 
 from autograder import gates
 from autograder.checking import run_checks
+from autograder.loading import load_tasks
 from autograder.registry import get_task, lesson_tasks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -272,12 +273,22 @@ def reference_balanced_split(n, rank, world_size):
 """
 
 
-def test_a_pasted_copy_of_a_reference_is_caught_by_its_bytecode(student_module, monkeypatch):
-    # A reference of the grader's, compiled from autograder/ as a lesson's are.
+def _grader_module(monkeypatch):
+    """A reference of the grader's, compiled from autograder/ as a lesson's are, its source
+    readable as a file's would be (linecache)."""
+    import linecache
+
     grader = types.ModuleType("autograder.references.lesson99")
     grader.__file__ = str(Path(gates.__file__).parent / "references" / "lesson99.py")
+    monkeypatch.setitem(linecache.cache, grader.__file__,
+                        (len(_REFERENCE), None, _REFERENCE.splitlines(True), grader.__file__))
     exec(compile(_REFERENCE, grader.__file__, "exec"), vars(grader))
     monkeypatch.setitem(sys.modules, grader.__name__, grader)
+    return grader
+
+
+def test_a_pasted_copy_of_a_reference_is_caught_by_its_bytecode(student_module, monkeypatch):
+    _grader_module(monkeypatch)
     pasted = _REFERENCE.replace("reference_balanced_split", "shard_range")
     module = student_module(pasted)
     found = gates.check_source(_task(), module.shard_range)
@@ -286,8 +297,94 @@ def test_a_pasted_copy_of_a_reference_is_caught_by_its_bytecode(student_module, 
     assert found.where.endswith(".py:2")
     renamed = pasted.replace("sizes", "counts").replace("size", "count")  # other local names
     assert gates.check_source(_task(), student_module(renamed).shard_range) is not None
-    edited = pasted.replace("cannot split", "can not split")  # a constant changed: not a copy
-    assert gates.check_source(_task(), student_module(edited).shard_range) is None
+    edited = pasted.replace("cannot split", "can not split")  # a constant changed: other bytecode
+    found = gates.check_source(_task(), student_module(edited).shard_range)
+    assert found is not None and "a rewritten copy of" in found.what  # the same statements
+
+
+def _relabelled(source: str, swap: tuple[int, int] | None = None) -> str:
+    """``source`` with every name and argument renamed, every number nudged, reformatted by
+    ast.unparse, and (``swap``) two statements of the function body exchanged."""
+    tree = ast.parse(textwrap.dedent(source))
+    names: dict[str, str] = {}
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, node):
+            node.id = names.setdefault(node.id, f"n{len(names)}_x")
+            return node
+
+        def visit_arg(self, node):
+            node.arg = names.setdefault(node.arg, f"n{len(names)}_x")
+            return node
+
+        def visit_Constant(self, node):
+            if isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+                node.value = node.value + 1
+            elif isinstance(node.value, str):
+                node.value = node.value.upper()
+            return node
+
+    tree = Rename().visit(tree)
+    fn = tree.body[0]
+    fn.name = "relabelled"
+    if swap is not None:
+        i, j = swap
+        fn.body[i], fn.body[j] = fn.body[j], fn.body[i]
+    return ast.unparse(tree)
+
+
+def test_a_reference_relabelled_reordered_and_reformatted_is_caught(student_module, monkeypatch):
+    grader = _grader_module(monkeypatch)
+    # names, constants, layout and the order of two independent statements all changed
+    module = student_module(_relabelled(_REFERENCE, swap=(0, 1)).replace("relabelled", "shard_range"))
+    assert module.shard_range.__code__.co_code != grader.reference_balanced_split.__code__.co_code
+    found = gates.check_source(_task(), module.shard_range)
+    assert found is not None, "a relabelled copy of a reference passed"
+    assert "a rewritten copy of autograder.references.lesson99.reference_balanced_split" in found.what
+    assert "100% of its statements" in found.what
+
+
+def test_rdkits_enrichment_code_relabelled_is_refused_on_the_task_that_forbids_it(student_module):
+    # Task 10.4 forbids rdkit.ML.Scoring: its code pasted with every name changed is still it.
+    from rdkit.ML.Scoring import Scoring
+
+    for fn in (Scoring.CalcEnrichment, Scoring.CalcBEDROC):
+        module = student_module("import math\n\n" + _relabelled(inspect.getsource(fn)))
+        found = gates.check_source(_task("rdkit.ML.Scoring"), module.relabelled)
+        assert found is not None, f"{fn.__name__} relabelled passed"
+        assert f"a rewritten copy of rdkit.ML.Scoring (rdkit.ML.Scoring.Scoring.{fn.__name__})" \
+            in found.what, found.what
+
+
+def test_solutions_are_no_rewritten_copies_and_only_the_solution_shaped_references_are_skipped():
+    # The likeness gate must never refuse honest work: the solutions are the most alike honest
+    # code there is. Those references a solution writes statement for statement are skipped by
+    # name (gates.SOLUTION_SHAPED); the list holds exactly them.
+    from autograder import likeness
+    from autograder.registry import checked_lessons
+
+    references = {}
+    for lesson in checked_lessons():
+        try:
+            module = importlib.import_module(f"autograder.references.lesson{lesson:02d}")
+        except ModuleNotFoundError:
+            continue
+        for value in vars(module).values():
+            if isinstance(value, (types.FunctionType, type)) and value.__module__ == module.__name__:
+                references[f"{module.__name__}.{value.__qualname__}"] = likeness.shape(value)
+    matched = set()
+    for path in sorted((Path(__file__).parents[1] / "solutions").glob("[0-9][0-9]_*.py")):
+        tasks = lesson_tasks(int(path.name[:2]))
+        if not tasks:
+            continue
+        solution = load_tasks(path)
+        for task in tasks:
+            impl = getattr(solution, task.name)
+            assert gates.check_source(task, impl) is None, f"{task.id}: {gates.check_source(task, impl)}"
+            mine = likeness.shape(impl) or {}
+            matched |= {name for name, ref in references.items()
+                        if ref and likeness.likeness(mine, ref) >= likeness.THRESHOLD}
+    assert matched == gates.SOLUTION_SHAPED
 
 
 def test_small_functions_alike_are_not_copies(student_module):
