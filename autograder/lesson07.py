@@ -722,8 +722,9 @@ CHECKPOINT.bound(
 # bounds: the model FLOPs the captured graph does not show (FlopCounterMode, per node of
 # Dynamo's graph): a graph of the model's real operators shows them all, a forward hidden in one
 # opaque call (a custom op, an allow_in_graph function) shows none.
-# forbids nothing: no library removes graph breaks; the escape hatches that hide them (a custom
-# op, allow_in_graph) are caught by that bound.
+# forbids nothing: no library removes graph breaks. The escape hatches that hide them (a custom
+# op, allow_in_graph, a module kept whole) put an opaque node in the graph: the compiled run
+# refuses it as a ForbiddenUse (the task scores 0), and the bound shows the FLOPs it hid.
 READY = task(
     "7.4", "compile_ready",
     points=3,
@@ -796,6 +797,15 @@ def _opaque(node: torch.fx.Node) -> bool:
     return False
 
 
+def _describe(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return f"the custom op {target.namespace}::{target._opname if hasattr(target, '_opname') else target}"
+    if node.op == "call_module":
+        return f"the module {target!r} placed in the graph whole"
+    return f"{getattr(target, '__qualname__', target)!s} placed in the graph whole (allow_in_graph)"
+
+
 class _ShownFlops(torch.fx.Interpreter):
     """Runs a captured graph node by node, counting the FLOPs of the nodes that are operators
     the compiler can see (FlopCounterMode); an opaque node runs uncounted."""
@@ -827,8 +837,11 @@ def _compiled_run(compile_ready: Any, seed: int) -> dict[str, Any]:
     graphs: list[int] = []
     shown = [0]
 
+    hidden: list[str] = []  # the opaque calls of every captured graph
+
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         graphs.append(len(gm.graph.nodes))
+        hidden.extend(_describe(n) for n in gm.graph.nodes if _opaque(n))
         return _ShownFlops(gm, shown).run  # the captured graph as is, as backend="eager" runs it
 
     torch._dynamo.reset()
@@ -847,6 +860,13 @@ def _compiled_run(compile_ready: Any, seed: int) -> dict[str, Any]:
                 "graphs after each batch": per_batch, **flops}
     finally:
         torch._dynamo.reset()
+    if hidden:  # the breaks are not removed, only hidden from the compiler: the task is not done
+        from autograder.gates import ForbiddenUse
+
+        raise ForbiddenUse("7.4", f"an opaque call in the captured graph, {hidden[0]}, which hides "
+                                  "the forward from the compiler (the graph breaks are still "
+                                  "inside it)", "compile_ready's module, as torch.compile "
+                                                "captured it")
     return {"compiled": "yes", "graphs": len(graphs), "graphs after each batch": per_batch,
             **flops, **result}
 

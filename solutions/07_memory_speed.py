@@ -768,6 +768,10 @@ torch._dynamo.reset()
 # across the three sequence lengths at most two may exist (the second length makes the
 # sequence dimension dynamic, see "Guards and recompiles" below), so the third length must
 # not compile again: nothing in your forward may need the length as a Python number.
+# Hiding the breaks instead of removing them (the eager forward inside a
+# `torch.library.custom_op`, or behind `torch.compiler.allow_in_graph`) gives the compiler one
+# opaque call and nothing to optimize: the checks read the captured graph, and an opaque call
+# there scores the task 0.
 
 # %% tags=["task-7.4"]
 class CompileReady(nn.Module):

@@ -213,8 +213,6 @@ RESOURCE_BUGS = {
     ("7.3", "forward runs fn with grad and keeps its output on ctx: every activation stays alive"):
         ("bytes kept after the forward with every block checkpointed",
          "activations are kept although backward recomputes them", ["saved bytes for every="]),
-    ("7.4", "hides the eager forward in one custom op"):
-        ("model FLOPs the captured graph does not show", "an opaque call", []),
 }
 
 
@@ -232,6 +230,16 @@ def test_a_bug_that_loses_the_saving_fails_its_bound_and_passes_every_value_case
     for name, case in by_name.items():  # every value case passes
         assert name in resource or case.status == "passed", (name, case.message)
     assert report.score <= sum(c.max_points for n, c in by_name.items() if n not in resource) + 1e-9
+
+
+def test_a_forward_hidden_in_an_opaque_call_scores_0_and_the_feedback_names_the_op(bugs):
+    # The breaks are hidden, not removed: fullgraph=True compiles and the values are right, so
+    # only what the captured graph holds tells. Any opaque node (a custom op, allow_in_graph)
+    # makes the compiled run a forbidden use: 0 for the task.
+    report = run_checks("7.4", dict(bugs["7.4"])["hides the eager forward in one custom op"])
+    assert report.score == 0 and report.cases[0].status == "forbidden", report.to_text()
+    assert "the custom op kitbugs::graph_break_net" in report.cases[0].message
+    assert "hides the forward from the compiler" in report.cases[0].message
 
 
 def test_lesson07_states_what_each_task_bounds():

@@ -347,6 +347,27 @@ class ReadyHidesItInACustomOp(nn.Module):
                                 m.head.weight, m.head.bias)
 
 
+def _eager_forward(tokens, lengths):
+    """GraphBreakNet's own forward, graph breaks and all, called whole from the graph."""
+    return _HIDDEN["allowed"](tokens, lengths)
+
+
+torch.compiler.allow_in_graph(_eager_forward)
+
+
+class ReadyAllowsTheEagerForwardInGraph(nn.Module):
+    """The eager forward behind torch.compiler.allow_in_graph: Dynamo puts the call in the graph
+    without tracing it, so fullgraph=True compiles and the values are right."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        _HIDDEN["allowed"] = model
+
+    def forward(self, tokens, lengths):
+        return _eager_forward(tokens, lengths)
+
+
 class ReadyCopiesTheModel(_Ready):
     def __init__(self, model):
         import copy
@@ -411,5 +432,7 @@ BUGS = {
         ("copies the model: its parameters get no gradient", ReadyCopiesTheModel),
         ("returns the model unchanged", lambda model: model),
         ("hides the eager forward in one custom op", ReadyHidesItInACustomOp),
+        ("hides the eager forward behind torch.compiler.allow_in_graph",
+         ReadyAllowsTheEagerForwardInGraph),
     ],
 }
