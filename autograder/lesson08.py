@@ -223,7 +223,42 @@ def _tp_mlp_on_rank(column_cls: Any, row_cls: Any, seed: int) -> dict[str, Any]:
     out["RowParallelLinear(input_is_parallel=False)"] = {
         "output": _local(y), "input grad": _local(h.grad), "weight grad": _local(row.weight.grad)}
     out["metered"] = _metered_mlp(column_cls, row_cls, seed)
+    if world == 4:  # features that do not divide by the group size: refused, not split unevenly
+        out["indivisible"] = {label: _raised_by(lambda cls=cls, shape=shape: cls(nn.Linear(*shape)))
+                              for label, cls, shape in _indivisible_layers(column_cls, row_cls)}
     return out
+
+
+def _indivisible_layers(column_cls: Any, row_cls: Any) -> list[tuple[str, Any, tuple[int, int]]]:
+    """The layers whose split features (6) do not divide by 4 ranks."""
+    return [("ColumnParallelLinear(nn.Linear(8, 6)) on 4 ranks", column_cls, (8, 6)),
+            ("RowParallelLinear(nn.Linear(6, 8)) on 4 ranks", row_cls, (6, 8))]
+
+
+def _raised_by(build: Any) -> str:
+    try:
+        build()
+    except Exception as e:  # noqa: BLE001 - what it raised is the answer
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return "built a layer"
+
+
+def _compare_indivisible(got: Any, expected: Any) -> None:
+    for rank, r in enumerate(per_rank(got, 4)):
+        for label, did in (r.get("indivisible") or {}).items() if isinstance(r, dict) else ():
+            if not str(did).startswith("ValueError"):
+                raise CheckFailed(
+                    f"rank {rank}: {label}: 6 features do not split into 4 equal slices",
+                    expected="a ValueError naming the constraint (the features must divide by "
+                             "the group size)", got=did,
+                    hint="Tensor parallelism gives every rank an equal slice: torch's "
+                         "ColwiseParallel and RowwiseParallel shard evenly too. Refuse a size "
+                         "that does not divide instead of giving ranks slices of different sizes.",
+                    recipe="In __init__, before slicing: if linear.out_features % t (column) or "
+                           "linear.in_features % t (row), raise ValueError(...) with both numbers.")
+        if not isinstance(r, dict) or "indivisible" not in r:
+            raise CheckFailed(f"rank {rank}: could not read what the indivisible layers did",
+                              got=repr(r)[:200])
 
 
 def _tp_run(world_size: int) -> Any:
@@ -360,6 +395,11 @@ def _(impl: Any, seed: int) -> Any:
 TP.case("ColumnParallelLinear(gather_output=True) and RowParallelLinear(input_is_parallel="
         "False) each equal nn.Linear (2 ranks)", uses=_TP_RUNS[2], compare=_compare_single_layers,
         expect=_tp_expected(2))
+TP.case("features that do not divide by the group size (6 on 4 ranks): a ValueError naming the "
+        "constraint", weight=0.5, uses=_TP_RUNS[4],
+        pick=lambda ranks: [{"indivisible": r.get("indivisible")} if isinstance(r, dict) else r
+                            for r in ranks],
+        compare=_compare_indivisible, expect=lambda seed: None)
 
 # What tensor parallelism saves, measured on the 4-rank run's metered MLP (h = 64, f = 256):
 # each rank keeps and multiplies by 1/t of both weights. The 25% margin covers what a correct

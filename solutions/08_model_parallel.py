@@ -235,7 +235,9 @@ class ColumnParallelLinear(nn.Module):
         linear: the full nn.Linear(in, out), identical on every rank.
         group: the tensor-parallel process group (None: the default group).
         gather_output: all-gather the output slices into the full (..., out) output.
-    Keeps ``weight`` (out/t, in) and ``bias`` (out/t,): this rank's rows.
+    Keeps ``weight`` (out/t, in) and ``bias`` (out/t,): this rank's rows. Raises ValueError when
+    out_features does not divide by the group size t (every rank gets an equal slice); with
+    t = 1 it is the whole layer.
     """
 
     def __init__(self, linear: nn.Linear, group=None, gather_output: bool = False):
@@ -267,7 +269,8 @@ class RowParallelLinear(nn.Module):
         group: the tensor-parallel process group (None: the default group).
         input_is_parallel: the input is already this rank's (..., in/t) slice; if False, the
             layer takes the full (..., in) input and keeps its slice.
-    Keeps ``weight`` (out, in/t), this rank's columns, and ``bias`` (out,) whole.
+    Keeps ``weight`` (out, in/t), this rank's columns, and ``bias`` (out,) whole. Raises
+    ValueError when in_features does not divide by the group size t.
     """
 
     def __init__(self, linear: nn.Linear, group=None, input_is_parallel: bool = True):

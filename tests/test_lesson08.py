@@ -290,6 +290,16 @@ def test_interleaved_edge_bugs_lose_only_their_edge_case_with_feedback_naming_it
     assert 0 < report.score < get_task("8.5").points
 
 
+def test_an_uneven_tensor_parallel_split_loses_only_the_indivisible_case(bugs):
+    report = run_checks("8.1", dict(bugs["8.1"])[
+        "splits features that do not divide by the group size unevenly (no ValueError)"])
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name.split(" (")[0] for c in failed] == [
+        "features that do not divide by the group size"], report.to_text()
+    assert "6 features do not split into 4 equal slices" in failed[0].message
+    assert "ValueError" in failed[0].expected
+
+
 # --------------------------------------------------------------------------- kit.lessons.parallelism
 
 

@@ -110,6 +110,8 @@ class _Row(nn.Module):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
         t, r = dist.get_world_size(group), self._rank(group)
+        if linear.in_features % t:  # as the solution: equal slices or none
+            raise ValueError(f"in_features must divide by the group size ({linear.in_features} % {t})")
         cols = slice(r * linear.in_features // t, (r + 1) * linear.in_features // t)
         self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
         self.bias = nn.Parameter(linear.bias.detach().clone())
@@ -130,6 +132,8 @@ class _Column(nn.Module):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         t, r = dist.get_world_size(group), self._rank(group)
+        if linear.out_features % t:  # as the solution: equal slices or none
+            raise ValueError(f"out_features must divide by the group size ({linear.out_features} % {t})")
         rows = slice(r * linear.out_features // t, (r + 1) * linear.out_features // t)
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
         self.bias = nn.Parameter(linear.bias.detach()[rows].clone())
@@ -738,6 +742,11 @@ BUGS = {
         ("slices by the global rank instead of the rank in the group", ColumnGlobalRank),
         ("wraps parallelize_module (ColwiseParallel, RowwiseParallel)", ColumnDTensor),
         ("keeps the whole weights and multiplies by them on every rank", ColumnFullWeight),
+        ("splits features that do not divide by the group size unevenly (no ValueError)",
+         edited_solution("08_model_parallel.py", (
+             "        if linear.out_features % t:\n            raise ValueError(",
+             "        if False:\n            raise ValueError(",
+         )).ColumnParallelLinear),
     ],
     "8.2": [
         ("the LayerNorm gradients not reduced", SPNormGradsNotReduced),
