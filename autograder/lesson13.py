@@ -308,6 +308,11 @@ def _losses(load_balancing_loss: Any, seed: int) -> dict[str, Any]:
                                     *balance_inputs(seed + 1, 30, 5, 1, skew=0.6, dropped=0.4), 5),
            "attached": _loss_and_grad(load_balancing_loss,
                                       *balance_inputs(seed + 2, 20, 4, 2, attached=True), 4)}
+    # no tokens (a rank whose share of the batch is empty): 0, not nan, and backward works
+    empty = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
+    none = torch.zeros(0, 2, dtype=torch.int64)
+    out["no tokens"] = _loss_and_grad(load_balancing_loss, empty, Routing(
+        none, torch.zeros(0, 2, dtype=torch.float64), none, none.bool()), 4)
     values = []
     for T, E, k, kind in BALANCE_SETTINGS:
         logits, routing = _balanced(seed, T, E, k, kind)
@@ -373,6 +378,21 @@ LOSS.case("the gradient flows through P only: f is a count, even when the weight
                  "and build P from the softmax of the logits; do not use routing.weight.")
 
 
+def _compare_no_tokens(got: Any, expected: dict[str, Any]) -> None:
+    value = got.get("value") if isinstance(got, dict) else None
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not torch.isfinite(value).all():
+        raise CheckFailed("no tokens (logits of shape (0, 4), routing of shape (0, 2)): the loss "
+                          f"is {value.item()}", expected="0 (nothing to balance)",
+                          got=value.item(),
+                          hint="With no tokens both f (a count over 0 choices) and P (a mean over "
+                               "0 tokens) are 0 / 0. A rank whose share of the batch is empty "
+                               "adds its loss to the model's like any other: nan there makes "
+                               "every gradient nan after the all-reduce.",
+                          recipe="Return a 0 that stays in the logits' graph when there is no "
+                                 "choice (logits.sum() * 0), before dividing.")
+    _compare_loss(got, expected)
+
+
 def _compare_balanced(got: Any, expected: list[float]) -> None:
     got = per_rank(got, len(expected), "value") if isinstance(got, list) else got
     for (T, E, k, kind), g in zip(BALANCE_SETTINGS, got):
@@ -389,6 +409,8 @@ def _compare_balanced(got: Any, expected: list[float]) -> None:
 
 LOSS.case("perfect balance gives exactly 1, for k = 1, 2 and 4", uses=_losses, pick="balanced",
           compare=_compare_balanced, expect="perfect_balance")
+LOSS.case("no tokens (a rank whose share of the batch is empty): 0, not nan, and backward works",
+          weight=0.5, uses=_losses, pick="no tokens", compare=_compare_no_tokens)
 
 
 # --------------------------------------------------------------------------- task 13.3

@@ -291,10 +291,13 @@ def load_balancing_loss(logits: torch.Tensor, routing: Routing, num_experts: int
 
     f_i: the fraction of the T * k routing choices (kept or dropped) that chose expert i;
     a count, without gradient. P_i: the mean softmax probability of expert i over the T
-    tokens; the gradient flows through it. At perfect balance the loss is 1.
+    tokens; the gradient flows through it. At perfect balance the loss is 1. No tokens (a rank
+    that got none): 0, still in the logits' graph (a zero gradient), not nan.
     """
     ### BEGIN SOLUTION
     choices = routing.expert.reshape(-1)
+    if choices.numel() == 0:  # nothing routed: nothing to balance (f and P would be 0 / 0)
+        return logits.sum() * 0.0
     f = torch.bincount(choices, minlength=num_experts).to(logits.dtype) / choices.numel()
     P = logits.softmax(dim=-1).mean(dim=0)  # (E,)
     return num_experts * (f * P).sum()

@@ -364,3 +364,12 @@ def test_13_3_passes_with_spawned_ranks_as_on_macos(solution, monkeypatch):
     case = task.cases[0]
     case.compare(case.run(solution.ExpertParallelMoE, 0), task.expected(case, 0))
     fresh_runs()
+
+
+def test_a_nan_loss_on_no_tokens_loses_only_the_empty_case_with_feedback_naming_it(bugs):
+    from autograder.checking import run_checks
+
+    report = run_checks("13.2", dict(bugs["13.2"])["no tokens: 0 / 0, a nan loss"])
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name.split(" (")[0] for c in failed] == ["no tokens"], report.to_text()
+    assert "the loss is nan" in failed[0].message and "0 / 0" in failed[0].hint

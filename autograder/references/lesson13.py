@@ -65,6 +65,8 @@ def load_balancing_loss(logits: torch.Tensor, routing: Any, num_experts: int) ->
     """Switch Transformer's auxiliary loss, E * sum_i f_i P_i, with f counted in Python."""
     expert = routing.expert.reshape(-1).tolist()
     choices = len(expert)
+    if choices == 0:  # no tokens: 0 with a zero gradient (the rank's share of a batch is empty)
+        return (logits * 0.0).sum()
     f = torch.tensor([expert.count(i) / choices for i in range(num_experts)], dtype=logits.dtype)
     probs = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
     probs = probs / probs.sum(dim=-1, keepdim=True)

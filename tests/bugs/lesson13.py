@@ -121,6 +121,19 @@ def route_from_the_grader(logits, k, capacity):
 # --------------------------------------------------------------------------- task 13.2
 
 
+def _no_tokens_is_zero(loss):
+    """As the solution: no tokens gives 0 (so each bug keeps its one defect)."""
+    def guarded(logits, routing, num_experts):
+        if routing.expert.numel() == 0:
+            return logits.sum() * 0.0
+        return loss(logits, routing, num_experts)
+
+    guarded.__name__ = guarded.__qualname__ = loss.__name__
+    guarded.__doc__ = loss.__doc__
+    return guarded
+
+
+@_no_tokens_is_zero
 def loss_straight_through(logits, routing, num_experts):
     """f's value from the counts, its gradient from the probabilities (straight through)."""
     probs = logits.softmax(dim=-1)
@@ -131,29 +144,34 @@ def loss_straight_through(logits, routing, num_experts):
     return num_experts * (f * probs.mean(dim=0)).sum()
 
 
+@_no_tokens_is_zero
 def loss_counts_kept_only(logits, routing, num_experts):
     choices = routing.expert[routing.kept]
     f = torch.bincount(choices, minlength=num_experts).to(logits.dtype) / routing.expert.numel()
     return num_experts * (f * logits.softmax(dim=-1).mean(dim=0)).sum()
 
 
+@_no_tokens_is_zero
 def loss_divides_by_tokens(logits, routing, num_experts):
     choices = routing.expert.reshape(-1)
     f = torch.bincount(choices, minlength=num_experts).to(logits.dtype) / routing.expert.shape[0]
     return num_experts * (f * logits.softmax(dim=-1).mean(dim=0)).sum()
 
 
+@_no_tokens_is_zero
 def loss_detached(logits, routing, num_experts):
     choices = routing.expert.reshape(-1)
     f = torch.bincount(choices, minlength=num_experts).to(logits.dtype) / choices.numel()
     return num_experts * (f * logits.detach().softmax(dim=-1).mean(dim=0)).sum()
 
 
+@_no_tokens_is_zero
 def loss_p_squared(logits, routing, num_experts):
     P = logits.softmax(dim=-1).mean(dim=0)
     return num_experts * (P * P).sum()
 
 
+@_no_tokens_is_zero
 def loss_from_routing_weights(logits, routing, num_experts):
     """P taken from the routing's weights (the chosen, renormalised ones), not the softmax."""
     choices = routing.expert.reshape(-1)
@@ -401,6 +419,9 @@ BUGS = {
         ("uses P for f too (E * sum P_i^2)", loss_p_squared),
         ("takes P from the routing weights instead of the softmax", loss_from_routing_weights),
         ("calls the grader's own load_balancing_loss", loss_from_the_grader),
+        ("no tokens: 0 / 0, a nan loss", edited_solution("13_mixture_of_experts.py", (
+            "    if choices.numel() == 0:  # nothing routed: nothing to balance (f and P would be 0 / 0)\n"
+            "        return logits.sum() * 0.0\n", "")).load_balancing_loss),
     ],
     "13.3": [
         ("skips a local expert that received no row: an idle rank's output has no path to the "
