@@ -128,6 +128,52 @@ def sage_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, An
     return edge_index, x, seeds, model
 
 
+# The edges real batches reach, on a 6-node graph: node 0 <- 1, 2; 1 <- 2; 2 has no
+# in-neighbour; 3 is isolated; 4 <- 5 and 5 <- 4 (a cycle). Every fan-out here is at least
+# every degree (or 0), so each sample is fixed.
+EDGE_NEIGHBOURS = [[1, 2], [2], [], [], [5], [4]]
+EDGE_SAMPLES = {
+    "an isolated seed: no edge in any hop": ([3], [4, 4]),
+    "no seeds at all: every hop empty": ([], [4]),
+    "the frontier runs dry after hop 1 (node 2 has no in-neighbour)": ([1], [4, 4, 4]),
+    "fan-out 0 in hop 1 (hop 2 has nothing to expand)": ([0, 4], [0, 4]),
+    "a cycle: nodes seen before are not added again": ([4, 0], [4, 4]),
+}
+
+
+def edge_graph() -> tuple[torch.Tensor, torch.Tensor]:
+    """EDGE_NEIGHBOURS as in-neighbour CSR (rowptr, col)."""
+    rowptr = torch.tensor([0] + [len(n) for n in EDGE_NEIGHBOURS]).cumsum(0)
+    col = torch.tensor([u for n in EDGE_NEIGHBOURS for u in n], dtype=torch.long)
+    return rowptr, col
+
+
+def _compare_edges(got: Any, expected: dict[str, Any]) -> None:
+    edges = got.get("edges") if isinstance(got, dict) else None
+    if not isinstance(edges, dict):
+        raise CheckFailed("could not read the edge samples", got=describe(got, 120))
+    for label, want in expected.items():
+        have = edges.get(label, {})
+        seeds, fanouts = EDGE_SAMPLES[label]
+        where = f"{label} (seeds {seeds}, fanouts {fanouts})"
+        if "raised" in have or "returned" in have:
+            raise CheckFailed(f"{where}: sample_neighbors {'raised ' + have['raised'] if 'raised' in have else 'returned ' + have['returned']}",
+                              expected="a SampledSubgraph with empty hops counted as 0",
+                              hint="An empty frontier, a node without in-neighbours or a fan-out "
+                                   "of 0 draws nothing: keep going, with 0 new nodes and 0 edges "
+                                   "for that hop (torch.empty(0), .max() of nothing is an error).")
+        for name in ("n_id", "edge_index", "num_sampled_nodes", "num_sampled_edges"):
+            a, b = have.get(name), want[name]
+            same = (torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and a.shape == b.shape else a == b)
+            if not same:
+                raise CheckFailed(f"{where}: {name} differs from NeighborLoader's sampling",
+                                  expected=describe(b, 120), got=describe(a, 120),
+                                  hint="Empty hops still count: num_sampled_nodes has hops + 1 "
+                                       "entries and num_sampled_edges one per hop, 0 where "
+                                       "nothing was drawn; edge_index of no edge is (2, 0).")
+
+
 def _samples(sample_neighbors: Any, seed: int) -> dict[str, Any]:
     """One run of the student's sampler, judged by every case of task 11.1."""
     from torch_geometric.data import Data
@@ -157,6 +203,16 @@ def _samples(sample_neighbors: Any, seed: int) -> dict[str, Any]:
                 rowptr, col, seeds, list(fanouts), torch.Generator().manual_seed(state))))
             runs[-1]["global RNG untouched"] = bool(torch.equal(before, torch.random.get_rng_state()))
         out["replay"] = runs
+        e_rowptr, e_col = edge_graph()
+        edges: dict[str, Any] = {}
+        for label, (seeds, fanouts) in EDGE_SAMPLES.items():
+            try:
+                edges[label] = _plain_subgraph(sample_neighbors(
+                    e_rowptr, e_col, torch.tensor(seeds, dtype=torch.long), list(fanouts),
+                    torch.Generator().manual_seed(seed + 41)))
+            except Exception as e:  # noqa: BLE001 - judged by the edges' case
+                edges[label] = {"raised": f"{type(e).__name__}: {str(e)[:160]}"}
+        out["edges"] = edges
         s_rowptr, s_col, _ = star_graph(seed)
         star = sample_neighbors(s_rowptr, s_col, torch.arange(STARS), [STAR_FANOUT],
                                 torch.Generator().manual_seed(seed + 31))
@@ -481,6 +537,8 @@ SAMPLE.case(f"uniform draws: every neighbour and every pair of neighbours within
             recipe="For each node, choose the subset of positions uniformly: sort random keys "
                    "drawn from the generator and keep the smallest min(fanout, degree) of them, or "
                    "take the first entries of a random permutation of its degree.")
+SAMPLE.case("the edges: an isolated seed, no seeds, a frontier that runs dry, fan-out 0, a cycle",
+            weight=0.5, uses=SAMPLES, compare=_compare_edges, expect="edge_samples")
 SAMPLE.case("replays from the same generator state; leaves the global RNG alone", uses=SAMPLES,
             compare=_compare_replay,
             hint="Reproducible sampling: the generator passed in is the only source of randomness, "

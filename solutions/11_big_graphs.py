@@ -197,6 +197,8 @@ def sample_neighbors(rowptr: torch.Tensor, col: torch.Tensor, seeds: torch.Tenso
     Returns:
         SampledSubgraph: n_id (seeds first, then new nodes in draw order), edge_index (2, E)
         of (neighbour, node) in local ids, num_sampled_nodes (hops + 1), num_sampled_edges (hops).
+        A node without in-neighbours, an empty frontier (or no seeds) and a fan-out of 0 draw
+        nothing: that hop still counts, with 0 new nodes and 0 edges.
     """
     ### BEGIN SOLUTION
     num_nodes = rowptr.numel() - 1

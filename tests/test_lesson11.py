@@ -350,3 +350,13 @@ def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
         case = task.cases[-1]
         case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
     fresh_runs()
+
+
+def test_a_sampler_that_stops_at_an_empty_frontier_fails_the_edges_case_naming_the_regime(bugs):
+    from autograder.checking import run_checks
+
+    report = run_checks("11.1", dict(bugs["11.1"])[
+        "stops at a hop with an empty frontier: fewer hops counted"])
+    edges = next(c for c in report.cases if c.name.startswith("the edges"))
+    assert edges.status == "failed" and "an isolated seed" in edges.message, report.to_text()
+    assert "Empty hops still count" in edges.hint

@@ -17,11 +17,13 @@ from autograder.lesson11 import (
     CONV_IN,
     CONV_OUT,
     CONV_PARTS,
+    EDGE_SAMPLES,
     FULL,
     PLAN_RANKS,
     _seeds,
     conv_setup,
     directed_graph,
+    edge_graph,
     plan_graph,
     plan_partitions,
     sage_inputs,
@@ -83,6 +85,19 @@ def full_fanout_sample(seed: int) -> dict[str, Any]:
         nodes, edges = neighbor_loader_sizes(edge_index, 300, seeds, [12, 12])
     return {"edge_index": edge_index, "seeds": seeds, "n_id": sub.n_id, "name": FULL,
             "num_sampled_nodes": nodes, "num_sampled_edges": edges}
+
+
+def edge_samples(seed: int) -> dict[str, dict[str, Any]]:
+    """The one-at-a-time sampler on each edge of EDGE_SAMPLES (each sample is fixed)."""
+    rowptr, col = edge_graph()
+    out = {}
+    for label, (seeds, fanouts) in EDGE_SAMPLES.items():
+        sub = sample_neighbors(rowptr, col, torch.tensor(seeds, dtype=torch.long), list(fanouts),
+                               torch.Generator().manual_seed(seed + 41))
+        out[label] = {"n_id": sub.n_id, "edge_index": sub.edge_index,
+                      "num_sampled_nodes": list(sub.num_sampled_nodes),
+                      "num_sampled_edges": list(sub.num_sampled_edges)}
+    return out
 
 
 def sage_on_full_graph(seed: int) -> dict[str, torch.Tensor]:
