@@ -160,7 +160,62 @@ def _train_on_rank(impl: Any, seed: int, steps: int, extra: list[int], cap_mb: f
         grads.append(grads_of(module))
         optimizer.step()
         optimizer.zero_grad()
-    return {"initial": initial, "grads": grads, "final": state_of(module), "calls": calls}
+    out = {"initial": initial, "grads": grads, "final": state_of(module), "calls": calls}
+    if needs == "Task 4.4:":
+        out["contract"] = _no_sync_contract(ddp)
+    return out
+
+
+class _Raised(Exception):
+    """Raised inside a no_sync block by the check, to see the flag restored and the error kept."""
+
+
+def _no_sync_contract(ddp: Any) -> dict[str, Any]:
+    """The flag around the edges of a no_sync block: a raise inside, nesting, a flag already off."""
+    flag = "require_backward_grad_sync"
+    out: dict[str, Any] = {"before": getattr(ddp, flag, None)}
+    try:
+        with ddp.no_sync():
+            out["inside"] = getattr(ddp, flag, None)
+            raise _Raised("raised inside no_sync")
+    except _Raised:
+        out["the error came out"] = True
+    else:
+        out["the error came out"] = False
+    out["after a raise"] = getattr(ddp, flag, None)
+    with ddp.no_sync():
+        with ddp.no_sync():
+            pass
+        out["after an inner no_sync"] = getattr(ddp, flag, None)
+    out["after the outer no_sync"] = getattr(ddp, flag, None)
+    setattr(ddp, flag, False)
+    with ddp.no_sync():
+        pass
+    out["after no_sync with the flag already off"] = getattr(ddp, flag, None)
+    setattr(ddp, flag, True)
+    return out
+
+
+NO_SYNC_CONTRACT = {"before": True, "inside": False, "the error came out": True,
+                    "after a raise": True, "after an inner no_sync": False,
+                    "after the outer no_sync": True, "after no_sync with the flag already off": False}
+
+
+def _compare_no_sync_contract(got: Any, expected: Any) -> None:
+    for rank, r in enumerate(got if isinstance(got, list) else [got]):
+        if not isinstance(r, dict):
+            raise CheckFailed(f"rank {rank}: could not read the no_sync probe", got=repr(r)[:200])
+        for key, want in NO_SYNC_CONTRACT.items():
+            if r.get(key) != want:
+                raise CheckFailed(
+                    f"rank {rank}: require_backward_grad_sync {key}: {r.get(key)!r}",
+                    expected=want, got=r.get(key),
+                    hint="no_sync restores the value the flag had before the block, not True, "
+                         "and restores it even when the block raises, without swallowing the "
+                         "error: a nested no_sync leaves the outer one still off, and a no_sync "
+                         "entered with the flag off leaves it off.",
+                    recipe="Save the flag, set it to False, yield inside try, and restore the "
+                           "saved value in finally; do not catch the exception.")
 
 
 def _training(t: Task, world_size: int, steps: int, extra: list[int] | None = None,
@@ -525,3 +580,6 @@ NO_SYNC.case("2 micro-batches per step (the first under no_sync) equal one proce
 NO_SYNC.case("no all-reduce under no_sync; one per bucket on the last micro-batch",
              uses=_accumulating, compare=_compare_bucket_calls,
              expect=_trusted(NO_SYNC, "bucket_calls", SMALL_CAP, SEED_STEPS, SEED_EXTRA, MICRO))
+NO_SYNC.case("the flag at the edges: restored after a raise inside the block (the error kept), "
+             "a nested no_sync, a flag already off", weight=0.5, uses=_accumulating,
+             pick="contract", compare=_compare_no_sync_contract, expect=lambda seed: None)

@@ -340,3 +340,14 @@ def test_no_rank_of_the_checks_imports_dynamo_itself(tmp_path):
     assert {task for task, _ in ranks} == set(TASK_IDS)
     heavy = {(task, m) for task, modules in ranks for m in modules if m.startswith("torch._dynamo")}
     assert not heavy, sorted(heavy)[:10]
+
+
+@pytest.mark.parametrize(("bug", "words"), [
+    ("no_sync restores True, not the previous value", "after an inner no_sync"),
+    ("no_sync without try/finally", "after a raise"),
+])
+def test_a_no_sync_that_loses_the_flag_at_an_edge_fails_only_the_edges_case(bugs, bug, words):
+    report = run_checks("4.4", next(impl for label, impl in bugs["4.4"] if label.startswith(bug)))
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name.split(":")[0] for c in failed] == ["the flag at the edges"], report.to_text()
+    assert words in failed[0].message, failed[0].message

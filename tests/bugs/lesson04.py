@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bugs import edited_solution
+
 
 def _broadcast(module: nn.Module) -> None:
     with torch.no_grad():
@@ -360,5 +362,15 @@ BUGS = {
         ("no_sync still communicates on every micro-batch", NoSyncDoesNothing),
         ("no_sync never switches synchronisation back on", NoSyncNeverRestores),
         ("no_sync drops the gradients accumulated inside it", NoSyncDropsAccumulated),
+        ("no_sync restores True, not the previous value (a nested no_sync turns sync back on)",
+         edited_solution("04_data_parallel.py", (
+             "        finally:\n            self.require_backward_grad_sync = previous\n",
+             "        finally:\n            self.require_backward_grad_sync = True\n",
+         )).BucketedDDP),
+        ("no_sync without try/finally: a raise inside leaves sync off",
+         edited_solution("04_data_parallel.py", (
+             "        try:\n            yield\n        finally:\n            self.require_backward_grad_sync = previous\n",
+             "        yield\n        self.require_backward_grad_sync = previous\n",
+         )).BucketedDDP),
     ],
 }
