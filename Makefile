@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test lint build check bench doctor site clean
+.PHONY: lab test lint build check bench doctor grade-setup site clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,29 @@ bench: $(STAMP)
 
 doctor: $(STAMP)
 	$(BIN)/kit doctor
+
+# What `kit grade --out` needs to sandbox each submission: as root, bubblewrap (and util-linux's
+# setpriv), installed with apt-get when missing; then the grader's own probe says what it gives.
+# As root without a working sandbox `kit grade` refuses to grade (unless --unsandboxed).
+grade-setup: $(STAMP)
+	@if command -v bwrap >/dev/null 2>&1 && command -v setpriv >/dev/null 2>&1; then \
+	  echo "grade-setup: bubblewrap and setpriv are installed"; \
+	elif [ "$$(id -u)" != 0 ]; then \
+	  echo "grade-setup: bubblewrap is not installed and you are not root: run 'sudo make grade-setup'" \
+	       "(or 'sudo apt-get install bubblewrap'), then grade as root for a sandbox per submission;" \
+	       "as you, kit grade runs each submission as your user (it says so in one line)" >&2; \
+	  exit 1; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  echo "grade-setup: apt-get install bubblewrap util-linux"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap util-linux >/dev/null; \
+	else \
+	  echo "grade-setup: no apt-get here: install bubblewrap (bwrap) and util-linux (setpriv) with this" \
+	       "system's package manager" >&2; \
+	  exit 1; \
+	fi
+	@$(BIN)/python -c "import sys; from autograder.grade import sandbox as s; why = s.refusal(); \
+	print('grade-setup: ' + (why or s.isolation_note() or 'grading isolation: ' + s.isolation().describe()), \
+	      file=sys.stderr if why else sys.stdout); sys.exit(1 if why else 0)"
 
 # the course as a static HTML book (build/site/html/index.html), from the executed lessons the
 # headless tests keep in build/executed/ (a lesson without one is executed once)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from grading_corpus import CORPUS, write_corpus
+from grading_support import need_grading_sandbox
 
 from autograder.grade.batch import (
     BLOCKED,
@@ -35,6 +36,7 @@ LIMITS = Limits(case_wall_s=12.0, memory=2 << 30, output=1 << 20, file_size=16 <
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
+    need_grading_sandbox()
     root = tmp_path_factory.mktemp("corpus")
     out = root / "out"
     expected = write_corpus(root / "submissions", out)
@@ -146,6 +148,7 @@ def test_submission_forms_are_discovered(tmp_path):
 
 
 def test_a_grader_that_cannot_start_records_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    need_grading_sandbox()
     import autograder.grade.batch
     from autograder.grade.notebook import main
     from autograder.grade.sandbox import WorkerExit
@@ -175,6 +178,7 @@ def test_out_folder_overlapping_a_submission_is_refused(tmp_path, capsys):
 def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
     """Every lesson's cases run in the worker as they do in a notebook (ranks, spawn, torchrun),
     and a submission split over two workers adds up to the whole of it."""
+    need_grading_sandbox()
     from autograder.build import render, source_notebook
     from autograder.loading import lesson_of
 
@@ -194,6 +198,7 @@ def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
 
 
 def test_the_command_grades_a_folder_with_progress_and_every_output(tmp_path, capsys):
+    need_grading_sandbox()
     from autograder.grade.notebook import main
 
     write_corpus(tmp_path / "subs", tmp_path / "out", ["correct", "stub"])
@@ -214,6 +219,7 @@ def test_the_command_grades_a_folder_with_progress_and_every_output(tmp_path, ca
 def test_a_later_lessons_notebook_cannot_reach_an_earlier_lessons_cases(tmp_path):
     """The worker loads each lesson just before its own cases run: Lesson 01's setup cell, which
     breaks dist.all_reduce for all code loaded after it, leaves Lesson 00's grade alone."""
+    need_grading_sandbox()
     from autograder.build import render, source_notebook
 
     root = Path(__file__).resolve().parents[1]
@@ -237,6 +243,7 @@ def test_a_later_lessons_notebook_cannot_reach_an_earlier_lessons_cases(tmp_path
 def test_one_submission_alone_spreads_its_lessons_over_the_idle_workers(tmp_path, monkeypatch):
     """Alone in a 2-worker batch, a submission's lessons run in two workers at once, each with
     its own slot and its own lessons, and the record is the same as one worker gives."""
+    need_grading_sandbox()
     import threading
     import time
 

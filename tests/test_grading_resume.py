@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from bugs.lesson00 import BUGS
 from grading_corpus import LESSON, MEAN_OK, SHARD_OK
+from grading_support import need_grading_sandbox
 
 from autograder.checking import run_checks
 
@@ -77,6 +78,7 @@ def _write(folder: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_a_killed_batch_resumes_with_every_grade_exactly_once(tmp_path):
+    need_grading_sandbox()
     expected = _write(tmp_path / "subs")
     assert len(set(expected.values())) > 5  # the mix really spreads the grades
     out = tmp_path / "out"

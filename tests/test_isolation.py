@@ -434,9 +434,9 @@ def test_kit_doctor_reports_the_isolation_this_machine_gives(monkeypatch, capsys
 
     monkeypatch.setattr(sandbox, "_ISOLATION", [Isolation(False, True, "no namespaces: bubblewrap is not installed")])
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    finding = grader_doctor.check_isolation()
-    assert finding.status == doctor.WARN and "bubblewrap is not installed" in finding.detail
-    assert "apt-get install bubblewrap" in finding.fix
+    finding = grader_doctor.check_isolation()  # kit grade refuses here (tests/test_fail_closed.py)
+    assert finding.status == doctor.FAIL and "bubblewrap is not installed" in finding.detail
+    assert "apt-get install bubblewrap" in finding.fix and "make grade-setup" in finding.fix
     monkeypatch.setattr(sandbox, "_ISOLATION", [Isolation(True, True, None)])
     finding = grader_doctor.check_isolation()
     assert finding.status == doctor.OK and "namespaces" in finding.detail

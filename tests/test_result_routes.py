@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_nbgrader
+from grading_support import need_grading_sandbox
 
 from autograder.build import main_course, source_notebook
 from autograder.checking import run_checks
@@ -110,6 +111,7 @@ def _by_kit_grade(path: Path, tmp: Path) -> dict[str, tuple[str, float]]:
 
 @pytest.mark.slow
 def test_every_route_gives_the_same_status_and_points(tmp_path):
+    need_grading_sandbox()
     notebooks = _notebooks(tmp_path / "submissions")
     routes = {"check()": {s: _by_check(p) for s, p in notebooks.items()},
               "kit grade NOTEBOOK": {s: _by_kit_grade(p, tmp_path) for s, p in notebooks.items()}}

@@ -41,6 +41,7 @@ from autograder.grade.sandbox import (
     make_workdir,
     remove_stale_workdirs,
     remove_workdir,
+    require_sandbox,
     run_worker,
 )
 from autograder.grade.submissions import Submission, safe_name
@@ -261,23 +262,24 @@ def split_lessons(lessons: list[int], parts: int) -> list[list[int]]:
 
 def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], expected: dict[str, Any],
                      seed: int, limits: Limits, slot: int | list[int],
-                     hide: tuple[Path, ...] = ()) -> dict[str, Any]:
+                     hide: tuple[Path, ...] = (), *, unsandboxed: bool = False) -> dict[str, Any]:
     """Grade one submission in sandbox workers; returns its record (not yet signed).
 
     ``slot``: the worker slot to use, or a list of them: with more than one, the lessons are
     split over that many workers running at once (:func:`split_lessons`), so one submission
     alone is graded in about half the time on two idle slots. Each worker still sees only this
-    submission. ``hide``: paths its worker must not see (the output folder, every submission)."""
+    submission. ``hide``: paths its worker must not see (the output folder, every submission).
+    ``unsandboxed``: see :func:`grade_batch`."""
     start = time.monotonic()
     slots = [slot] if isinstance(slot, int) else list(slot)
     groups = split_lessons([n for n in lessons if sub.notebook_for(n) is not None], len(slots))
     if len(groups) <= 1:
-        parts = [_grade_lessons(sub, lessons, tasks, expected, seed, limits, slots[0], hide)]
+        parts = [_grade_lessons(sub, lessons, tasks, expected, seed, limits, slots[0], hide, unsandboxed)]
     else:
         groups[0] += [n for n in lessons if sub.notebook_for(n) is None]  # judged missing here
         with ThreadPoolExecutor(max_workers=len(groups)) as pool:
             futures = [pool.submit(_grade_lessons, sub, group, tasks, expected, seed, limits,
-                                   part_slot, hide) for group, part_slot in zip(groups, slots)]
+                                   part_slot, hide, unsandboxed) for group, part_slot in zip(groups, slots)]
             parts = [f.result() for f in futures]
     results = {k: v for part in parts for k, v in part[0].items()}
     loads = {k: v for part in parts for k, v in part[1].items()}
@@ -286,7 +288,7 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
 
 
 def _grade_lessons(sub: Submission, lessons: list[int], tasks: list[Task], expected: dict[str, Any],
-                   seed: int, limits: Limits, slot: int, hide: tuple[Path, ...]
+                   seed: int, limits: Limits, slot: int, hide: tuple[Path, ...], unsandboxed: bool = False
                    ) -> tuple[dict[str, CaseResult], dict[int, dict[str, Any]], str]:
     """The cases of ``lessons`` run in one worker slot (restarted after a death): (judged cases
     by key, what loading each notebook reported, the worker's output)."""
@@ -327,7 +329,7 @@ def _grade_lessons(sub: Submission, lessons: list[int], tasks: list[Task], expec
                    "reference_prints": gates.answer_fingerprints()}
             (work / "job.json").write_text(json.dumps(job))
             os.chmod(work / "job.json", 0o444)  # readable by the worker's uid whatever the umask
-            exit = run_worker(work, limits, slot=slot, cases=len(pending), hide=hide)
+            exit = run_worker(work, limits, slot=slot, cases=len(pending), hide=hide, unsandboxed=unsandboxed)
             if exit.last is None and exit.reason is None:
                 # It died before reading the submission: the grader's installation is at fault.
                 raise GraderFault(f"the grading worker failed before loading {sub.student}'s "
@@ -417,8 +419,15 @@ def _record(sub: Submission, lessons: list[int], tasks: list[Task], results: dic
 
 
 def grade_batch(subs: list[Submission], config: BatchConfig,
-                progress: Callable[[int, int, float], None] | None = None) -> dict[str, dict[str, Any]]:
-    """Grade every submission not already recorded in ``config.out``; returns all records by student."""
+                progress: Callable[[int, int, float], None] | None = None, *,
+                unsandboxed: bool = False) -> dict[str, dict[str, Any]]:
+    """Grade every submission not already recorded in ``config.out``; returns all records by student.
+
+    Fails closed: as root where no namespaced sandbox can be made, it raises
+    :class:`~autograder.grade.sandbox.SandboxUnavailable` before it creates or reads anything in
+    ``config.out``, unless ``unsandboxed=True`` (``kit grade --unsandboxed``: every submission is
+    trusted). See :func:`autograder.grade.sandbox.require_sandbox`."""
+    require_sandbox(unsandboxed)
     secret = run_secret(config.out, config.seed)
     (config.out / "records").mkdir(parents=True, exist_ok=True)
     tasks = [t for lesson in config.lessons for t in lesson_tasks(lesson)]
@@ -450,7 +459,7 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
         mine = [slots.get() for _ in range(share)]
         try:
             record = grade_submission(sub, config.lessons, tasks, expected, secret["seed"],
-                                      config.limits, mine, hide)
+                                      config.limits, mine, hide, unsandboxed=unsandboxed)
         finally:
             for slot in mine:
                 slots.put(slot)

@@ -113,8 +113,12 @@ def _batch_lessons(lessons: list[int] | None) -> list[int]:
 
 
 def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = None, workers: int = 2,
-              timeout: float = 60.0, gradescope: bool = False, seed: int | None = None) -> int:
-    """``kit grade SUBMISSION... --out DIR``: grade, then write every report; returns the exit code."""
+              timeout: float = 60.0, gradescope: bool = False, seed: int | None = None,
+              unsandboxed: bool = False) -> int:
+    """``kit grade SUBMISSION... --out DIR``: grade, then write every report; returns the exit code.
+
+    As root with no namespaced sandbox it refuses (exit code 2, nothing written) unless
+    ``unsandboxed`` (``--unsandboxed``), which prints a loud warning instead."""
     try:
         lessons = _batch_lessons(lessons)
         if workers < 1 or timeout <= 0:
@@ -127,15 +131,27 @@ def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = 
     except (NotebookError, GradingError) as e:
         print(f"kit grade: {e}", file=sys.stderr)
         return 2
+    from autograder.grade.sandbox import (
+        SandboxUnavailable,
+        isolation_note,
+        require_sandbox,
+        unsandboxed_warning,
+    )
+
+    try:  # before anything is written: as root, no sandbox means no grading (unless --unsandboxed)
+        require_sandbox(unsandboxed)
+    except SandboxUnavailable as e:
+        print(f"kit grade: {e}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     print(f"kit grade: {len(subs)} submission(s), lessons {','.join(f'{n:02d}' for n in lessons)}, "
           f"{workers} worker(s), results in {out}")
     for sub in subs:
         for note in sub.notes:
             print(f"  {sub.student}: {note}")
-    from autograder.grade.sandbox import isolation_note
-
-    if (note := isolation_note()) is not None:
+    if (warning := unsandboxed_warning()) is not None:  # root, no sandbox, and --unsandboxed
+        print("\n".join(f"kit grade: {line.strip()}" for line in warning.splitlines()), file=sys.stderr)
+    elif (note := isolation_note()) is not None:
         print(f"kit grade: note: {note}")
     config = BatchConfig(out, lessons, workers, Limits(case_wall_s=timeout), seed)
     start = time.monotonic()
@@ -147,7 +163,7 @@ def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = 
         bar.update(f"graded, {int(left // 60)}:{int(left % 60):02d} left", done=done)
 
     try:
-        records = grade_batch(subs, config, progress)
+        records = grade_batch(subs, config, progress, unsandboxed=unsandboxed)
     except GraderFault as e:
         print(f"kit grade: {e}\nThe submissions graded so far are recorded; fix the grader and "
               "re-run the same command to finish.", file=sys.stderr)

@@ -21,10 +21,12 @@ Limits, and who enforces them:
   a loopback interface of its own (gloo's ranks meet there); nothing of the output folder, the
   run's secret, the submissions, other workers or the host's processes and network. When the
   worker ends, its PID namespace ends with it: nothing it started survives;
-* run as root without namespaces (no bubblewrap, or a container that forbids them), the worker
-  still runs as its own uid when that uid can run the interpreter; run as another user, the
-  worker keeps that user. :func:`isolation_note` says, in one line, what is missing
-  (documented in CONTRIBUTING.md, reported by ``kit doctor``).
+* run as root without namespaces (no bubblewrap, or a container that forbids them), grading
+  fails closed: :func:`require_sandbox` raises :class:`SandboxUnavailable` (``kit grade`` exits
+  with its message, writing nothing) unless the caller passes ``unsandboxed=True``
+  (``kit grade --unsandboxed``). Then the worker still runs as its own uid when that uid can run
+  the interpreter. Run as another user, the worker keeps that user, and :func:`isolation_note`
+  says, in one line, what is missing (documented in CONTRIBUTING.md, reported by ``kit doctor``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Isolation", "Limits", "WorkerExit", "isolation", "isolation_note", "run_worker", "sandbox_uid"]
+__all__ = ["Isolation", "Limits", "SandboxUnavailable", "WorkerExit", "isolation", "isolation_note", "refusal",
+           "require_sandbox", "run_worker", "sandbox_uid", "unsandboxed_warning"]
 
 UID_BASE = 61000  # unprivileged uids used for sandboxes when grading as root: UID_BASE and up
 UID_COUNT = 1000
@@ -211,6 +214,60 @@ def isolation_note() -> str | None:
             + ("see this machine's files, processes and network" if found.own_uid else
                "read or write your files and signal your processes")
             + ". Grade as root with bubblewrap installed for full isolation.")
+
+
+class SandboxUnavailable(RuntimeError):
+    """Grading as root where no namespaced sandbox can be made: refused (see :func:`require_sandbox`)."""
+
+
+def _exposure(found: Isolation) -> str:
+    if found.own_uid:
+        return (f"as uid {UID_BASE} and up with no namespaces: it could read this machine's files (other "
+                "students' notebooks included), see its processes and reach its network")
+    return ("as root: it could rewrite kit/ and autograder/, read the run's secret and write into the "
+            "output folder")
+
+
+def refusal() -> str | None:
+    """None where ``kit grade`` may start workers here; else why it refuses (several lines).
+
+    The one decision of fail-closed grading: as root, a worker must run in bubblewrap's
+    namespaces; without them (bubblewrap missing, or a container that forbids namespaces) grading
+    is refused unless asked for explicitly. As another user, workers run as that user, as before
+    (:func:`isolation_note` says so in one line)."""
+    if not _is_root():
+        return None
+    found = isolation()
+    if found.namespaces:
+        return None
+    return (f"refusing to grade as root without a sandbox ({found.missing}).\n"
+            f"  Each submission's code would run {_exposure(found)}.\n"
+            "  Fix: install bubblewrap (apt-get install bubblewrap, or make grade-setup) on a machine or "
+            "container that may create namespaces (Docker: --privileged; or grade in a VM); `kit doctor` "
+            "then shows grading isolation ok.\n"
+            "  To grade anyway, trusting every submission: kit grade --unsandboxed "
+            "(Python: grade_batch(..., unsandboxed=True)). Nothing was graded or written.")
+
+
+def require_sandbox(unsandboxed: bool = False) -> Isolation:
+    """The isolation workers get here; raises :class:`SandboxUnavailable` where :func:`refusal`
+    refuses, unless ``unsandboxed`` (the caller's explicit choice to trust every submission)."""
+    why = refusal()
+    if why is not None and not unsandboxed:
+        raise SandboxUnavailable(why)
+    return isolation()
+
+
+def unsandboxed_warning() -> str | None:
+    """The loud warning of ``--unsandboxed`` where it takes effect (root, no sandbox), else None."""
+    if refusal() is None:
+        return None
+    found = isolation()
+    return ("WARNING: --unsandboxed: grading as root WITHOUT a sandbox "
+            f"({found.missing}).\n"
+            f"  WARNING: every submission's code runs {_exposure(found)}.\n"
+            "  WARNING: grade only submissions you trust; install bubblewrap (make grade-setup) to "
+            "grade safely.")
 
 
 _SYSTEM = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
@@ -499,15 +556,17 @@ def _read_control(fd: int, messages: list[tuple[float, str]]) -> None:
 
 
 def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
-               keep_output: int = 4000, hide: Iterable[Path] = ()) -> WorkerExit:
+               keep_output: int = 4000, hide: Iterable[Path] = (), unsandboxed: bool = False) -> WorkerExit:
     """Run ``python -m autograder.grade.sandbox workdir/job.json`` under ``limits`` and wait for it.
 
     ``workdir`` holds the job and receives the results; it is handed to the worker's uid.
     ``cases`` bounds the total wall time (``case_wall_s`` per case, plus start-up). ``hide``:
     paths the worker must not see even where they lie inside the project it sees read-only
     (the output folder, the submissions); with namespaces they are covered, else they rely on
-    the worker's uid.
+    the worker's uid. As root with no namespaces it raises :class:`SandboxUnavailable` before
+    anything runs, unless ``unsandboxed`` (see :func:`require_sandbox`).
     """
+    require_sandbox(unsandboxed)
     _set_subreaper()
     uid = sandbox_uid(slot)
     if uid is not None:
