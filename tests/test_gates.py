@@ -489,7 +489,8 @@ from autograder.grade.sandbox import _NoReferences
 sys.meta_path.insert(0, _NoReferences())  # as in the batch worker: the answers are out of reach
 from autograder import gates
 if sys.argv[2] == "with":
-    gates.trust_answer_fingerprints(json.loads(open(sys.argv[3]).read()))
+    gates.trust_answer_fingerprints(json.loads(open(sys.argv[3]).read()),
+                                    json.loads(open(sys.argv[4]).read()))
 import pasted
 from autograder.registry import get_task
 task = get_task("13.1")
@@ -503,8 +504,9 @@ print("LOADED", sorted(m for m in sys.modules if m.startswith("autograder.refere
 """
 
 
-@pytest.mark.parametrize("prints", ["with", "without"])
-def test_a_pasted_reference_scores_zero_in_the_worker_with_the_parents_fingerprints(tmp_path, prints):
+@pytest.mark.parametrize(("prints", "relabelled"), [("with", False), ("without", False), ("with", True)])
+def test_a_pasted_reference_scores_zero_in_the_worker_with_the_parents_fingerprints(tmp_path, prints,
+                                                                                   relabelled):
     # The worker never sees autograder/references/; the parent hands it the references'
     # fingerprints (hashes only), so a pasted copy of route scores 0 there as in check().
     import inspect
@@ -515,17 +517,22 @@ def test_a_pasted_reference_scores_zero_in_the_worker_with_the_parents_fingerpri
 
     get_task("13.1")
     source = inspect.getsource(lesson13.route)
+    if relabelled:  # every name and constant changed: only the shape the parent sent gives it away
+        source = _relabelled(source).replace("def relabelled(", "def route(")
     (tmp_path / "pasted.py").write_text(
         "from __future__ import annotations\nimport torch\nfrom kit.lessons.moe import Routing\n\n"
         + source)
     (tmp_path / "prints.json").write_text(json.dumps(gates.answer_fingerprints()))
+    (tmp_path / "shapes.json").write_text(json.dumps(gates.answer_shapes()))
     done = subprocess.run([sys.executable, "-c", PASTED_IN_THE_WORKER, str(tmp_path), prints,
-                           str(tmp_path / "prints.json")], capture_output=True, text=True,
+                           str(tmp_path / "prints.json"), str(tmp_path / "shapes.json")],
+                          capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "LOADED []" in done.stdout, done.stdout
     if prints == "with":
-        assert "STATUS forbidden" in done.stdout and "a copy of" in done.stdout, done.stdout
+        assert "STATUS forbidden" in done.stdout and "copy of" in done.stdout, done.stdout
+        assert ("a rewritten copy of" in done.stdout) == relabelled, done.stdout
     else:  # the test can fail: without the fingerprints the paste runs as a correct route
         assert "STATUS ran" in done.stdout, done.stdout
 

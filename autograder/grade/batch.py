@@ -326,7 +326,8 @@ def _grade_lessons(sub: Submission, lessons: list[int], tasks: list[Task], expec
                    "cases": [[t.id, i, case_key(t, i)] for t, i in pending],
                    # the references' fingerprints (hashes, never code): a pasted reference
                    # scores 0 in the worker as it does in check()
-                   "reference_prints": gates.answer_fingerprints()}
+                   "reference_prints": gates.answer_fingerprints(),
+                   "reference_shapes": gates.answer_shapes()}
             (work / "job.json").write_text(json.dumps(job))
             os.chmod(work / "job.json", 0o444)  # readable by the worker's uid whatever the umask
             exit = run_worker(work, limits, slot=slot, cases=len(pending), hide=hide, unsandboxed=unsandboxed)

@@ -784,7 +784,7 @@ def _worker(job_path: str) -> int:
 
     from autograder.loading import load_tasks
 
-    gates.trust_answer_fingerprints(job.get("reference_prints", {}))
+    gates.trust_answer_fingerprints(job.get("reference_prints", {}), job.get("reference_shapes", {}))
     worker = os.getpid()
     modules: dict[int, Any] = {}
 
