@@ -19,6 +19,7 @@ from torch import nn
 from torch_geometric.data import Batch, Data
 
 from autograder.references.lesson10 import ReferenceEGNNLayer
+from bugs import lesson10_pasted as pasted_rdkit
 
 
 def _bound(fn, **names):
@@ -307,83 +308,6 @@ def _rdkit_bedroc(scores, labels, alpha=20.0):
     return Scoring.CalcBEDROC([[0, int(labels[i])] for i in order], 1, alpha)
 
 
-# RDKit's CalcEnrichment and CalcBEDROC (with its _RIEHelper) pasted, every name changed, the
-# constants' spelling changed and independent lines swapped: other bytecode, the same statements.
-def _hits_ratio(ranked, where, cuts):
-    total = len(ranked)
-    if not cuts:
-        raise ValueError("no cut given")
-    if total == 0:
-        raise ValueError("nothing ranked")
-    for c in cuts:
-        if c > 1 or c < 0:
-            raise ValueError("cut outside [0, 1]")
-    found = 0
-    sizes = [math.ceil(total * c) for c in cuts]
-    sizes.append(total)
-    out = []
-    for k in range(total):
-        if k > (sizes[0] - 1) and k > 0:
-            out.append(1. * found * total / k)
-            sizes.pop(0)
-        hit = ranked[k][where]
-        if hit:
-            found += 1
-    if found > 0:
-        out = [x / found for x in out]
-    else:
-        out = [0.] * len(cuts)
-    return out
-
-
-def _early_sum(ranked, where, a):
-    total = len(ranked)
-    a = float(a)
-    if total == 0:
-        raise ValueError("nothing ranked")
-    if a <= 0.:
-        raise ValueError("a must be positive")
-    found = 0
-    norm = 1. / total * ((1 - math.exp(-a)) / (math.exp(a / total) - 1))
-    acc = 0
-    for k in range(total):
-        hit = ranked[k][where]
-        if hit:
-            found += 1
-            acc += math.exp(-(a * (k + 1)) / total)
-    if found > 0:
-        value = acc / (found * norm)
-    else:
-        value = 0.
-    return value, found
-
-
-def _early_score(ranked, where, a):
-    value, found = _early_sum(ranked, where, a)
-    if found > 0:
-        total = len(ranked)
-        share = 1. * found / total
-        top = (1 - math.exp(-a * share)) / (share * (1 - math.exp(-a)))
-        low = (1 - math.exp(a * share)) / (share * (1 - math.exp(a)))
-        if top != low:
-            result = (value - low) / (top - low)
-        else:
-            result = 1.
-    else:
-        result = 0.
-    return result
-
-
-def _pasted_ef(scores, labels, fraction=0.01):
-    order = torch.sort(scores, descending=True, stable=True).indices
-    return _hits_ratio([[0, int(labels[i])] for i in order], 1, [fraction])[0]
-
-
-def _pasted_bedroc(scores, labels, alpha=20.0):
-    order = torch.sort(scores, descending=True, stable=True).indices
-    return _early_score([[0, int(labels[i])] for i in order], 1, alpha)
-
-
 _ties_bad_ef = _bound(enrichment_factor, _ranked=_ties_by_descending_position)
 _ties_bad_bedroc = _bound(bedroc, _ranked=_ties_by_descending_position)
 
@@ -420,6 +344,6 @@ BUGS = {
         ("wraps RDKit's CalcEnrichment and CalcBEDROC",
          _bound(screen_metrics, enrichment_factor=_rdkit_ef, bedroc=_rdkit_bedroc)),
         ("pastes RDKit's CalcEnrichment and CalcBEDROC with every name changed",
-         _bound(screen_metrics, enrichment_factor=_pasted_ef, bedroc=_pasted_bedroc)),
+         pasted_rdkit.screen_metrics),
     ],
 }
