@@ -487,7 +487,8 @@ ZERO.bound("optimizer state per rank", formula="total / W + the largest paramete
                   "those when a group is added later), so that it never creates state for the "
                   "others; reduce each gradient to its owner instead of all-reducing every "
                   "gradient to every rank; let each owner broadcast what it stepped.",
-           expect="zero_state_bound", uses=ZERO_RUN, pick=_least("memory", "optimizer state"))
+           expect="zero_state_bound", uses=ZERO_RUN, pick=_least("memory", "optimizer state"),
+           weight=4)  # the saving ZeRO-1 exists for: half the task (the state in every rank's memory)
 
 
 # --------------------------------------------------------------------------- task 5.3
@@ -781,12 +782,18 @@ def _compare_fsdp_collectives(got: Any, expected: dict[str, Any]) -> None:
                 have_s = sorted(b for op, b in events if "reduce_scatter" in op)
                 if have_g != gathers or have_s != scatters:
                     reduces = sum(1 for op, _ in events if op == "all_reduce")
+                    # what was sent that ZeRO-3 does not send, in the direction the data shows
+                    sent = (": an all-reduce sends every rank the whole gradient, twice a "
+                            "reduce-scatter's bytes, and leaves it a full gradient to keep, where "
+                            "ZeRO-3 keeps 1/W" if reduces and len(have_s) < len(scatters) else
+                            ": more bytes than ZeRO-3 sends" if sum(have_g) + sum(have_s)
+                            > sum(gathers) + sum(scatters) else "")
                     raise CheckFailed(
                         f"rank {rank}, compute_dtype={label}, step {step}: expected each of the "
                         f"{len(units)} units all-gathered twice (forward, backward) in "
                         f"{label} and reduce-scattered once in float32, per step; the tracer saw "
                         f"{len(have_g)} all-gathers, {len(have_s)} reduce-scatters and "
-                        f"{reduces} all-reduces", expected={"all-gather bytes": gathers,
+                        f"{reduces} all-reduces{sent}", expected={"all-gather bytes": gathers,
                                                            "reduce-scatter bytes": scatters},
                         got={"all-gather bytes": have_g, "reduce-scatter bytes": have_s},
                         hint="FSDP's traffic per unit and step: two all-gathers (forward, "
@@ -876,12 +883,13 @@ FSDP_TASK.case("the same with compute_dtype bf16 and fp16, against one process t
                expect="fsdp_expected")
 FSDP_TASK.case("between steps, parameters per rank are 1/W of the units (plus padding) and "
                "the replicated ones", uses=FSDP_RUN, compare=_compare_fsdp_bytes,
-               expect="fsdp_expected")
+               expect="fsdp_expected", saving=True)
 FSDP_TASK.case("each unit is all-gathered twice per step and reduce-scattered once, as the "
                "tracer sees it", uses=FSDP_RUN, compare=_compare_fsdp_collectives, weight=2,
-               expect="fsdp_expected")
+               expect="fsdp_expected", saving=True)
 FSDP_TASK.case("no unit's full parameters survive its forward (not as attributes, not saved "
-               "for backward)", uses=FSDP_RUN, compare=_compare_fsdp_freed, expect="fsdp_expected")
+               "for backward)", uses=FSDP_RUN, compare=_compare_fsdp_freed, expect="fsdp_expected",
+               saving=True)
 
 # What ZeRO-3 saves, seen by the meter on the memory model (12 units of 128 x 128, 3 ranks).
 FSDP_TASK.bound(
@@ -1125,7 +1133,7 @@ FSDP2.case("every parameter a DTensor sharded on dim 0: (Shard(0),) on a 1-D mes
 FSDP2.case(f"{FSDP2_STEPS} AdamW steps on {FSDP2_RANKS} ranks, FSDP and HSDP, give the losses "
            "of data parallelism", uses=FSDP2_RUN, compare=_compare_losses, expect="fsdp2_expected")
 FSDP2.case("parameter bytes per rank: 1/shard-size of the model", uses=FSDP2_RUN,
-           compare=_compare_fsdp2_bytes, expect="fsdp2_expected")
+           compare=_compare_fsdp2_bytes, expect="fsdp2_expected", weight=2, saving=True)
 FSDP2.case("param_dtype=bfloat16: blocks compute in bf16, shards and gradients stay fp32",
            uses=FSDP2_RUN, compare=_compare_mixed, expect="fsdp2_expected")
 # What resharding after forward saves, seen by the meter on the memory model (4 ranks).
@@ -1139,7 +1147,8 @@ FSDP2.bound(
          "in ZeRO-2.",
     recipe="Shard each block with fully_shard's default resharding (do not pass "
            "reshard_after_forward=False), then the root.",
-    expect="fsdp2_after_forward_bound", uses=FSDP2_RUN, pick=_least("memory", "after forward"))
+    expect="fsdp2_after_forward_bound", uses=FSDP2_RUN, pick=_least("memory", "after forward"),
+    weight=2)
 
 
 # --------------------------------------------------------------------------- task 5.5
@@ -1607,7 +1616,7 @@ CLIP.case("a norm below max_norm: the gradients stay as they are, the norm is st
 
 
 @CLIP.case("each call makes one all-reduce of one element, and no other collective (the "
-           "recorder, 2 and 4 ranks)", compare=_compare_clip_calls)
+           "recorder, 2 and 4 ranks)", compare=_compare_clip_calls, weight=2, saving=True)
 def _clip_calls(impl: Any, seed: int) -> list[Any]:
     return [CLIP_RUNS[w](impl, seed) for w in sorted(CLIP_RUNS)]
 
@@ -1618,7 +1627,8 @@ CLIP.bound("bytes each rank sends per clip_grad_norm_ call", formula="one float6
            hint="Clipping a sharded model costs almost no communication: only one number per rank "
                 "has to travel, however many parameters there are.",
            recipe="Reduce all local shards to one local scalar first; all-reduce that scalar only.",
-           expect="clip_bytes_bound", uses=_both(CLIP_RUNS), pick=_clip_bytes, cause=CLIP_TRAFFIC)
+           expect="clip_bytes_bound", uses=_both(CLIP_RUNS), pick=_clip_bytes, cause=CLIP_TRAFFIC,
+           weight=2)
 CLIP.case(f"train_step: {len(STEP_NORMS)} steps of {STEP_MICRO} micro-batches on {STEP_RANKS} "
           "ranks (clipping idle, then active) equal one unsharded step each on the concatenated "
           "batch, and return the mean loss", uses=STEP_RUN, compare=_compare_step_values,
@@ -1630,6 +1640,6 @@ CLIP.case(f"train_step: {len(STEP_NORMS)} steps of {STEP_MICRO} micro-batches on
                  "gradients, and return the mean of the losses.")
 CLIP.case("train_step: one forward and backward per micro-batch, reduce-scatters only in the "
           "last one's backward, then one all-reduce of one element (the clip)", uses=STEP_RUN,
-          compare=_compare_step_pattern, weight=2)
+          compare=_compare_step_pattern, weight=3, saving=True)
 CLIP.case("train_step leaves no gradient behind for the next step", uses=STEP_RUN,
           compare=_compare_step_zeroed)

@@ -376,7 +376,7 @@ def _compare_opened(got: Any, expected: Any) -> None:
 
 SHARDS.case("a load opens only the metadata and the files of the pieces it overlaps (an audit "
             "hook sees every open)", uses=SHARDS_RUN, compare=_compare_opened, weight=2,
-            pick=lambda run: [{"opened": r["opened"]} for r in run["loads"]])
+            pick=lambda run: [{"opened": r["opened"]} for r in run["loads"]], saving=True)
 
 
 def _compare_bytes(got: Any, expected: list[int]) -> None:
@@ -407,7 +407,7 @@ def _compare_bytes(got: Any, expected: list[int]) -> None:
 
 SHARDS.case("no load reads more bytes than the pieces it overlaps (plus 32 KiB per file for "
             "headers and metadata; /proc/self/io)", uses=SHARDS_RUN, compare=_compare_bytes,
-            expect="allowed_read_bytes",
+            expect="allowed_read_bytes", saving=True,
             pick=lambda run: [{"bytes": r["bytes"], "opened": r["opened"]} for r in run["loads"]])
 SHARDS.bound(
     "bytes a rank writes beyond its own pieces",

@@ -665,9 +665,12 @@ def _compare_bytes(got: Any, expected: dict[str, Any]) -> None:
         g, e = count(got["saved"][every]), expected["saved"][every]
         if g != e:
             n = LAYERS // every
+            # what was kept that a checkpoint frees, in the direction the data shows
+            kept = (f": {g - e} bytes beyond the checkpointed blocks' inputs are kept for "
+                    "backward (activations it recomputes)" if g > e else "")
             raise CheckFailed(
                 f"every={every} ({n} of {LAYERS} blocks checkpointed): {g} bytes saved for "
-                f"backward, expected {e} (without checkpointing: {expected['plain']})",
+                f"backward, expected {e} (without checkpointing: {expected['plain']}){kept}",
                 expected=e, got=g,
                 hint="A checkpointed block keeps only its input, with ctx.save_for_backward (so "
                      "it is counted, and in-place changes are caught); fn runs under "
@@ -680,7 +683,7 @@ BYTES_AND_CALLS = CHECKPOINT.shared(_bytes_and_calls)
 
 CHECKPOINT.case(f"saved bytes for every={list(EVERY)}: each checkpointed block keeps only its "
                 "input (measured as in Task 7.2)", uses=BYTES_AND_CALLS, compare=_compare_bytes,
-                expect="bytes_and_calls_expected")
+                expect="bytes_and_calls_expected", weight=3, saving=True)
 
 
 def _compare_calls(got: Any, expected: dict[str, Any]) -> None:
@@ -713,7 +716,7 @@ CHECKPOINT.bound(
     recipe="In forward, run fn under torch.no_grad() and keep nothing of its result but what "
            "you return; keep only the inputs (save_for_backward) and the RNG state, and build "
            "the graph again in backward.",
-    expect="kept_after_forward_bound", uses=BYTES_AND_CALLS,
+    expect="kept_after_forward_bound", uses=BYTES_AND_CALLS, weight=3,
     pick=lambda run: {"measured": [run["kept after forward"]]})
 
 
@@ -968,4 +971,5 @@ READY.bound(
            "layers, tanh, the masked mean, torch.where), so that Dynamo traces each into the "
            "graph; wrap nothing in a custom op or allow_in_graph.",
     expect="hidden_flops_bound", uses=COMPILED, cause=NO_GRAPH,
+    saving=False,  # it guards against a forward hidden from the compiler, not a saving
     pick=lambda run: {"measured": [run["eager flops"] - run["flops in the graph"]]})

@@ -416,7 +416,7 @@ TP.bound("weight bytes each rank keeps after building both layers",
          recipe="Copy only this rank's rows (column layer) or columns (row layer) into new "
                 "Parameters, and keep no other copy of the full weight: not as an attribute, a "
                 "buffer, or a tensor to assemble the full matrix from.",
-         expect="tp_weight_bytes_bound", uses=_TP_RUNS[4], pick=_metered("weight bytes"))
+         expect="tp_weight_bytes_bound", uses=_TP_RUNS[4], pick=_metered("weight bytes"), weight=4.5)
 TP.bound("matmul FLOPs per rank, forward and backward",
          formula="1.25 · 3 · 2·N·(h·f + f·h)/t: the forward, input-gradient and weight-gradient "
                  "matmuls of this rank's slices on N tokens",
@@ -426,7 +426,7 @@ TP.bound("matmul FLOPs per rank, forward and backward",
               "slice, so its matmuls are 1/t of the layer's, counted by torch's FLOP counter.",
          recipe="Multiply the input by this rank's slice of the weight only: no full-size matrix "
                 "(padded, concatenated or masked) and no second, unsharded pass.",
-         unit="FLOPs", expect="tp_flops_bound", uses=_TP_RUNS[4], pick=_metered("flops"))
+         unit="FLOPs", expect="tp_flops_bound", uses=_TP_RUNS[4], pick=_metered("flops"), weight=4.5)
 # --------------------------------------------------------------------------- task 8.2
 
 SP_BATCH, SP_SEQ = 2, 8  # (batch, seq, HIDDEN); seq divides by 1, 2 and 4
@@ -576,9 +576,12 @@ def _compare_sp_calls(got: Any, expected: dict[str, Any]) -> None:
         have = [[("all_gather" if op in ALL_GATHER else "reduce_scatter" if op in REDUCE_SCATTER
                   else op), nbytes] for op, nbytes in g.get("forward", [])]
         if have != want:
+            extra = [f"{op} of {b} bytes" for op, b in have if [op, b] not in want]
+            sent = (f": {', '.join(extra)} should not be sent (an all-reduce sends twice a "
+                    "reduce-scatter's bytes and leaves every rank the whole sequence)" if extra else "")
             raise CheckFailed(
                 f"rank {rank}: the collectives of forward ([op, bytes of the whole gathered or "
-                "scattered (batch, seq, hidden) tensor])", expected=want, got=g.get("forward"),
+                f"scattered (batch, seq, hidden) tensor]){sent}", expected=want, got=g.get("forward"),
                 hint="One all-gather of the normalised shards before linear1 and one "
                      "reduce-scatter of linear2's partial sums; no all-reduce in forward.")
 
@@ -588,9 +591,12 @@ def _compare_sp_memory(got: Any, expected: dict[str, Any]) -> None:
     for rank, g in enumerate(per_rank(got, t)):
         have = g.get("layer norm saved bytes")
         if have != expected["saved"] // t:
+            kept = (f"; it keeps {have / (expected['saved'] // t):g}x its share: activations of "
+                    "more tokens than its s/t" if isinstance(have, int) and have > expected["saved"] // t
+                    else "")
             raise CheckFailed(
                 f"rank {rank}: bytes the LayerNorm saved for backward (its input, mean and "
-                f"1/std), unsharded block: {expected['saved']}", expected=expected["saved"] // t,
+                f"1/std), unsharded block: {expected['saved']}{kept}", expected=expected["saved"] // t,
                 got=have, hint="Sequence parallelism saves memory only if the LayerNorm keeps "
                                "1/t of the activation for backward: this rank's tokens only.",
                 recipe="Run the LayerNorm on this rank's (b, s/t, h) shard, before the "
@@ -629,9 +635,10 @@ SP.case("2 ranks: output shards, input gradients and every gradient (2 passes ac
 SP.case("the same on 4 ranks", uses=_SP_RUNS[4], compare=_compare_sp_values, weight=2,
         expect=_sp_expected(4))
 SP.case("forward makes one all-gather and one reduce-scatter of the whole activation, and no "
-        "all-reduce (4 ranks)", uses=_SP_RUNS[4], compare=_compare_sp_calls, expect=_sp_expected(4))
+        "all-reduce (4 ranks)", uses=_SP_RUNS[4], compare=_compare_sp_calls, expect=_sp_expected(4),
+        saving=True)
 SP.case("the LayerNorm's saved activations per rank are 1/t of the unsharded block's (4 ranks)",
-        uses=_SP_RUNS[4], compare=_compare_sp_memory, expect=_sp_expected(4))
+        uses=_SP_RUNS[4], compare=_compare_sp_memory, expect=_sp_expected(4), saving=True)
 
 # What the tensor-parallel half of the block saves, measured on the 4-rank run's metered block
 # (h = 64, f = 256, the whole LayerNorm given, not counted): the same 1/t of the weights and of
@@ -647,7 +654,7 @@ SP.bound("weight bytes each rank keeps after building the block",
               "weight, measured in bytes allocated and still alive after it is built.",
          recipe="Keep only this rank's rows of linear1 and columns of linear2 (in self.linear1 "
                 "and self.linear2), and no other copy of the full weights.",
-         expect="sp_weight_bytes_bound", uses=_SP_RUNS[4], pick=_metered("weight bytes"))
+         expect="sp_weight_bytes_bound", uses=_SP_RUNS[4], pick=_metered("weight bytes"), weight=3)
 SP.bound("matmul FLOPs per rank, forward and backward",
          formula="1.25 · 3 · 2·N·(h·f + f·h)/t: the forward, input-gradient and weight-gradient "
                  "matmuls of this rank's slices on the N gathered tokens",
@@ -656,7 +663,7 @@ SP.bound("matmul FLOPs per rank, forward and backward",
               "by its slices: 1/t of the MLP's matmuls, counted by torch's FLOP counter.",
          recipe="Apply linear1's rows and linear2's columns only: no full-width matrix (padded, "
                 "concatenated or masked) and no second, unsharded pass.",
-         unit="FLOPs", expect="sp_flops_bound", uses=_SP_RUNS[4], pick=_metered("flops"))
+         unit="FLOPs", expect="sp_flops_bound", uses=_SP_RUNS[4], pick=_metered("flops"), weight=3)
 # --------------------------------------------------------------------------- task 8.3 and 8.4
 
 PIPE_HIDDEN, PIPE_MICRO_BATCH = 6, 2  # stages map (2, 6) micro-batches to (2, 6)
@@ -1061,7 +1068,7 @@ ONE_F_ONE_B.case("every micro-batch goes forward, then backward, exactly once, i
 ONE_F_ONE_B.case("all stages' orders played together: no deadlock, done in GPipe's time "
                  "(the least possible)", weight=2, uses=_ORDERS, pick="orders",
                  compare=_for_each_pipeline(_as_fast_as_gpipe))
-ONE_F_ONE_B.case("at most num_stages − stage activations in flight",
+ONE_F_ONE_B.case("at most num_stages − stage activations in flight", weight=2, saving=True,
                  uses=_ORDERS, pick="orders", compare=_for_each_order(_in_flight))
 ONE_F_ONE_B.case("played on real ranks (2 stages x 4, 4 stages x 6): no deadlock, the whole "
                  "batch's gradients", compare=_compare_played,
@@ -1079,7 +1086,7 @@ ONE_F_ONE_B.bound("activation bytes a stage holds, per micro-batch 1F1B lets it 
                        "num_stages − s of them, measured here in bytes while the order runs.",
                   recipe="Start backwards as soon as the warm-up has filled the pipe below this "
                          "stage (num_stages − stage − 1 forwards), then alternate.",
-                  expect="held_activations_bound", uses=_ORDERS, pick="held")
+                  expect="held_activations_bound", uses=_ORDERS, pick="held", weight=2)
 
 
 # --------------------------------------------------------------------------- task 8.5

@@ -728,7 +728,7 @@ def _compare_traffic(got: Any, world_size: int) -> None:
 
 RING.case("only point-to-point traffic: W-1 steps of K, V and mask to the right neighbour",
           uses=_RING_RUNS[4], pick=lambda ranks: [{"events": r["events"]} for r in ranks],
-          compare=_compare_traffic, expect=lambda seed: 4)
+          compare=_compare_traffic, expect=lambda seed: 4, saving=True)
 
 
 def _compare_memory(got: Any, world_size: int) -> None:
@@ -746,7 +746,7 @@ def _compare_memory(got: Any, world_size: int) -> None:
 # The largest single allocation the meter saw (torch's allocator, C++ buffers included).
 RING.case("never holds all of K/V: no tensor larger than two blocks (4 ranks)",
           uses=_RING_RUNS[4], pick=lambda ranks: [{"largest": r["largest"]} for r in ranks],
-          compare=_compare_memory, expect=lambda seed: 4)
+          compare=_compare_memory, expect=lambda seed: 4, weight=2, saving=True)
 
 
 def _peak_growth(ring_attention: Any, seed: int) -> dict[str, Any]:
@@ -772,7 +772,7 @@ RING.bound("growth of the peak bytes per rank from 3 to 4 ranks at the same L/W 
            recipe="Once a block is merged into the running max, sum and output, drop every "
                   "reference to it (do not append it to a list or keep it for later): the "
                   "incoming block replaces it.",
-           expect="ring_growth_bound")(_peak_growth)
+           expect="ring_growth_bound", weight=3)(_peak_growth)
 
 
 # --------------------------------------------------------------------------- task 9.4

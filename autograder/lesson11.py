@@ -720,8 +720,9 @@ PLAN.case("an empty part, a rank with no halo, all nodes on one rank", uses=PLAN
                  "groups are zeros, and call both exchanges on every rank whatever it holds.")
 PLAN.case("the plans agree: rank r's send[s] is rank s's recv[r]; nothing for the rank itself",
           uses=PLANS, compare=_compare_agree)
+# the saving the plan exists for: no rank sees the others' edges, so it weighs half the task
 PLAN.case("one exchange of counts and one of ids (all_to_all_single), no gather of edges",
-          uses=PLANS, compare=_compare_pattern)
+          uses=PLANS, compare=_compare_pattern, weight=4, saving=True)
 
 
 # --------------------------------------------------------------------------- task 11.3
@@ -946,7 +947,7 @@ HALO_CONV.case("the weight gradients, summed over ranks, equal GCNConv's (2 and 
 HALO_CONV.case("forward and backward exchange with all_to_all_single only",
                compare=_compare_ops)(_both)
 HALO_CONV.case("the exchanged rows are lin's outputs: at most the rows sent x (out_channels + 1) "
-               "x 8 bytes each way", compare=_compare_bytes,
+               "x 8 bytes each way", compare=_compare_bytes, weight=2, saving=True,
                recipe="Apply lin before the exchange, send only the rows plan.send names (one "
                       "block per rank, in plan order), and carry each row's degree as one "
                       "extra column of the same exchange, or send the degrees once and keep "
@@ -961,6 +962,6 @@ HALO_CONV.bound("bytes held per local row (own + halo + edges + self-loops), for
                 recipe="Index a table of own rows followed by halo rows: find each global id's "
                        "row by searching the sorted ids (searchsorted) instead of allocating an "
                        "array over all N nodes.",
-                expect=lambda seed: {"bound": float(ROW_BOUND)}, uses=CONV_RUNS[4],
+                expect=lambda seed: {"bound": float(ROW_BOUND)}, uses=CONV_RUNS[4], weight=2,
                 pick=lambda ranks: {"measured": [r["measured"] for r in ranks]
                                     if isinstance(ranks, list) else ranks})

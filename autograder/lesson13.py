@@ -673,7 +673,7 @@ for _name, _run in MOE_SHARED.items():
              uses=_run, compare=_compare_grads, expect=_expect, hint=GRAD_HINT, recipe=GRAD_RECIPE)
     MOE.case(f"{_name}: one count exchange and two token all-to-alls of kept x d_model bytes "
              "per forward, mirrored in backward", uses=_run, compare=_compare_pattern,
-             expect=_expect,
+             expect=_expect, weight=3, saving=True,  # with the bound, half the task
              hint="The recorder counts what each rank sends: one small all-to-all of counts, "
                   "then exactly one row of d_model values per kept choice out, and one per "
                   "received choice back. Dropped choices are not sent, nothing is padded to "
@@ -706,7 +706,7 @@ for _name, _cfg in MOE_EDGES.items():
 
 MOE.bound("expert weights per rank", formula=f"{BOUND_SLACK} x (router + E/W experts)",
           lost="the rank holds other ranks' experts as well as its own",
-          uses=MOE_SHARED["4 ranks"],
+          uses=MOE_SHARED["4 ranks"], weight=2,
           pick=lambda data: {"measured": [r["held"] if isinstance(r, dict) else r for r in data]},
           expect=partial(lambda seed, n: MOE.trusted("expert_bytes_bound")(seed, n), n="4 ranks"),
           hint="Expert parallelism keeps E/W experts per rank: building the layer must allocate "

@@ -29,7 +29,9 @@ the recorder) to the formula the technique promises. Lessons use it like this
         return [list(shard_range(12, r, 4)) for r in range(4)]
 
 Points are split evenly over a task's cases (nbgrader partial credit); a case may carry a
-``weight`` to count more.
+``weight`` to count more. A case that measures the saving its technique exists for is marked
+``saving=True`` (every bound is one): in a task whose point is a saving, those cases together
+weigh at least half of its points, so right values with the saving thrown away keep at most half.
 
 Hints come in two levels. ``hint`` names the *concept* a failing case tests (what property is
 broken, why it matters); ``recipe`` says how to get there, step by step, in words. Neither
@@ -203,6 +205,10 @@ class Case:
     # no token skipped the backward all-to-all"): it leads the feedback, before the launcher's
     # reading of who waited in which collective and who had returned.
     hang: str = ""
+    # The case measures the saving its task's technique exists for (memory, bytes, FLOPs or
+    # messages per rank, seen by kit.meter or the recorder): in a task whose point is a saving,
+    # such cases weigh at least half of its points (tests/test_saving_weight.py). Every bound is one.
+    saving: bool = False
 
 
 @dataclass
@@ -252,7 +258,7 @@ class Task:
     def bound(self, what: str, *, formula: str, lost: str, unit: str = "bytes", weight: float = 1.0,
               hint: str = "", recipe: str = "", expect: Callable[[int], Any] | str | None = None,
               uses: SharedRun | None = None, pick: str | Callable[[Any], Any] | None = None,
-              cause: str = ""):
+              cause: str = "", saving: bool = True):
         """Decorator registering a case that holds a resource to the bound the technique promises.
 
         The case's ``run(impl, seed)`` returns ``{"measured": [one number per rank], ...}`` (from
@@ -261,6 +267,8 @@ class Task:
         own ``measured`` maximum when ``expect`` is None. The case fails when any rank's number
         exceeds it, naming ``what``, the ratio, ``formula`` and what was ``lost``; ``cause`` is
         the key of the mistake an excess shows, so that it follows an earlier case naming it.
+        A bound is a ``saving`` case unless it says otherwise (a bound that guards against a
+        cheat, not a resource the technique saves: ``saving=False``).
         """
         spec = Bound(what, formula, lost, unit)
         self.bounds.append(spec)
@@ -278,17 +286,19 @@ class Task:
                          hint=hint or self.hint, recipe=recipe or self.recipe, cause=cause)
 
         return self.case(f"{what} is within {formula}", compare=compare, weight=weight, hint=hint,
-                         expect=expect, recipe=recipe, uses=uses, pick=pick)
+                         expect=expect, recipe=recipe, uses=uses, pick=pick, saving=saving)
 
     def case(self, name: str, *, compare: Callable[[Any, Any], None] = assert_same,
              weight: float = 1.0, hint: str = "", needs: str | None = None,
              expect: Callable[[int], Any] | str | None = None, recipe: str = "",
              uses: SharedRun | None = None, pick: str | Callable[[Any], Any] | None = None,
-             hang: str = ""):
+             hang: str = "", saving: bool = False):
         """Decorator registering ``run(impl, seed) -> data`` as a case of this task.
 
         ``hint`` (the concept) and ``recipe`` (the steps) default to the task's; ``hang`` says
-        what a hang of the case's ranks means in the regime it tests (see :class:`Case`). A case that
+        what a hang of the case's ranks means in the regime it tests (see :class:`Case`);
+        ``saving=True`` marks a case that measures the saving the technique exists for (see
+        :class:`Case`; every :meth:`bound` is one). A case that
         judges a shared run needs no body: ``T.case("name", uses=run, pick="losses")`` registers
         ``run(impl, seed)`` (its ``pick`` key, or ``pick(data)``) and returns None.
         """
@@ -297,7 +307,7 @@ class Task:
             if any(c.name == name for c in self.cases):
                 raise ValueError(f"task {self.id}: two cases named {name!r}")
             self.cases.append(Case(name, run, compare, weight, hint or self.hint, needs, expect,
-                                   recipe or self.recipe, hang))
+                                   recipe or self.recipe, hang, saving))
             return run
 
         if uses is None:
@@ -355,6 +365,15 @@ class Task:
     def case_points(self, case: Case) -> float:
         total = sum(c.weight for c in self.cases)
         return self.points * case.weight / total if total else 0.0
+
+    @property
+    def saving_cases(self) -> list[Case]:
+        """The cases that measure the saving the task's technique exists for (``saving=True``)."""
+        return [c for c in self.cases if c.saving]
+
+    def saving_points(self) -> float:
+        """What the saving cases are worth together: at least half the points in a saving task."""
+        return sum(self.case_points(c) for c in self.saving_cases)
 
 
 TASKS: dict[str, Task] = {}

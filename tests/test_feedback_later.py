@@ -130,8 +130,8 @@ def test_the_first_failure_names_the_mistake_and_the_rest_follow(lesson, task_id
 
 
 @pytest.mark.parametrize(("bug", "score"), [
-    ("a local norm per rank", 5 * 2 / 11),
-    ("train_step: never zeroes the gradients", 5 * 8 / 11),
+    ("a local norm per rank", 5 * 3 / 14),
+    ("train_step: never zeroes the gradients", 5 * 11 / 14),
 ])
 def test_5_5_the_rule_changes_what_is_said_never_the_points(bug, score):
     assert _report(5, "5.5", bug).score == pytest.approx(score)
