@@ -1207,16 +1207,24 @@ def _interleaved_bubble(where: str, run: Any, p: int, m: int, v: int) -> None:
                                "while the first backwards travel back.")
 
 
-def _interleaved_in_flight(where: str, run: Any, p: int, m: int, v: int) -> None:
+def _in_flight_within(where: str, run: Any, p: int, v: int, r: int, hint: str) -> None:
+    """Stage s holds at most (p − s − 1)·2 + (v − 1)·r + 1 chunks forwarded but not yet
+    backwarded (r: the micro-batches per round, p when m is a multiple of p)."""
     for s, peak in enumerate(run.peak_in_flight):
-        bound = (p - s - 1) * 2 + (v - 1) * p + 1
+        bound = (p - s - 1) * 2 + (v - 1) * r + 1
         if peak > bound:
+            formula = "(v − 1)·p" if r == p else "(v − 1)·r"
             raise CheckFailed(f"{where}: stage {s} holds {peak} chunks forwarded but not yet "
-                              "backwarded", expected=f"at most (p − s − 1)·2 + (v − 1)·p + 1 = "
-                                                     f"{bound}", got=peak,
-                              hint="Every forward beyond the warm-up keeps one more chunk's "
-                                   "activations alive: start the backwards as soon as the first "
-                                   "micro-batch has come back, then alternate.")
+                              "backwarded", expected=f"at most (p − s − 1)·2 + {formula} + 1 = "
+                                                     f"{bound}" + ("" if r == p else f", r = {r}"),
+                              got=peak, hint=hint)
+
+
+def _interleaved_in_flight(where: str, run: Any, p: int, m: int, v: int) -> None:
+    _in_flight_within(where, run, p, v, p,
+                      "Every forward beyond the warm-up keeps one more chunk's activations alive: "
+                      "start the backwards as soon as the first micro-batch has come back, then "
+                      "alternate.")
 
 
 def _uneven_rounds(got: Any, expected: dict[str, float]) -> None:
@@ -1260,14 +1268,8 @@ def _uneven_rounds(got: Any, expected: dict[str, float]) -> None:
                               got=f"{run.makespan:g}",
                               hint=f"Warm up with (p − s − 1)·2 + (v − 1)·r forwards, r = {r} the "
                                    "micro-batches per round, then alternate.")
-        for s, peak in enumerate(run.peak_in_flight):
-            bound = (p - s - 1) * 2 + (v - 1) * r + 1
-            if peak > bound:
-                raise CheckFailed(f"{where}: stage {s} holds {peak} chunks forwarded but not yet "
-                                  "backwarded", expected=f"at most (p − s − 1)·2 + (v − 1)·r + 1 = "
-                                                         f"{bound}, r = {r}", got=peak,
-                                  hint="Every forward beyond the warm-up keeps one more chunk's "
-                                       "activations alive, and the warm-up counts rounds of r.")
+        _in_flight_within(where, run, p, v, r, "Every forward beyond the warm-up keeps one more "
+                          "chunk's activations alive, and the warm-up counts rounds of r.")
 
 
 def _refuses_partial_rounds(got: Any, expected: Any) -> None:
