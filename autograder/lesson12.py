@@ -38,6 +38,19 @@ FLOP_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
 }
 
 
+# The edges of the count, each against FlopCounterMode's.
+EDGE_FLOP_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "no blocks (layers=0): the output layer alone": (50, 8, 0, 2, 3, 5),
+    "an empty batch (batch=0): nothing to multiply": (50, 8, 2, 2, 0, 5),
+    "one token per sequence and head dim 1 (seq_len=1, dim == heads)": (7, 4, 1, 4, 2, 1),
+}
+# Shapes TinyTransformer refuses to build: the count must refuse them too.
+REFUSED_FLOP_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "dim 10 on 4 heads (dim not a multiple of heads)": (50, 10, 2, 4, 2, 8),
+    "no heads (heads=0)": (50, 8, 2, 0, 2, 8),
+}
+
+
 def seeded_flop_shapes(seed: int) -> list[tuple[int, int, int, int, int, int]]:
     """Three shapes drawn from the seed (dim a multiple of heads)."""
     rng = random.Random(seed * 7919 + 12)
@@ -71,7 +84,31 @@ FLOPS = task(
 def _flop_answers(training_flops: Any, seed: int) -> dict[str, Any]:
     out = {name: plain(training_flops(*shape)) for name, shape in FLOP_SHAPES.items()}
     out["seeded"] = [plain(training_flops(*shape)) for shape in seeded_flop_shapes(seed)]
+    out["edges"] = [_counted_or_raised(training_flops, shape) for shape in EDGE_FLOP_SHAPES.values()]
+    out["refused"] = {label: _counted_or_raised(training_flops, shape)
+                      for label, shape in REFUSED_FLOP_SHAPES.items()}
     return out
+
+
+def _counted_or_raised(training_flops: Any, shape: tuple[int, ...]) -> Any:
+    try:
+        return plain(training_flops(*shape))
+    except Exception as e:  # noqa: BLE001 - what it raised is judged by the edge cases
+        return f"raised {type(e).__name__}: {str(e)[:160]}"
+
+
+def _compare_refusals(got: Any, expected: Any = None) -> None:
+    for label, did in (got.items() if isinstance(got, dict) else ()):
+        if not str(did).startswith("raised ValueError"):
+            raise CheckFailed(f"{label}: TinyTransformer refuses to build this model, and "
+                              f"training_flops returned {describe(did, 80)}",
+                              expected="a ValueError naming the constraint", got=did,
+                              hint="A count of a model that cannot exist is a silent wrong "
+                                   "answer. Heads split dim into equal parts: refuse a dim that "
+                                   "heads do not divide, and sizes below 1, with a ValueError "
+                                   "that names the numbers.")
+    if not isinstance(got, dict) or set(got) != set(REFUSED_FLOP_SHAPES):
+        raise CheckFailed("could not read the refused shapes", got=describe(got, 120))
 
 
 def _compare_flops(got: Any, expected: Any, shapes: list[tuple[int, ...]]) -> None:
@@ -85,7 +122,7 @@ def _compare_flops(got: Any, expected: Any, shapes: list[tuple[int, ...]]) -> No
         if g != e:
             parts = expected["parts"][shapes.index(shape)]
             raise CheckFailed(f"{where}: {g:,} FLOPs, FlopCounterMode counts {e:,} "
-                              f"({g / e:.3f}x); of the forward's {parts['forward']:,}, the "
+                              f"({f'{g / e:.3f}x' if e else 'none at all'}); of the forward's {parts['forward']:,}, the "
                               f"projections are {parts['projections']:,}, attention's two "
                               f"products {parts['attention']:,}, the output layer "
                               f"{parts['head']:,}", expected=e, got=g, cause="FLOPs differ",
@@ -105,6 +142,14 @@ for _name, _shape in FLOP_SHAPES.items():
     FLOPS.case(f"{_name}: {_shape}", uses=_flop_answers, pick=_name,
                compare=partial(_compare_flops, shapes=[_shape]),
                expect=partial(lambda seed, s: FLOPS.trusted("counted_flops")([s]), s=_shape))
+FLOPS.case("the edges: no blocks, an empty batch, one token per sequence with head dim 1",
+           weight=0.5, uses=_flop_answers,
+           pick="edges",
+           compare=lambda got, expected, seed=None: _compare_flops(got, expected, expected["shapes"]),
+           expect=lambda seed: FLOPS.trusted("counted_flops")(list(EDGE_FLOP_SHAPES.values())))
+FLOPS.case("a shape the model refuses (dim not a multiple of heads, no heads): a ValueError "
+           "naming the constraint", weight=0.5, uses=_flop_answers, pick="refused",
+           compare=_compare_refusals)
 FLOPS.case("three shapes drawn from the seed", uses=_flop_answers, pick="seeded",
            compare=lambda got, expected, seed=None: _compare_flops(got, expected, expected["shapes"]),
            expect=lambda seed: FLOPS.trusted("counted_flops")(seeded_flop_shapes(seed)))
@@ -276,12 +321,67 @@ def _straggler_answers(find_straggler: Any, seed: int) -> dict[str, Any]:
     warm_profiler()  # forked ranks then start their profilers in ms, not seconds each
     ranks = run_ranks(_straggler_ranks, (seed,), world_size=STRAGGLER_RANKS, timeout=60,
                       echo=False, preload=("kit.lessons.profiling",))
-    out = {}
+    out: dict[str, Any] = {}
     for i, phase in enumerate(PHASES):
-        answer = find_straggler([r[i] for r in ranks])
-        out[phase] = ({str(k): plain(v) for k, v in answer.items()} if isinstance(answer, dict)
-                      else plain(answer))
+        out[phase] = _answer(find_straggler([r[i] for r in ranks]))
+    # The edges, read off the same traces: two ranks (the slow one and the next), one rank, and
+    # a rank whose profiler recorded nothing.
+    out["two ranks"] = {}
+    for i, phase in enumerate(PHASES):
+        pair = two_ranks(slow_ranks(seed)[phase])
+        out["two ranks"][phase] = _answer_or_raised(find_straggler, [ranks[r][i] for r in pair])
+    out["refused"] = {
+        "one rank's trace (world size 1)": _answer_or_raised(find_straggler, [ranks[0][0]]),
+        "rank 2's trace holds no event": _answer_or_raised(
+            find_straggler, [ranks[0][0], ranks[1][0], {"traceEvents": []}, ranks[3][0]]),
+    }
     return out
+
+
+def two_ranks(slow: int) -> list[int]:
+    """The two ranks of the two-rank edge: the slow one and the next, in rank order."""
+    return sorted((slow, (slow + 1) % STRAGGLER_RANKS))
+
+
+def _answer(answer: Any) -> Any:
+    return ({str(k): plain(v) for k, v in answer.items()} if isinstance(answer, dict)
+            else plain(answer))
+
+
+def _answer_or_raised(find_straggler: Any, traces: list[Any]) -> Any:
+    try:
+        return _answer(find_straggler(traces))
+    except Exception as e:  # noqa: BLE001 - what it raised is judged by the edge cases
+        return f"raised {type(e).__name__}: {str(e)[:160]}"
+
+
+def _compare_two_ranks(got: Any, expected: dict[str, Any]) -> None:
+    for phase in PHASES:
+        g, e = (got or {}).get(phase) if isinstance(got, dict) else got, expected[phase]
+        if g != e:
+            raise CheckFailed(
+                f"two ranks (ranks {expected['pairs'][phase]} of the {phase!r} scenario, the "
+                f"slow one is traces[{e['rank']}]): find_straggler returned {describe(g, 120)}",
+                expected=e, got=g,
+                hint="With two ranks the others are one rank: compare with its time itself "
+                     "(the median of one value is that value; a standard deviation of one value "
+                     "does not exist).")
+
+
+def _compare_refused(got: Any, expected: Any = None) -> None:
+    if not isinstance(got, dict) or len(got) != 2:
+        raise CheckFailed("could not read the refused traces", got=describe(got, 120))
+    for label, did in got.items():
+        named = "rank" in str(did).lower()
+        if not str(did).startswith("raised ValueError") or not named:
+            raise CheckFailed(
+                f"{label}: find_straggler returned {describe(did, 120)}",
+                expected="a ValueError that names the ranks (fewer than 2 traces, or the rank "
+                         "whose trace is empty)", got=did,
+                hint="A straggler is slow against the others: one trace has no others, and a "
+                     "trace without events (a profiler that never ran) is no evidence. Refuse "
+                     "both with a ValueError that says which rank, or how many, instead of "
+                     "naming a straggler or failing inside max() or statistics.")
 
 
 def _compare_straggler(got: Any, expected: dict[str, Any], phase: str) -> None:
@@ -299,3 +399,19 @@ for _phase, _how in (("data", "a slow data loader (the dataset sleeps)"),
                    pick=_phase, compare=partial(_compare_straggler, phase=_phase),
                    expect=partial(lambda seed, p: {"rank": slow_ranks(seed)[p], "phase": p},
                                   p=_phase))
+
+
+def _two_rank_answers(seed: int) -> dict[str, Any]:
+    slow = slow_ranks(seed)
+    out: dict[str, Any] = {p: {"rank": two_ranks(slow[p]).index(slow[p]), "phase": p}
+                           for p in PHASES}
+    out["pairs"] = {p: two_ranks(slow[p]) for p in PHASES}
+    return out
+
+
+STRAGGLER.case("two ranks (the slow one and the next): each scenario's rank and phase",
+               weight=0.5, uses=_straggler_answers, pick="two ranks", compare=_compare_two_ranks,
+               expect=_two_rank_answers)
+STRAGGLER.case("no straggler to find (one rank's trace, a trace with no events): a ValueError "
+               "naming the ranks", weight=0.5, uses=_straggler_answers, pick="refused",
+               compare=_compare_refused)

@@ -128,8 +128,18 @@ def training_flops(vocab: int, dim: int, layers: int, heads: int, batch: int, se
     (the QKV, output and MLP projections, the attention scores and their product with V over
     all seq_len x seq_len positions, the tied output layer), 2 FLOPs per multiply-add;
     backward is twice forward. Embedding lookups, norms, GELU, softmax and the loss count 0.
+
+    At the edges: no blocks (layers=0) leaves the output layer; an empty batch (batch=0) costs
+    0. A dim that heads do not divide, or a size below what the model accepts (vocab, dim,
+    heads, seq_len below 1, layers or batch below 0), raises a ValueError naming it, as
+    TinyTransformer refuses to build such a model.
     """
     ### BEGIN SOLUTION
+    if min(vocab, dim, heads, seq_len) < 1 or min(layers, batch) < 0:
+        raise ValueError(f"sizes out of range: vocab={vocab}, dim={dim}, heads={heads}, "
+                         f"seq_len={seq_len} must be >= 1; layers={layers}, batch={batch} >= 0")
+    if dim % heads:
+        raise ValueError(f"dim must be a multiple of heads ({dim} % {heads} != 0)")
     tokens = batch * seq_len
     projections = 2 * tokens * dim * (3 * dim + dim + 4 * dim + 4 * dim)  # qkv, proj, mlp up, down
     attention = 2 * 2 * batch * seq_len * seq_len * dim  # Q K^T and (scores) V, all heads together
@@ -661,8 +671,15 @@ def find_straggler(traces: list[dict]) -> dict:
     (data), aten:: and autograd ops on the main thread (compute), "gloo:" events on gloo's
     threads (communication waits). A delay before a send leaves a gap on the slow rank, on no
     event at all.
+
+    Two traces are enough (the slow rank against the one other). Fewer than two, or a rank whose
+    trace holds no operator event, raise a ValueError naming the rank count or the rank.
     """
     ### BEGIN SOLUTION
+    if len(traces) < 2:
+        raise ValueError(f"find_straggler needs the traces of at least 2 ranks, got "
+                         f"{len(traces)}: a straggler is slow against the others")
+
     def _span(e: dict) -> tuple[float, float]:
         return e["ts"], e["ts"] + e["dur"]
 
@@ -678,12 +695,15 @@ def find_straggler(traces: list[dict]) -> dict:
         return total
 
     rows = []
-    for rank_trace in traces:
+    for rank, rank_trace in enumerate(traces):
         events = [e for e in rank_trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
         ops: dict = {}
         for e in events:
             if e.get("cat") == "cpu_op":
                 ops[e["tid"]] = ops.get(e["tid"], 0) + 1
+        if not ops:
+            raise ValueError(f"rank {rank}'s trace has no operator events: was its profiler "
+                             f"started around the step (activities=[ProfilerActivity.CPU])?")
         main = max(ops, key=ops.get)  # the thread that ran the model
         mine = [e for e in events if e["tid"] == main]
         data = [_span(e) for e in mine if "DataLoader" in e["name"] and "__next__" in e["name"]]

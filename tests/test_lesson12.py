@@ -62,12 +62,34 @@ def test_the_helpers_hold_no_answer():
 
 
 @settings(max_examples=12, deadline=None)
-@given(vocab=st.integers(2, 300), heads=st.integers(1, 4), width=st.integers(1, 8),
-       layers=st.integers(1, 3), batch=st.integers(1, 3), seq_len=st.integers(1, 40))
+@given(vocab=st.integers(1, 300), heads=st.integers(1, 4), width=st.integers(1, 8),
+       layers=st.integers(0, 3), batch=st.integers(0, 3), seq_len=st.integers(1, 40))
 def test_solution_flops_equal_flop_counter_mode_on_random_shapes(solution, vocab, heads, width,
                                                                  layers, batch, seq_len):
     shape = (vocab, heads * width, layers, heads, batch, seq_len)
     assert solution.training_flops(*shape) == ref.counted_flops([shape])["counts"][0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(dim=st.integers(-2, 24), heads=st.integers(-1, 6), layers=st.integers(-1, 2),
+       batch=st.integers(-1, 2))
+def test_solution_refuses_exactly_the_models_tiny_transformer_refuses(solution, dim, heads,
+                                                                       layers, batch):
+    # training_flops raises a ValueError where the model cannot be built (or run), and only there.
+    from kit.lessons.models import TinyTransformer
+
+    try:
+        if batch < 0 or layers < 0 or dim < 1 or heads < 1:
+            raise ValueError("a negative size")  # torch raises other errors on these
+        TinyTransformer(11, dim, layers, heads, context=4)
+        buildable = True
+    except (ValueError, ZeroDivisionError, RuntimeError):
+        buildable = False
+    if buildable:
+        assert solution.training_flops(11, dim, layers, heads, batch, 4) >= 0
+    else:
+        with pytest.raises(ValueError, match="dim|heads|size"):
+            solution.training_flops(11, dim, layers, heads, batch, 4)
 
 
 def test_the_fused_cpu_kernel_counts_attention_as_zero():
@@ -157,6 +179,47 @@ def test_the_straggler_is_found_on_every_run_of_several_seeds(solution):
             assert got == {"rank": slow_ranks(seed)[phase], "phase": phase}, (seed, phase)
 
 
+MAIN, GLOO = 1, 2
+LOADER = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+
+
+def _synthetic_trace(data: float, compute: float, gap: float, wait: float) -> dict:
+    """One rank's step as torch's profiler lays it out: the loader's __next__ and aten ops on
+    the main thread, nothing during a gap, the all-reduce's wait on a gloo thread, one op after."""
+    t, events = 0.0, []
+
+    def event(name, dur, tid, cat="cpu_op"):
+        events.append({"ph": "X", "name": name, "ts": t, "dur": dur, "tid": tid, "cat": cat})
+
+    event(LOADER, data, MAIN, cat="user_annotation")
+    event("aten::empty", data / 4, MAIN)  # an op inside the loader: data, not compute
+    t += data
+    for _ in range(3):
+        event("aten::mm", compute / 3, MAIN)
+        t += compute / 3
+    t += gap
+    event("gloo:all_reduce", wait, GLOO, cat="user_annotation")
+    t += wait
+    event("aten::add_", 1.0, MAIN)
+    return {"traceEvents": events}
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.integers(2, 8), data=st.data())
+def test_solution_finds_the_straggler_of_any_step_whose_one_rank_is_slow(solution, world, data):
+    # Ranks differ by noise up to 30%; one rank is slower in one phase by 2-20x a phase's time;
+    # the all-reduce makes everyone wait for it. Traces come in rank order.
+    slow = data.draw(st.integers(0, world - 1))
+    phase = data.draw(st.sampled_from(PHASES))
+    noise = st.floats(0.7, 1.3)
+    rows = [{p: 1000.0 * data.draw(noise) for p in PHASES} for _ in range(world)]
+    rows[slow][phase] += 1000.0 * data.draw(st.floats(2.0, 20.0))
+    arrive = [r["data"] + r["compute"] + r["communication"] for r in rows]
+    traces = [_synthetic_trace(r["data"], r["compute"], r["communication"],
+                               max(arrive) - a + 50.0) for r, a in zip(rows, arrive)]
+    assert solution.find_straggler(traces) == {"rank": slow, "phase": phase}
+
+
 def _two_rank_traces(tmp_path):
     def on_rank(folder):
         import torch.distributed as dist
@@ -232,13 +295,32 @@ def test_plot_traces_draws_a_row_per_rank(tmp_path):
     ("12.1", "the LM head", "a large vocabulary"),
     ("12.2", "no padding counted", "fsdp"),
     ("12.2", "TP's backward all-reduce forgotten", "tp"),
+    ("12.1", "counts a model that cannot exist", "a shape the model refuses"),
+    ("12.1", "the output layer counted in every block", "the edges"),
+    ("12.3", "the excess in standard deviations", "two ranks"),
+    ("12.3", "names a straggler where there is none", "no straggler to find"),
 ])
 def test_each_bug_is_caught_by_the_case_that_targets_it(bugs, task_id, bug, caught_by):
     impl = next(i for description, i in bugs[task_id] if description.startswith(bug))
     failed = failed_cases(task_id, impl)
     assert failed and any(name.startswith(caught_by) or caught_by in name for name in failed), failed
-    if task_id == "12.2":
+    if task_id == "12.2" or bug.startswith(("counts a model", "the output layer counted",
+                                            "the excess", "names a straggler")):
         assert all(name.startswith(caught_by) for name in failed), failed
+
+
+@pytest.mark.parametrize("task_id, bug, names", [
+    ("12.1", "counts a model that cannot exist", "dim 10 on 4 heads (dim not a multiple of heads)"),
+    ("12.1", "the output layer counted in every block", "layers=0"),
+    ("12.3", "the excess in standard deviations", "two ranks"),
+    ("12.3", "names a straggler where there is none", "one rank's trace (world size 1)"),
+])
+def test_an_edge_bug_gets_feedback_naming_its_regime(bugs, task_id, bug, names):
+    from autograder.checking import run_checks
+
+    impl = next(i for description, i in bugs[task_id] if description.startswith(bug))
+    failed = [c for c in run_checks(task_id, impl).cases if c.status == "failed"]
+    assert len(failed) == 1 and names in failed[0].message, [c.message for c in failed]
 
 
 # --------------------------------------------------------------------------- the lesson

@@ -240,6 +240,20 @@ BUGS = {
         ("6 N tokens with the embeddings in N", flops_six_n_tokens),
         ("returns a float", flops_as_float),
         ("FlopCounterMode on the real model", flops_counted_on_the_model),
+        ("counts a model that cannot exist (dim not a multiple of heads, no heads)",
+         edited_solution("12_profiling.py", (
+             "    if dim % heads:\n"
+             "        raise ValueError(f\"dim must be a multiple of heads ({dim} % {heads} != 0)\")\n",
+             "",
+         ), (
+             "    if min(vocab, dim, heads, seq_len) < 1 or min(layers, batch) < 0:\n",
+             "    if min(vocab, dim, seq_len) < 1 or min(layers, batch) < 0:\n",
+         )).training_flops),
+        ("the output layer counted in every block (none without blocks)",
+         edited_solution("12_profiling.py", (
+             "    forward = layers * (projections + attention) + head\n",
+             "    forward = layers * (projections + attention + head // max(layers, 1))\n",
+         )).training_flops),
     ],
     "12.2": [
         ("the tied output weight counted twice", traffic_tied_weight_twice),
@@ -263,5 +277,24 @@ BUGS = {
          straggler_main_thread_only),
         ("the rank with the most event time blamed", straggler_most_total_time),
         ("the phase named by its largest share, not its excess", straggler_phase_by_largest_share),
+        ("the excess in standard deviations of the others (none with one other rank)",
+         edited_solution("12_profiling.py", (
+             "    excess = {phase: rows[slow][phase] - statistics.median(o[phase] for o in others)\n",
+             "    excess = {phase: (rows[slow][phase] - statistics.mean(o[phase] for o in others))\n"
+             "             / (statistics.stdev([o[phase] for o in others]) or 1.0)\n",
+         )).find_straggler),
+        ("names a straggler where there is none (one trace; an empty trace waited least)",
+         edited_solution("12_profiling.py", (
+             "    if len(traces) < 2:\n"
+             "        raise ValueError(f\"find_straggler needs the traces of at least 2 ranks, got \"\n"
+             "                         f\"{len(traces)}: a straggler is slow against the others\")\n",
+             "    if len(traces) < 2:\n"
+             "        return {\"rank\": 0, \"phase\": \"compute\"}\n",
+         ), (
+             "            raise ValueError(f\"rank {rank}'s trace has no operator events: was its profiler \"\n"
+             "                             f\"started around the step (activities=[ProfilerActivity.CPU])?\")\n",
+             "            rows.append(dict.fromkeys((\"data\", \"compute\", \"communication\", \"wait\"), 0.0))\n"
+             "            continue\n",
+         )).find_straggler),
     ],
 }
