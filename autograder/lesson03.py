@@ -5,7 +5,8 @@ Task 3.1 ``ShardSampler`` is compared index for index with torch's own
 dataset lengths, replicas, ranks, shuffle, seeds, ``drop_last`` and epochs. Task 3.2
 ``seed_worker`` runs as the ``worker_init_fn`` of real ``DataLoader`` workers on two real
 ranks, two epochs each; its streams must be distinct and reproducible (a property: no
-reference): one shared launch serves its four cases. Task 3.3 ``gather_unpadded`` runs on real
+reference): one shared launch serves four of its cases; a loader of one worker in this
+process with RANK unset (world size 1) must draw rank 0's streams. Task 3.3 ``gather_unpadded`` runs on real
 ranks; its result must equal the single-process data in dataset order, computed by
 :mod:`autograder.references.lesson03` (trusted only).
 """
@@ -508,6 +509,57 @@ for _name, _compare, _weight, _hint in [
      "Seed from torch.initial_seed() (the loader's per-worker seed), not from constants."),
 ]:
     SEEDING.case(_name, uses=_draws_on_ranks, compare=_compare, weight=_weight, hint=_hint)
+
+
+def _one_rank_draws(seed_worker: Any, seed: int) -> dict[str, Any]:
+    """World size 1: a plain ``python train.py``, no launcher, so RANK is unset. One loader of
+    one worker with RANK unset, then with RANK=0: the same streams (the rank is 0 if unset).
+    An error in the worker comes back as its message, so the feedback can name the regime."""
+    import os
+
+    out: dict[str, Any] = {}
+    saved = os.environ.get("RANK")
+    try:
+        with torch.random.fork_rng(devices=[]):  # the caller's torch RNG is left as it was
+            for label, rank in (("RANK unset", None), ("RANK=0", "0")):
+                if rank is None:
+                    os.environ.pop("RANK", None)
+                else:
+                    os.environ["RANK"] = rank
+                try:
+                    out[label] = _draws(seed_worker, seed, 1, 1)
+                except NotImplementedError:
+                    raise  # the stub: reported as not implemented
+                except Exception as e:  # noqa: BLE001 - the student's error becomes the finding
+                    out[label] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        if saved is None:
+            os.environ.pop("RANK", None)
+        else:
+            os.environ["RANK"] = saved
+    return out
+
+
+def _compare_one_rank(got: Any, expected: None) -> None:
+    where = "world size 1 (RANK unset: a plain python run, one worker)"
+    if not isinstance(got, dict) or set(got) != {"RANK unset", "RANK=0"}:
+        raise CheckFailed(f"{where}: the worker's draws could not be collected", got=describe(got))
+    for label in ("RANK unset", "RANK=0"):
+        if isinstance(got[label], str):
+            raise CheckFailed(f"{where}: with {label}, seed_worker raised {got[label]}",
+                              expected="the streams of rank 0", got=got[label],
+                              hint="Without a launcher there is no RANK variable: read it with a "
+                                   "default of 0, as the task says, instead of requiring it.")
+    for lib in LIBRARIES:
+        unset, zero = got["RANK unset"][0][0][lib], got["RANK=0"][0][0][lib]
+        if unset != zero:
+            raise CheckFailed(f"{where}: the {lib} stream with RANK unset differs from rank 0's",
+                              expected=zero[:2], got=unset[:2],
+                              hint="A process without RANK is rank 0: it must draw rank 0's streams.")
+
+
+SEEDING.case("world size 1: RANK unset (a plain python run), one worker: rank 0's streams",
+             compare=_compare_one_rank, weight=0.5, expect=lambda seed: None)(_one_rank_draws)
 
 
 # --------------------------------------------------------------------------- task 3.3

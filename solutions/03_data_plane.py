@@ -283,6 +283,9 @@ def seed_worker(worker_id: int) -> None:
     Called in each worker process as it starts. Every (rank, epoch, worker) must get distinct
     streams, the same ones again for the same torch seed; the rank is int(os.environ["RANK"])
     (0 if unset).
+
+    At the edges: world size 1 (a plain python run, RANK unset) is rank 0 and draws rank 0's
+    streams; a loader with one worker is the same contract, worker_id 0.
     """
     ### BEGIN SOLUTION
     rank = int(os.environ.get("RANK", "0"))

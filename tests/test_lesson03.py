@@ -195,3 +195,15 @@ def test_rank_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
         task = get_task(task_id)
         case = next(c for c in task.cases if c.name.startswith(prefix))
         case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
+
+
+def test_a_seed_worker_that_requires_rank_fails_the_world_size_1_case_naming_the_regime(bugs):
+    from autograder.checking import run_checks
+
+    report = run_checks("3.2", dict(bugs["3.2"])[
+        "requires RANK: a plain python run (world size 1) raises KeyError"])
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name for c in failed] == [
+        "world size 1: RANK unset (a plain python run), one worker: rank 0's streams"], report.to_text()
+    assert "world size 1 (RANK unset" in failed[0].message and "KeyError" in failed[0].message
+    assert "default of 0" in failed[0].hint

@@ -198,3 +198,14 @@ BUGS = {
         ("cuts every shard to num_samples // world_size: loses real samples", cuts_every_shard_evenly),
     ],
 }
+
+
+def _requires_rank_variable():
+    from bugs import edited_solution
+
+    return edited_solution("03_data_plane.py", ('rank = int(os.environ.get("RANK", "0"))',
+                                                'rank = int(os.environ["RANK"])')).seed_worker
+
+
+BUGS["3.2"].append(("requires RANK: a plain python run (world size 1) raises KeyError",
+                    _requires_rank_variable()))
