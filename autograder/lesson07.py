@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -132,15 +133,20 @@ def _batch(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train_scaled(make: Callable[..., Any], seed: int, *, shard: tuple[int, int] | None = None,
                   inf_steps: tuple[int, ...] = INF_STEPS, nan_steps: tuple[int, ...] = NAN_STEPS,
-                  clip: float | None = None) -> dict[str, Any]:
+                  clip: float | None = None, dtype: torch.dtype = torch.float32,
+                  frozen: str | None = None) -> dict[str, Any]:
     """Train the MLP for STEPS steps with the scaler ``make(**SCALER_ARGS)``.
 
     With ``shard=(rank, world_size)`` the optimizer holds and the rank keeps gradients only of
     parameters ``rank::world_size`` (as after a reduce-scatter), and inf is injected only on
-    rank 2. Returns per step the scale after ``update()`` and whether the optimizer stepped,
+    rank 2. ``dtype`` is the parameters' (and so the gradients') dtype; ``frozen`` names a
+    parameter that stays in the optimizer with ``requires_grad=False`` (its ``.grad`` is None).
+    Returns per step the scale after ``update()`` and whether the optimizer stepped,
     the default scaler's first scale, and the final parameters this rank owns.
     """
-    model = _mlp(seed)
+    model = _mlp(seed).to(dtype)
+    if frozen is not None:
+        model.get_parameter(frozen).requires_grad_(False)
     named = list(model.named_parameters())
     owned = named if shard is None else named[shard[0]::shard[1]]
     optimizer = torch.optim.SGD([p for _, p in owned], lr=0.05, momentum=0.9)
@@ -150,7 +156,7 @@ def _train_scaled(make: Callable[..., Any], seed: int, *, shard: tuple[int, int]
     for step in range(STEPS):
         x, y = _batch(seed, step)
         optimizer.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.scale(F.mse_loss(model(x.to(dtype)), y.to(dtype))).backward()
         if shard is not None:
             for _, p in named:
                 if not any(p is q for _, q in owned):
@@ -252,6 +258,98 @@ def _compare_clipped(got: Any, expected: dict[str, Any]) -> None:
              "with GradScaler", compare=_compare_clipped, expect="clipped_with_torch")
 def _(impl: Any, seed: int) -> dict[str, Any]:
     return _watched_training(impl, seed, clip=0.5)
+
+
+# The edges the task names, each against torch's GradScaler in one process.
+FROZEN = "2.weight"  # in the optimizer, requires_grad=False: no .grad, ever
+
+
+def _compare_regime(where: str) -> Callable[[Any, Any], None]:
+    def compare(got: Any, expected: dict[str, Any]) -> None:
+        try:
+            _compare_scaled(got, expected, where=f"{where}: ")
+        except CheckFailed as e:
+            e.cause = ""  # its own regime: not a consequence of the plain run's diagnosis
+            raise
+
+    return compare
+
+
+def _edge_training(impl: Any, seed: int, **kwargs: Any) -> Any:
+    try:
+        return _watched_training(impl, seed, **kwargs)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the student's error becomes the finding
+        return f"{type(e).__name__}: {e}"[:300]
+
+
+def _regime_case(name: str, where: str, expect: str, hint: str, **kwargs: Any) -> None:
+    compare = _compare_regime(where)
+
+    def judge(got: Any, expected: dict[str, Any]) -> None:
+        if isinstance(got, str):
+            raise CheckFailed(f"{where}: training raised {got}", expected="torch's GradScaler's "
+                              "scales, skipped steps and parameters", got=got, hint=hint)
+        compare(got, expected)
+
+    SCALER.case(name, compare=judge, weight=0.5, expect=expect, hint=hint)(
+        lambda impl, seed: _edge_training(impl, seed, **kwargs))
+
+
+_regime_case(f"a frozen parameter in the optimizer ({FROZEN}, requires_grad=False: .grad is "
+             "None): left alone, the rest as with GradScaler",
+             f"a frozen parameter ({FROZEN}, .grad None)", "frozen_with_torch",
+             "A parameter of the optimizer may have no gradient (frozen, or unused this step): "
+             "there is nothing to test or unscale, so skip it.", frozen=FROZEN)
+_regime_case("bf16 parameters and gradients: unscaled and skipped as with GradScaler",
+             "bf16 gradients", "bf16_with_torch",
+             "bf16 has fp32's range: its gradients are unscaled and tested like fp32 ones (torch's "
+             "GradScaler accepts them); only fp16 gradients are refused.", dtype=torch.bfloat16)
+
+
+def _fp16_step(make: Callable[..., Any], seed: int) -> dict[str, Any]:
+    """One scaled step of the MLP cast to fp16 (fp16 parameters, so fp16 gradients): what
+    ``step()`` raised, and whether the parameters changed."""
+    model = _mlp(seed).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = make(**SCALER_ARGS)
+    x, y = _batch(seed, 0)
+    scaler.scale(F.mse_loss(model(x.half()), y.half())).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        scaler.step(optimizer)
+        raised, message = None, ""
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - what it raised is the finding
+        raised, message = type(e).__name__, str(e)[:300]
+    changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    return {"raised": raised, "message": message, "stepped": changed}
+
+
+def _compare_fp16(got: Any, expected: dict[str, Any]) -> None:
+    where = "fp16 gradients (the model cast to fp16, no fp32 weights)"
+    if got["raised"] != "ValueError":
+        raise CheckFailed(
+            f"{where}: step() {'raised ' + got['raised'] + ': ' + got['message'] if got['raised'] else ('stepped' if got['stepped'] else 'returned')}"
+            ", where torch's GradScaler raises a ValueError", expected=f"ValueError: {expected['message']}",
+            got=got["raised"] or "no error",
+            hint="Scaled fp16 gradients overflow and unscaling them in fp16 loses what the scale "
+                 "saved: torch's GradScaler refuses them. Raise a ValueError that names fp16 when "
+                 "a gradient is float16 (bf16 and fp32 are fine).")
+    if not re.search(r"fp16|float16|half", got["message"], re.IGNORECASE):
+        raise CheckFailed(f"{where}: the ValueError does not name the constraint",
+                          expected="a message naming fp16 / float16 gradients", got=got["message"],
+                          hint="Say what is wrong: the gradients are fp16.")
+    if got["stepped"]:
+        raise CheckFailed(f"{where}: the parameters changed before the ValueError", expected="unchanged",
+                          got="changed", hint="Refuse before unscaling or stepping anything.")
+
+
+SCALER.case("fp16 gradients (the model cast to fp16): step() raises a ValueError naming fp16, as "
+            "GradScaler", compare=_compare_fp16, weight=0.5, expect="fp16_with_torch")(
+    lambda impl, seed: _fp16_step(impl, seed))
 
 
 WORLD = 4

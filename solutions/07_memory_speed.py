@@ -206,7 +206,11 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
 # growth_interval=2000)` with `scale(loss)`, `unscale_(optimizer)`, `step(optimizer)`,
 # `update()` and `get_scale()`, behaving like `torch.amp.GradScaler("cpu")` on one rank, and
 # making every rank skip when any rank finds an inf or NaN (when a process group is
-# initialised). Do not use torch's scalers: the checks compare against them.
+# initialised). Do not use torch's scalers: the checks compare against them. As `GradScaler`
+# does, refuse fp16 *gradients* (a model cast to fp16, no fp32 weights: in torch 2.13 its
+# `unscale_` raises `ValueError: Attempting to unscale FP16 gradients.`) with a `ValueError`
+# naming fp16; bf16 gradients are unscaled like fp32 ones, and a frozen parameter (no `.grad`)
+# is left alone.
 
 # %% tags=["task-7.1"]
 class DynamicLossScaler:
@@ -225,7 +229,9 @@ class DynamicLossScaler:
 
     Gradients may be plain tensors or sharded DTensors (FSDP2): each rank tests and unscales
     the part it holds (a DTensor's local shard, possibly empty), and the ranks agree on the
-    skip with one all-reduce. A parameter without a gradient is left alone.
+    skip with one all-reduce. A parameter without a gradient (frozen) is left alone; bf16
+    gradients are unscaled like fp32 ones; fp16 gradients (parameters kept in fp16) are a
+    ValueError naming fp16, as in torch's GradScaler.
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -258,6 +264,11 @@ class DynamicLossScaler:
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None]
+        if any(g.dtype == torch.float16 for g in grads):  # checked before anything changes
+            raise ValueError("DynamicLossScaler.unscale_: float16 (fp16) gradients cannot be "
+                             "unscaled: scaled in fp16 they overflow. Keep the parameters in "
+                             "float32 and run the forward under torch.autocast, as torch's "
+                             "GradScaler requires")
         found = torch.zeros(1, device=grads[0].device if grads else "cpu")
         for g in grads:
             found += (~torch.isfinite(g)).any()

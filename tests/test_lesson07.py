@@ -300,3 +300,30 @@ def test_bitwise_checkpoint_cases_hold_whatever_thread_count_each_side_runs_with
             case.compare(got, task.expected(case, 0))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bug, case, regime", [
+    ("a frozen parameter's .grad (None) is tested and unscaled: TypeError", "a frozen parameter",
+     "a frozen parameter (2.weight, .grad None)"),
+    ("unscales fp16 gradients instead of refusing them as GradScaler does", "fp16 gradients",
+     "fp16 gradients (the model cast to fp16"),
+    ("refuses every gradient that is not fp32: bf16 too", "bf16 parameters", "bf16 gradients"),
+])
+def test_a_scaler_wrong_at_an_edge_fails_that_edge_alone_with_feedback_naming_the_regime(
+        bugs, bug, case, regime):
+    report = run_checks("7.1", dict(bugs["7.1"])[bug])
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name[:len(case)] for c in failed] == [case], report.to_text()
+    assert failed[0].message.startswith(regime), failed[0].message
+
+
+def test_the_scaler_refuses_fp16_gradients_as_torch_does_and_takes_bf16(solution):
+    from autograder.lesson07 import _fp16_step
+
+    ours, theirs = _fp16_step(solution.DynamicLossScaler, 0), _fp16_step(_torch_scaler, 0)
+    assert ours["raised"] == theirs["raised"] == "ValueError" and not ours["stepped"]
+    assert "fp16" in ours["message"] and "FP16" in theirs["message"]
+    a = _train_scaled(solution.DynamicLossScaler, 0, dtype=torch.bfloat16)
+    b = _train_scaled(_torch_scaler, 0, dtype=torch.bfloat16)
+    assert a["scales"] == b["scales"] and a["stepped"] == b["stepped"] and False in a["stepped"]
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])

@@ -36,6 +36,18 @@ def clipped_with_torch(seed: int) -> dict[str, Any]:
     return L._train_scaled(torch_scaler, seed, clip=0.5)
 
 
+def frozen_with_torch(seed: int) -> dict[str, Any]:
+    return L._train_scaled(torch_scaler, seed, frozen=L.FROZEN)
+
+
+def bf16_with_torch(seed: int) -> dict[str, Any]:
+    return L._train_scaled(torch_scaler, seed, dtype=torch.bfloat16)
+
+
+def fp16_with_torch(seed: int) -> dict[str, Any]:
+    return L._fp16_step(torch_scaler, seed)
+
+
 def _train_with_inf_in(make: Callable[..., Any], seed: int, name: str, row: int = 0
                        ) -> dict[str, Any]:
     model = L._mlp(seed)

@@ -37,6 +37,9 @@ class _Scaler:
     def unscale_(self, optimizer):
         if self.unscaled:
             return
+        if any(p.grad is not None and p.grad.dtype == torch.float16
+               for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("fp16 gradients cannot be unscaled")
         found = False
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -380,6 +383,21 @@ BUGS = {
         ("tests the whole gradient, plain or DTensor: under FSDP2 a plain flag plus a DTensor "
          "fails", edited_solution("07_memory_speed.py", (
              "p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad", "p.grad",
+         )).DynamicLossScaler),
+        ("a frozen parameter's .grad (None) is tested and unscaled: TypeError",
+         edited_solution("07_memory_speed.py", (
+             "for group in optimizer.param_groups for p in group[\"params\"]\n"
+             "                 if p.grad is not None]",
+             "for group in optimizer.param_groups for p in group[\"params\"]]",
+         )).DynamicLossScaler),
+        ("unscales fp16 gradients instead of refusing them as GradScaler does",
+         edited_solution("07_memory_speed.py", (
+             "if any(g.dtype == torch.float16 for g in grads):", "if False:",
+         )).DynamicLossScaler),
+        ("refuses every gradient that is not fp32: bf16 too",
+         edited_solution("07_memory_speed.py", (
+             "if any(g.dtype == torch.float16 for g in grads):",
+             "if any(g.dtype != torch.float32 for g in grads):",
          )).DynamicLossScaler),
         ("no backoff: the scale stays after an overflow", ScalerNoBackoff),
         ("skipped steps count toward growth", ScalerCountsSkippedSteps),
