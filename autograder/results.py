@@ -328,7 +328,37 @@ def settle(report: TaskReport) -> TaskReport:
             if c.status != FORBIDDEN:
                 c.points = 0.0
                 c.message = c.message or f"scored 0 with the whole task: {why}"
+        return report
+    _cap_without_the_saving(report)
     return report
+
+
+SAVING_CAP = 0.5  # the share of a saving task's points kept while a saving case does not pass
+CAPPED = ("capped at half the task's points: this case measures the saving the technique exists "
+          "for, and right values without it keep at most half")
+
+
+def _cap_without_the_saving(report: TaskReport) -> None:
+    """A saving task (one with ``saving=True`` cases) whose saving case does not pass keeps at most
+    half its points, however many other cases pass: right values with one saving thrown away (of
+    several a task may measure) are not most of the task. Every case's points shrink by the same
+    factor; the first lost saving case says why."""
+    from autograder.registry import get_task
+
+    try:
+        saving = {c.name for c in get_task(report.task_id).saving_cases}
+    except KeyError:  # a report of a task this process does not know: nothing to apply
+        return
+    lost = [c for c in report.cases if c.name in saving and not c.passed]
+    cap = SAVING_CAP * report.max_score
+    if not lost or report.score <= cap + 1e-9:
+        return
+    factor = cap / report.score
+    for c in report.cases:
+        c.points *= factor
+    first = lost[0]
+    if CAPPED not in first.message:
+        first.message = f"{first.message}\n({CAPPED})" if first.message else f"({CAPPED})"
 
 
 def unloaded_status(why: str) -> str:

@@ -74,6 +74,15 @@ THROWS_THE_SAVING_AWAY = {
     ("8.4", "GPipe's order: all forwards, then all backwards"): "activations held at once",
     ("9.3", "keeps every block and attends over their concatenation"):
         "every K/V block the rank received stays alive",
+    # one saving thrown away of several the task measures: the cap holds these to half
+    ("5.3", "all-reduces the gradients instead of reduce-scattering"):
+        "an all-reduce sends every rank the whole gradient",
+    ("5.3", "keeps the original full parameters after wrapping"):
+        "every rank still holds full parameters next to its shards",
+    ("6.1", "rank 0 gathers every piece and writes them all"): "a rank writes other ranks' pieces",
+    ("6.1", "the loader reads every file"): "files of pieces outside that range",
+    ("9.3", "keeps every block it received (right values and traffic)"):
+        "every K/V block the rank received stays alive",
     ("11.2", "every rank's edges sent to every rank through all_to_all_single"):
         "anything more is the graph's edges",
     ("11.3", "all_to_all_single of every row to every rank"): "neither owns nor receives",
@@ -136,3 +145,34 @@ def test_a_bug_that_throws_the_saving_away_keeps_at_most_half_and_is_told_what_i
     failed = [c for c in report.cases if c.status != "passed" and c.name in saving]
     words = THROWS_THE_SAVING_AWAY[(task_id, bug)]
     assert any(words in c.message for c in failed), report.to_text()
+
+
+def _scratch_report(statuses: dict[str, str]):
+    from autograder.results import CaseResult, TaskReport, settle
+
+    task = get_task("5.3")  # six points, three value cases, six saving ones
+    return task, settle(TaskReport(task.id, task.name, [
+        CaseResult(c.name, statuses.get(c.name, "passed"),
+                   task.case_points(c) if statuses.get(c.name, "passed") == "passed" else 0.0,
+                   task.case_points(c), "" if statuses.get(c.name, "passed") == "passed" else "x")
+        for c in task.cases]))
+
+
+def test_one_lost_saving_of_several_caps_the_task_at_half_and_the_case_says_why():
+    from autograder.results import CAPPED
+
+    task, whole = _scratch_report({})
+    assert whole.score == pytest.approx(task.points)
+    one = task.saving_cases[0].name
+    task, capped = _scratch_report({one: "failed"})
+    assert sum(task.case_points(c) for c in task.cases if c.name != one) > task.points / 2
+    assert capped.score == pytest.approx(task.points / 2)
+    lost = next(c for c in capped.cases if c.name == one)
+    assert CAPPED in lost.message and lost.message.startswith("x")
+    # a value case lost alone is not capped: its points go, the rest stay
+    value = next(c for c in task.cases if not c.saving)
+    _, values = _scratch_report({value.name: "failed"})
+    assert values.score == pytest.approx(task.points - task.case_points(value))
+    # under the cap already: nothing changes
+    _, low = _scratch_report({c.name: "failed" for c in task.cases[:4]})
+    assert low.score == pytest.approx(sum(task.case_points(c) for c in task.cases[4:]))
