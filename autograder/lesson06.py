@@ -785,10 +785,17 @@ def _quick_on_rank(impl: Any, root: str) -> dict[str, Any]:
     dist.barrier()
     resume_steps_from = len(watch.steps)
     second = fn(root, QUICK_TOTAL, EVERY)
-    return {"first": _plain_state(first), "complete": complete, "saves": list(watch.saves),
+    saves, loads = list(watch.saves), list(watch.loads)
+    resumed_steps = watch.steps[resume_steps_from:]
+    # After the last step: the newest complete checkpoint is step QUICK_TOTAL; a rerun to
+    # QUICK_TOTAL loads it, trains nothing, saves nothing and returns the same parameters.
+    steps_from, saves_from, loads_from = len(watch.steps), len(watch.saves), len(watch.loads)
+    third = fn(root, QUICK_TOTAL, EVERY)
+    return {"first": _plain_state(first), "complete": complete, "saves": saves,
             "overlapping": watch.overlapping, "done_at_return": done,
-            "resumed_steps": watch.steps[resume_steps_from:], "loads": watch.loads,
-            "second": _plain_state(second)}
+            "resumed_steps": resumed_steps, "loads": loads, "second": _plain_state(second),
+            "finished": {"steps": watch.steps[steps_from:], "saves": watch.saves[saves_from:],
+                         "loads": watch.loads[loads_from:], "params": _plain_state(third)}}
 
 
 def _plain_state(params: Any) -> Any:
@@ -915,6 +922,39 @@ LOOP.case(f"with step-{QUICK_FIRST:06d} half-written and mtimes that lie, a reru
           "reference", uses=QUICK_RUN, compare=_compare_quick_resume,
           pick=lambda runs: [{k: r[k] for k in ("loads", "resumed_steps", "second")} for r in runs],
           expect=_uninterrupted(QUICK_TOTAL), weight=2)
+
+
+def _compare_finished(got: Any, expected: Any) -> None:
+    where = (f"after the last step (the newest complete checkpoint is step-{QUICK_TOTAL:06d}, "
+             f"total_steps={QUICK_TOTAL})")
+    for rank, g in enumerate(got):
+        f = g["finished"]
+        if [name for name, _ in f["loads"]] != [f"step-{QUICK_TOTAL:06d}"]:
+            raise CheckFailed(f"{where}: rank {rank}'s rerun loaded {[n for n, _ in f['loads']] or 'nothing'}",
+                              expected=f"step-{QUICK_TOTAL:06d}", got=f["loads"],
+                              hint="Resume from the newest complete checkpoint, even when it is the "
+                                   "last step's.")
+        if f["steps"]:
+            raise CheckFailed(
+                f"{where}: rank {rank}'s rerun called train_step at steps {f['steps']}",
+                expected="no step: the run is already done", got=f["steps"],
+                hint="Test for the end before each step, not after it: a run resumed at "
+                     "total_steps has nothing left to train.")
+        if f["saves"]:
+            raise CheckFailed(f"{where}: rank {rank}'s rerun saved {f['saves']}",
+                              expected="no save", got=f["saves"],
+                              hint="Save only after a step that was taken; never write into a "
+                                   "folder that holds a complete checkpoint.")
+        if isinstance(f["params"], str):
+            raise CheckFailed(f"{where}: rank {rank} returned {f['params']}", expected="a dict of tensors")
+        assert_same(f["params"], expected, rtol=0.0, atol=0.0,
+                    path=f"{where}: rank {rank}'s parameters")
+
+
+LOOP.case(f"after the last step: a rerun to {QUICK_TOTAL} with step-{QUICK_TOTAL:06d} complete "
+          "loads it, trains and saves nothing, and returns the same parameters", uses=QUICK_RUN,
+          compare=_compare_finished, pick=lambda runs: [{"finished": r["finished"]} for r in runs],
+          expect=_uninterrupted(QUICK_TOTAL), weight=0.5)
 
 
 # ---- under torchrun's elastic agent: two kills, three attempts

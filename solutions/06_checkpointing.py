@@ -599,6 +599,10 @@ def train_with_checkpoints(ckpt_root: str, total_steps: int, every: int) -> dict
     total_steps. After each step where state.step % every == 0 it starts dcp.async_save into
     ckpt_root/step-{state.step:06d}, with at most one save in flight. Waits for the last save and
     returns full_parameters(model).
+
+    At the edges: with no complete checkpoint it starts at step 0; resumed at total_steps (the
+    newest complete checkpoint is the last step's) it trains nothing, saves nothing and returns
+    the loaded parameters.
     """
     ### BEGIN SOLUTION
     seed_everything(0)

@@ -265,3 +265,15 @@ def test_lesson06_runs_headless_with_its_solutions_and_shows_what_it_claims():
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)
+
+
+def test_a_loop_that_tests_for_the_end_after_the_step_fails_the_after_the_last_step_case(bugs):
+    report = run_checks("6.3", dict(bugs["6.3"])[
+        "tests for the end after the step: resumed at total_steps it trains one step more"])
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name for c in failed] == [next(c.name for c in report.cases
+                                             if c.name.startswith("after the last step"))], report.to_text()
+    assert failed[0].message.startswith("after the last step (the newest complete checkpoint is "
+                                        "step-000008"), failed[0].message
+    assert "called train_step at steps [8]" in failed[0].message
+    assert "before each step" in failed[0].hint

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from autograder.loading import load_tasks
+from bugs import edited_solution
 
 _lesson = load_tasks(Path(__file__).resolve().parents[2] / "solutions" / "06_checkpointing.py")
 save_shards = _lesson.save_shards  # the correct saver, for the loader bugs
@@ -393,5 +394,14 @@ BUGS = {
         ("two saves in flight (never waits for the previous one)", train_two_saves_in_flight),
         ("blocking dcp.save instead of dcp.async_save", train_blocking_saves),
         ("never resumes", train_never_resumes),
+        ("tests for the end after the step: resumed at total_steps it trains one step more",
+         edited_solution("06_checkpointing.py", (
+             "    while state.step < total_steps:\n        train_step(state)\n",
+             "    while True:  # one step, then see whether we are done\n        train_step(state)\n",
+         ), (
+             "                                     process_group=ckpt_group)\n",
+             "                                     process_group=ckpt_group)\n"
+             "        if state.step >= total_steps:\n            break\n",
+         )).train_with_checkpoints),
     ],
 }
