@@ -37,7 +37,7 @@ from pathlib import Path
 from autograder.build import render, source_notebook
 from autograder.grade.batch import BatchConfig, expectations, grade_batch
 from autograder.grade.notebook import grade_notebook
-from autograder.grade.sandbox import Limits, isolation_note
+from autograder.grade.sandbox import Limits, SandboxUnavailable, isolation_note, require_sandbox
 from autograder.grade.submissions import discover
 from autograder.loading import lesson_of
 from autograder.registry import lesson_tasks
@@ -56,7 +56,7 @@ def _full_submission(folder: Path) -> list[int]:
 
 
 def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int,
-           finished: list[float] | None = None) -> tuple[float, float, float]:
+           finished: list[float] | None = None, unsandboxed: bool = False) -> tuple[float, float, float]:
     """(seconds, total score of all submissions, CPU seconds of the workers and their ranks);
     ``finished`` receives the seconds, after the batch's expectations, at which each
     submission's record was written."""
@@ -68,7 +68,7 @@ def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int,
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     records = grade_batch(discover(paths), BatchConfig(out, lessons, workers, Limits(), seed=0),
-                          progress)
+                          progress, unsandboxed=unsandboxed)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -93,7 +93,14 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2",
                         help="the batches' worker counts, e.g. 1,2,3 (default 1,2; the speed-up "
                              "is the last over the first)")
+    parser.add_argument("--unsandboxed", action="store_true",
+                        help="as root where bubblewrap cannot make a sandbox: time the batches "
+                             "anyway, unsandboxed (the submissions are the course's own solutions)")
     args = parser.parse_args()
+    try:  # as root without a sandbox the batches are refused: say so before any work
+        require_sandbox(args.unsandboxed)
+    except SandboxUnavailable as e:
+        raise SystemExit(f"grading_throughput: {e}") from None
     tmp = Path(tempfile.mkdtemp(prefix="kit-grade-bench-"))
     try:
         print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
@@ -116,8 +123,10 @@ def main() -> None:
             per_lesson[lesson_of(nb)] = (grade_notebook(nb, lessons=[lesson_of(nb)]).score,
                                          time.perf_counter() - start)
         in_process = sum(t for _, t in per_lesson.values())
-        sandboxed, points, cpu = _batch([tmp / "alice"], tmp / "out-full", lessons, 1)
-        alone, _, _ = _batch([tmp / "alice"], tmp / "out-alone-2", lessons, 2)
+        sandboxed, points, cpu = _batch([tmp / "alice"], tmp / "out-full", lessons, 1,
+                                        unsandboxed=args.unsandboxed)
+        alone, _, _ = _batch([tmp / "alice"], tmp / "out-alone-2", lessons, 2,
+                             unsandboxed=args.unsandboxed)
         print("in-process seconds per lesson (expectations already computed; "
               "autograder.grade.batch.LESSON_SECONDS): " + ", ".join(
             f"{n:02d} {t:.1f}" for n, (_, t) in sorted(per_lesson.items())))
@@ -140,7 +149,7 @@ def main() -> None:
         for workers in counts:
             finished: list[float] = []
             seconds, _, used = _batch(sorted(copies.iterdir()), tmp / f"out-{workers}", lessons,
-                                      workers, finished)
+                                      workers, finished, unsandboxed=args.unsandboxed)
             rates[workers] = 60 * args.copies / seconds
             steady = _steady_rate(finished, workers)
             print(f"{args.copies} full submissions, {workers} worker(s): {seconds:.1f} s "

@@ -183,6 +183,12 @@ def test_a_notebook_that_writes_into_kit_is_never_run_as_root_without_a_sandbox(
         _assert_refused(code, capsys.readouterr().err)
         with pytest.raises(SandboxUnavailable):
             grade_batch(discover([tmp_path / "subs"]), BatchConfig(tmp_path / "out2", [0], workers=1, limits=LIMITS))
+        # one notebook, which kit grade checks in its own process: refused as root unless trusted
+        code = _grade(str(tmp_path / "subs" / "mallory.ipynb"), "--lessons", "00",
+                      "--json", str(tmp_path / "one.json"))
+        err = capsys.readouterr().err
+        assert code == 2 and "refusing to check" in err and "--out DIR" in err, err
+        assert not (tmp_path / "one.json").exists()
         work = sandbox.make_workdir()  # a worker's job, ready to run the notebook: refused too
         try:
             copy = work / "lesson00.ipynb"
@@ -200,3 +206,36 @@ def test_a_notebook_that_writes_into_kit_is_never_run_as_root_without_a_sandbox(
     assert planted == [] and popen == [], (planted, popen)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
     assert os.listdir(marker) == []
+
+
+def test_one_notebook_is_checked_in_process_as_root_only_when_trusted(tmp_path, monkeypatch, capsys):
+    # Bubblewrap or not: one notebook is checked in kit grade's own process, so as root its code
+    # would run as root. --unsandboxed (your own work) checks it; as another user, no flag needed.
+    write_corpus(tmp_path / "subs", tmp_path / "out", ["correct"])
+    notebook, report = tmp_path / "subs" / "correct.ipynb", tmp_path / "one.json"
+    monkeypatch.setattr(sandbox, "_is_root", lambda: True)
+    monkeypatch.setattr(sandbox, "_ISOLATION", [Isolation(True, True, None)])
+    assert _grade(str(notebook), "--lessons", "00", "--json", str(report)) == 2
+    assert "refusing to check" in capsys.readouterr().err and not report.exists()
+    assert _grade(str(notebook), "--lessons", "00", "--json", str(report), "--unsandboxed") == 0
+    assert json.loads(report.read_text())["score"] == 5
+    report.unlink()
+    monkeypatch.setattr(sandbox, "_is_root", lambda: False)
+    assert _grade(str(notebook), "--lessons", "00", "--json", str(report)) == 0
+    assert json.loads(report.read_text())["score"] == 5
+
+
+def test_the_throughput_benchmark_refuses_before_any_work_unless_unsandboxed(as_root_without_bwrap, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grading_throughput",
+                                                  ROOT / "benchmarks" / "grading_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "_full_submission", lambda folder: pytest.fail("work started"))
+    monkeypatch.setattr("sys.argv", ["grading_throughput.py", "--copies", "1"])
+    with pytest.raises(SystemExit, match="refusing to grade as root without a sandbox"):
+        bench.main()
+    monkeypatch.setattr("sys.argv", ["grading_throughput.py", "--copies", "1", "--unsandboxed"])
+    with pytest.raises(pytest.fail.Exception, match="work started"):  # past the refusal
+        bench.main()

@@ -87,7 +87,7 @@ def test_lesson00_runs_headless_with_its_solutions_in_under_two_minutes():
 
 def test_grade_scores_the_untouched_lesson_zero_and_writes_json(tmp_path, capsys):
     out = tmp_path / "grade.json"
-    assert grade_main([str(LESSON00), "--json", str(out)]) == 0
+    assert grade_main([str(LESSON00), "--unsandboxed", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "0.1   shard_range" in table and "not implemented" in table and "total" in table
     report = json.loads(out.read_text())
@@ -96,7 +96,7 @@ def test_grade_scores_the_untouched_lesson_zero_and_writes_json(tmp_path, capsys
 
 
 def test_grade_scores_the_solutions_full_marks(capsys):
-    assert grade_main([str(LESSON00_SOURCE), "--json", "-"]) == 0
+    assert grade_main([str(LESSON00_SOURCE), "--unsandboxed", "--json", "-"]) == 0
     out = capsys.readouterr().out
     report = json.loads(out[out.index("{"):])
     assert report["score"] == report["max_score"] == 5
@@ -108,9 +108,9 @@ def test_grade_reports_a_missing_task_and_takes_the_lesson_from_an_option(tmp_pa
     nb["cells"] = [c for c in nb["cells"] if c["id"] != "task-0-2"]
     path = tmp_path / "alice.ipynb"
     path.write_text(json.dumps(nb))
-    assert grade_main([str(path), "--json", str(tmp_path / "a.json")]) == 2
+    assert grade_main([str(path), "--unsandboxed", "--json", str(tmp_path / "a.json")]) == 2
     assert "pass --lessons 00" in capsys.readouterr().err
-    assert grade_main([str(path), "--lessons", "00", "--json", str(tmp_path / "a.json")]) == 0
+    assert grade_main([str(path), "--unsandboxed", "--lessons", "00", "--json", str(tmp_path / "a.json")]) == 0
     assert "missing 0.2: global_mean" in capsys.readouterr().out
     task = json.loads((tmp_path / "a.json").read_text())["tasks"][1]
     assert task["score"] == 0 and task["status"] == "missing"
@@ -120,5 +120,5 @@ def test_grade_reports_a_missing_task_and_takes_the_lesson_from_an_option(tmp_pa
 def test_grade_never_overwrites_the_submission(tmp_path, capsys):
     path = shutil.copy(LESSON00, tmp_path / "00_launching_ranks.ipynb")
     before = Path(path).read_text()
-    assert grade_main([str(path), "--json", str(path)]) == 2
+    assert grade_main([str(path), "--unsandboxed", "--json", str(path)]) == 2
     assert Path(path).read_text() == before

@@ -11,6 +11,8 @@ writes ``grades.csv``, ``records/<student>.json``, ``feedback/<student>.txt`` an
 where bubblewrap cannot make a sandbox, the batch refuses (exit code 2, nothing written) unless
 ``--unsandboxed`` is given.
 Without it, one notebook is checked in this process, which trusts it: use that on your own work.
+As root that needs ``--unsandboxed`` too (the notebook's code would run as root); without it
+``kit grade NOTEBOOK`` refuses (exit code 2, nothing written) and names ``--out`` for a sandbox.
 
 The graded code is loaded with :func:`autograder.loading.load_tasks` (setup and solution cells only,
 found by tag or by name, demos never run) and every task of the lesson is checked with
@@ -114,6 +116,24 @@ def grade_notebook(path: str | Path, *, lessons: list[int] | None = None, seed: 
     return report
 
 
+def in_process_refusal(path: Path, trusted: bool) -> str | None:
+    """Why one notebook may not be checked in this process, else None.
+
+    One notebook is checked here, not in a sandbox: its code runs as whoever runs ``kit grade``.
+    As root that is everything (kit/, autograder/, the machine), so it is refused unless the
+    grader says the notebook is trusted (``--unsandboxed``: your own work). As another user it
+    runs as you, which is what checking your own notebook means."""
+    from autograder.grade.sandbox import _is_root
+
+    if trusted or not _is_root():
+        return None
+    return (f"refusing to check {path} in this process as root: its code would run as root, "
+            "able to rewrite kit/ and autograder/ and anything else here.\n"
+            "  Your own work: kit grade NOTEBOOK --unsandboxed (it is trusted).\n"
+            "  Someone else's: kit grade NOTEBOOK --out DIR grades it in a sandbox "
+            "(bubblewrap: make grade-setup).\n  Nothing was graded or written.")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kit grade", description="Grade notebooks or submission folders.")
     parser.add_argument("submissions", nargs="+", metavar="SUBMISSION",
@@ -136,9 +156,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the checks' data (one notebook: default 0; batch: the run's secret)")
     parser.add_argument("--unsandboxed", action="store_true",
-                        help="batch, as root where bubblewrap cannot make a sandbox: grade anyway, "
-                        "trusting every submission (without it kit grade refuses there; install "
-                        "bubblewrap: apt-get install bubblewrap, or make grade-setup)")
+                        help="trust the submissions: a batch as root where bubblewrap cannot make "
+                        "a sandbox grades anyway (without it kit grade refuses there; install "
+                        "bubblewrap: apt-get install bubblewrap, or make grade-setup), and one "
+                        "notebook is checked in this process as root (your own work)")
     args = parser.parse_args(argv)
     if args.out or len(args.submissions) > 1 or Path(args.submissions[0]).is_dir():
         from autograder.grade.reports import run_batch
@@ -147,6 +168,9 @@ def main(argv: list[str]) -> int:
                          workers=args.workers, timeout=args.timeout, gradescope=args.gradescope,
                          seed=args.seed, unsandboxed=args.unsandboxed)
     path = Path(args.submissions[0])
+    if (why := in_process_refusal(path, args.unsandboxed)) is not None:
+        print(f"kit grade: {why}", file=sys.stderr)
+        return 2
     out = Path(args.json_path) if args.json_path and args.json_path != "-" else \
         Path("grading-out") / f"{path.stem}.json"
     if args.json_path != "-" and out.resolve() == path.resolve():
