@@ -495,7 +495,11 @@ def _compare_loader(got: Any, expected: dict[str, Any]) -> None:
 
 SAMPLE = task(
     "11.1", "sample_neighbors", points=4,
-    forbidden=("torch_geometric.sampler.NeighborSampler", "torch_geometric.loader.NeighborLoader"),
+    # PyG's samplers, and the loaders that draw through them (the legacy NeighborSampler, the
+    # link loader, the distributed one): the sampling is the task
+    forbidden=("torch_geometric.sampler", "torch_geometric.loader.NeighborLoader",
+               "torch_geometric.loader.LinkNeighborLoader", "torch_geometric.loader.NeighborSampler",
+               "torch_geometric.distributed"),
     hint="PyG's NeighborLoader semantics without replacement: hop by hop, every frontier node "
          "draws min(fanout, degree) distinct in-neighbours uniformly, with every random number "
          "from the generator; nodes seen before are not expanded again; n_id is the seeds, then "
@@ -909,7 +913,10 @@ def _compare_bytes(got: Any, expected: None) -> None:
 
 HALO_CONV = task(
     "11.3", "HaloGCNConv", points=5,
+    # GCN's normalisation and propagation wherever PyG has them (the layer, its norm, the dense
+    # layer, the transform that normalises a graph), and every collective that gathers rows
     forbidden=("torch_geometric.nn.GCNConv", "torch_geometric.nn.conv.gcn_conv.gcn_norm",
+               "torch_geometric.nn.DenseGCNConv", "torch_geometric.transforms.GCNNorm",
                "torch.distributed.all_gather", "torch.distributed.all_gather_into_tensor",
                "torch.distributed.all_gather_object", "torch.distributed.gather",
                "torch.distributed.gather_object", "torch.distributed.broadcast",

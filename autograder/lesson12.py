@@ -64,8 +64,11 @@ def seeded_flop_shapes(seed: int) -> list[tuple[int, int, int, int, int, int]]:
 
 FLOPS = task(
     "12.1", "training_flops", points=3,
-    forbidden=("torch.utils.flop_counter", "kit.meter.count_flops",
-               "kit.lessons.models.TinyTransformer"),
+    # the count is a formula: no counter (FlopCounterMode, the profiler's with_flops, a dispatch
+    # mode of one's own) and no model to run it on (the lesson's, or its blocks)
+    forbidden=("torch.utils.flop_counter", "kit.meter.count_flops", "kit.lessons.models",
+               "torch.profiler", "torch.autograd.profiler",
+               "torch.utils._python_dispatch.TorchDispatchMode"),
     hint="Count the matrix multiplications, layer by layer: a (m, k) @ (k, n) product costs "
          "2mkn FLOPs. Per token and layer: the QKV, output and two MLP projections; per sequence "
          "and layer, the scores Q K^T and their product with V over all T x T positions (the "
