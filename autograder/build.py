@@ -362,22 +362,6 @@ c.Execute.startup_timeout = 120
 '''
 
 
-# sha256 of nbgrader_config.py as earlier versions of `kit course` wrote it, unedited
-_EARLIER_CONFIGS = {
-    "4db6b74357ac1557f7a1151173157baf8a4be63d5278df369c388a47af9ca6c3",  # autograde ran the demos
-}
-
-
-def _earlier_config(path: Path) -> bool:
-    """An nbgrader_config.py an earlier `kit course` wrote, unedited: rewritten without --force
-    (it was generated). One from when the build lived in kit.build no longer imports at all."""
-    if path.name != "nbgrader_config.py":
-        return False
-    text = path.read_text(encoding="utf-8")
-    return ("from kit.build import CODE_STUB" in text
-            or hashlib.sha256(text.encode("utf-8")).hexdigest() in _EARLIER_CONFIGS)
-
-
 def write_course(dest: Path, root: Path, *, lessons: list[int] | None = None,
                  force: bool = False) -> list[Path]:
     """Write ``dest/nbgrader_config.py`` and ``dest/source/<lesson>/<lesson>.ipynb``.
@@ -392,8 +376,7 @@ def write_course(dest: Path, root: Path, *, lessons: list[int] | None = None,
     files = {dest / "nbgrader_config.py": _CONFIG}
     for src in sources:
         files[dest / "source" / src.stem / f"{src.stem}.ipynb"] = render(source_notebook(src))
-    clashes = [p for p, text in files.items() if p.exists() and p.read_text(encoding="utf-8") != text
-               and not _earlier_config(p)]
+    clashes = [p for p, text in files.items() if p.exists() and p.read_text(encoding="utf-8") != text]
     if clashes and not force:
         raise BuildError("these files exist with other content: "
                          + ", ".join(str(p) for p in clashes)

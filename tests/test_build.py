@@ -194,25 +194,19 @@ def test_autograde_runs_only_the_definitions_of_demo_cells_and_shows_them_as_sub
     assert all("outputs" not in c or c.outputs == [] for c in nb.cells[:3])
 
 
-def test_course_rewrites_the_config_an_earlier_kit_course_wrote_but_never_an_edited_one(tmp_path, capsys):
+def test_course_never_overwrites_an_edited_config_without_force(tmp_path, capsys):
     from autograder.build import _CONFIG
 
     course = tmp_path / "course"
     assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
     config = course / "nbgrader_config.py"
     assert config.read_text() == _CONFIG and "= autograde_preprocessors()" in _CONFIG
-    # as `kit course` wrote it before autograde skipped the demos
-    earlier = re.sub(r"# autograde runs the setup.*?autograde_preprocessors\(\)\n", "", _CONFIG, flags=re.S)
-    earlier = earlier.replace("CODE_STUB, autograde_preprocessors, release_preprocessors",
-                              "CODE_STUB, release_preprocessors")
-    assert earlier != _CONFIG and "autograde" in earlier  # only the comment at the top names it
-    config.write_text(earlier)
-    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
-    assert config.read_text() == _CONFIG
-    config.write_text(earlier + "c.Execute.timeout = 900  # an instructor's edit\n")
+    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0  # unchanged: fine
+    config.write_text(_CONFIG + "c.Execute.timeout = 900  # an instructor's edit\n")
     assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 2
     assert "--force" in capsys.readouterr().err and "900" in config.read_text()
-
+    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00", "--force"]) == 0
+    assert config.read_text() == _CONFIG
 
 def test_course_rejects_a_bad_lesson_list(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:

@@ -69,39 +69,6 @@ def test_from_kit_import_check_still_gives_the_graders_check():
     assert kit.check is check
 
 
-def test_a_course_config_written_before_the_move_is_named_with_its_fix(tmp_path):
-    import pytest
-
-    with pytest.raises(ImportError, match="re-run `kit course DIR`"):
-        import kit.build  # noqa: F401
-
-
-def test_kit_course_rewrites_a_config_written_before_the_move_and_keeps_the_rest(tmp_path):
-    from autograder.build import main_course
-
-    course = tmp_path / "course"
-    course.mkdir()
-    (course / "nbgrader_config.py").write_text(
-        "c = get_config()\nfrom kit.build import CODE_STUB, release_preprocessors  # noqa: E402\n")
-    (course / "submitted").mkdir()
-    (course / "submitted" / "alice.txt").write_text("work")
-    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
-    config = (course / "nbgrader_config.py").read_text()
-    assert "from autograder.build import CODE_STUB, autograde_preprocessors, release_preprocessors" in config
-    assert (course / "submitted" / "alice.txt").read_text() == "work"
-
-
-def test_a_lesson_helper_imported_by_its_old_name_is_the_same_module():
-    # notebooks released before the helpers moved into kit.lessons import kit.models etc.
-    import importlib
-
-    import kit.lessons.models
-
-    old = importlib.import_module("kit.models")
-    assert old is kit.lessons.models
-    assert old.__spec__.name == "kit.lessons.models"
-
-
 def test_the_engine_holds_no_lesson_helper():
     helpers = {p.stem for p in (ROOT / "kit" / "lessons").glob("*.py")} - {"__init__"}
     engine = {p.stem for p in (ROOT / "kit").glob("*.py")}
