@@ -39,6 +39,7 @@
 import json
 import math
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,8 +63,10 @@ from kit.lessons.profiling import (
 )
 from kit.trace import launch_traced, trace
 
-WORK = Path("lesson12")  # traces and figures of this lesson are written here
-WORK.mkdir(exist_ok=True)
+# Traces and figures of this lesson go to a folder of their own in the temporary directory, never
+# into the folder you started Jupyter in; open the traces from there in https://ui.perfetto.dev.
+WORK = Path(tempfile.mkdtemp(prefix="kit-lesson12-"))
+print(f"this lesson's traces and figures: {WORK}")
 
 # %% [markdown]
 # ## 1. Counting FLOPs

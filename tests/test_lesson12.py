@@ -11,6 +11,7 @@ the recorder's collectives, the figure); which case catches which bug; and the l
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,20 +329,22 @@ def test_an_edge_bug_gets_feedback_naming_its_regime(bugs, task_id, bug, names):
 
 @pytest.mark.slow
 def test_lesson12_runs_headless_and_shows_what_it_claims():
-    import shutil
+    import re
 
     from kit.runner import run_notebook
 
-    work = SOURCE.parent / "lesson12"  # the lesson's working folder, beside the notebook
-    shutil.rmtree(work, ignore_errors=True)  # what is there after the run, the run wrote
+    beside = set((SOURCE.parent).iterdir())
     result = run_notebook(SOURCE, timeout=300)
     assert result.ok, str(result.failure)
     assert result.seconds < 300, result.slowest()
+    assert set((SOURCE.parent).iterdir()) == beside  # nothing written beside the notebook
+    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    work = Path(re.search(r"this lesson's traces and figures: (\S+)", printed).group(1))
+    assert work.is_dir() and work.name.startswith("kit-lesson12-")
     merged = json.loads((work / "merged_trace.json").read_text())
     assert {e["pid"] for e in merged["traceEvents"]} == {0, 1, 2, 3}
     assert sorted(p.name for p in (work / "traces_data").glob("rank*.json")) == [
         f"rank{r}.json" for r in range(4)]
-    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
     assert "FlopCounterMode has a formula for the CPU flash kernel: False" in printed
     assert "training_flops equals FlopCounterMode: True" in printed
     assert "ddp" in printed and "112 GB (does not fit)" in printed  # 7B under DDP: 16 B x 7e9
