@@ -435,6 +435,12 @@ def _build(kind: str, state_cls: Any) -> Any:
     if kind == "ddp":
         model = DistributedDataParallel(make_model())
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    elif kind == "fsdp-unused":  # a head the forward never uses: no gradient, no AdamW state
+        model = make_model()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model.unused = torch.nn.Linear(4, 1)  # (1, 4) and (1,): rank 1's shards are empty
+        model, scaler = shard_model(model), None
     else:
         model, scaler = shard_model(make_model()), None
     return state_cls(model, make_optimizer(model), make_sampler(), scaler)
@@ -491,29 +497,63 @@ def _resume_on_rank(impl: Any, kind: str, seed: int, steps: int, ckpt: str) -> d
     return {"snapshot": snap, "losses": losses, "final": full_parameters(state.model)}
 
 
-def _save_both(impl: Any, seed: int, root: str) -> None:
+UNUSED_AT, UNUSED_MORE = 2, 2  # the unused head's run: steps before the save, after the load
+_UNUSED = "a parameter without a gradient so far (an unused head; rank 1 holds empty shards)"
+
+
+def _edge_error(e: BaseException, what: str) -> str:
+    """An error of the unused-head run as one line (DCP wraps each rank's traceback)."""
+    import re
+
+    errors = re.findall(r"\w+(?:Error|Exception): [^\n]*", str(e))
+    return f"{what} raised " + (errors[-1] if errors else f"{type(e).__name__}: {e}")[:300]
+
+
+def _save_both(impl: Any, seed: int, root: str) -> str | None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     for kind in ("ddp", "fsdp"):
         _save_on_rank_62(impl, kind, seed, SAVE_AT, os.path.join(root, kind))
+    try:
+        _save_on_rank_62(impl, "fsdp-unused", seed, UNUSED_AT, os.path.join(root, "unused"))
+    except NotImplementedError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - its own case's finding
+        return _edge_error(e, "dcp.save")
+    return None
 
 
-def _resume_all(impl: Any, seed: int, root: str) -> dict[str, Any]:
-    out = {kind: _resume_on_rank(impl, kind, seed, TOTAL - SAVE_AT, os.path.join(root, kind))
-           for kind in ("ddp", "fsdp")}
+def _resume_all(impl: Any, seed: int, root: str, unused_error: str | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    out: dict[str, Any] = {kind: _resume_on_rank(impl, kind, seed, TOTAL - SAVE_AT,
+                                                 os.path.join(root, kind))
+                           for kind in ("ddp", "fsdp")}
     out["reshard"] = _resume_on_rank(impl, "fsdp", seed, 0, os.path.join(root, "fsdp4"))["snapshot"]["params"]
+    out["unused"] = unused_error
+    if unused_error is None:
+        try:
+            resumed = _resume_on_rank(impl, "fsdp-unused", seed, UNUSED_MORE,
+                                      os.path.join(root, "unused"))
+            out["unused"] = {"losses": resumed["losses"], "final": resumed["final"]}
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - its own case's finding
+            out["unused"] = _edge_error(e, "dcp.load")
     return out
 
 
 def _resume_run(impl: Any, seed: int) -> list[dict[str, Any]]:
-    """Save DDP and FSDP2 after SAVE_AT steps on 2 ranks and FSDP2 after SAVE_AT_4 on 4 ranks,
-    then resume all three in one fresh 2-rank launch."""
+    """Save DDP and FSDP2 after SAVE_AT steps on 2 ranks (and FSDP2 with an unused head after
+    UNUSED_AT) and FSDP2 after SAVE_AT_4 on 4 ranks, then resume all in one fresh 2-rank launch."""
     from kit.launcher import run_ranks
 
     options = {"timeout": 60.0, "echo": False, "preload": STATE.preload}
     with tempfile.TemporaryDirectory(prefix="kit-resume-") as root:
-        run_ranks(_save_both, (impl, seed, root), world_size=2, **options)
+        unused_errors = run_ranks(_save_both, (impl, seed, root), world_size=2, **options)
         run_ranks(_save_on_rank_62, (impl, "fsdp", seed, SAVE_AT_4, os.path.join(root, "fsdp4")),
                   world_size=4, **options)
-        return list(run_ranks(_resume_all, (impl, seed, root), world_size=2, **options))
+        unused_error = next((e for e in unused_errors if e), None)
+        return list(run_ranks(_resume_all, (impl, seed, root, unused_error), world_size=2,
+                              **options))
 
 
 # bounds nothing: an exact resume is about what is saved, not how much; what each rank writes
@@ -618,6 +658,28 @@ STATE.case(f"FSDP2 saved on 4 ranks after {SAVE_AT_4} steps, loaded on 2: equal 
                                                      path="full parameters after loading on 2 ranks"),
            hint="get_state_dict gives FSDP2's DTensors, and DCP reshards them at load time: save "
                 "those, not each rank's local shard.")
+
+
+def _compare_unused(got: Any, expected: list[dict[str, Any]]) -> None:
+    for rank, (g, e) in enumerate(zip(got, expected)):
+        if isinstance(g, str):
+            raise CheckFailed(
+                f"{_UNUSED}: rank {rank}: {g}", expected="an exact resume", got=g,
+                hint="A fresh optimizer's template (get_state_dict creates AdamW state for every "
+                     "trainable parameter) asks for state that a parameter without a gradient so "
+                     "far never had: save, for each such parameter, the state the optimizer starts "
+                     "it with (zeros and step 0, shaped like the parameter).")
+        assert_same(g["losses"], e["losses"], rtol=0.0, atol=0.0,
+                    path=f"{_UNUSED}: rank {rank}: losses of the {UNUSED_MORE} resumed steps")
+        assert_same(g["final"], e["final"], rtol=0.0, atol=0.0,
+                    path=f"{_UNUSED}: rank {rank}: parameters after {UNUSED_AT + UNUSED_MORE} steps")
+
+
+STATE.case(f"FSDP2 on 2 ranks with an unused head (no gradient, so no optimizer state, at the "
+           f"save; empty shards on rank 1): {UNUSED_AT} steps, dcp.save, a fresh launch, dcp.load "
+           f"and {UNUSED_MORE} more steps equal straight steps", uses=RESUME_RUN, pick="unused",
+           compare=_compare_unused, weight=0.5,
+           expect=lambda seed: [r["unused"] for r in STATE.trusted("straight_runs")(seed)[0]])
 
 
 # --------------------------------------------------------------------------- task 6.3

@@ -406,10 +406,19 @@ with tempfile.TemporaryDirectory() as folder:
 #   then set `position`);
 # - the scaler's `state_dict()` when a `GradScaler` is given.
 #
+# One edge: a parameter that has had no gradient yet (an unused head, a branch the forward
+# has not reached) has no AdamW state, but a fresh optimizer's template from `get_state_dict`
+# has state for every trainable parameter, so in torch 2.13 `dcp.load` raises
+# `RuntimeError: Missing key in checkpoint state_dict: train.optim.state.<name>.step`. Save,
+# for each such parameter, the state AdamW would start it with (zeros shaped like the
+# parameter, step 0): loading that is the same as the optimizer creating it at the first
+# gradient.
+#
 # The checks train k = 8 steps on 2 ranks (epoch 1, mid-epoch), `dcp.save({"train": state})`,
 # start a *fresh* launch whose RNGs are seeded differently, `dcp.load`, train 3 more steps,
 # and compare with 11 straight steps bit for bit: parameters, losses and every piece of state
-# right after the load. Once with DDP and a `GradScaler`, once with FSDP2. Then an FSDP2
+# right after the load. Once with DDP and a `GradScaler`, once with FSDP2, once with FSDP2 and
+# an unused head (2 steps, then 2; its shards on rank 1 are empty). Then an FSDP2
 # checkpoint saved on 4 ranks must load on 2.
 
 
@@ -422,6 +431,11 @@ class TrainingState(Stateful):
     state_dict() returns model and optimizer state through get_state_dict, the step, this rank's
     torch, Python and NumPy RNG states and the sampler's epoch and position (and the scaler's
     state); load_state_dict() puts all of it back.
+
+    At the edges: a parameter without a gradient so far (so without optimizer state) is saved
+    with the state the optimizer starts it with (zeros, step 0), so that a fresh optimizer can
+    load the checkpoint; an FSDP2 parameter smaller than the world size (empty shards) needs
+    nothing of its own.
     """
 
     def __init__(self, model, optimizer, sampler, scaler=None):
@@ -432,6 +446,15 @@ class TrainingState(Stateful):
         """Model and optimizer (get_state_dict), step, this rank's RNGs and sampler, scaler."""
         ### BEGIN SOLUTION
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        # A parameter without a gradient so far has no optimizer state, but a fresh optimizer's
+        # template (get_state_dict initialises every trainable parameter's) asks for it: save
+        # the state the optimizer would start it with (zeros, step 0), as AdamW creates lazily.
+        have = optim_state["state"]
+        like = next(iter(have.values()), None)
+        for fqn in (f for group in optim_state["param_groups"] for f in group["params"]):
+            if like is not None and fqn not in have and fqn in model_state:
+                have[fqn] = {k: torch.zeros_like(v if v.dim() == 0 else model_state[fqn])
+                             for k, v in like.items()}
         state = {
             "model": model_state,
             "optim": optim_state,

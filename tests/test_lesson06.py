@@ -277,3 +277,15 @@ def test_a_loop_that_tests_for_the_end_after_the_step_fails_the_after_the_last_s
                                         "step-000008"), failed[0].message
     assert "called train_step at steps [8]" in failed[0].message
     assert "before each step" in failed[0].hint
+
+
+def test_a_state_without_initial_optimizer_state_fails_the_unused_head_case_naming_the_regime(bugs):
+    report = run_checks("6.2", dict(bugs["6.2"])[
+        "saves no optimizer state for a parameter without a gradient so far: a fresh load "
+        "misses its keys"])
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name for c in failed] == [next(c.name for c in report.cases
+                                             if "unused head" in c.name)], report.to_text()
+    assert failed[0].message.startswith("a parameter without a gradient so far"), failed[0].message
+    assert "Missing key in checkpoint state_dict: train.optim.state.unused" in failed[0].message
+    assert "zeros and step 0" in failed[0].hint

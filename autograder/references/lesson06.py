@@ -47,6 +47,24 @@ def write_bound(seed: int) -> dict[str, int]:
 # --------------------------------------------------------------------------- task 6.2
 
 
+def with_initial_optimizer_state(model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+    """Give every parameter that has no optimizer state yet (no gradient so far) the state AdamW
+    starts it with, zeros and step 0: a fresh optimizer's template (``get_state_dict`` creates
+    state for every trainable parameter) then finds each key in the checkpoint, and the loaded
+    zeros are what the optimizer would have created at the parameter's first gradient."""
+    known = optim_state["state"]
+    if not known:
+        return
+    template = next(iter(known.values()))
+    for group in optim_state["param_groups"]:
+        for name in group["params"]:
+            if name in known or name not in model_state:
+                continue
+            known[name] = {key: torch.zeros_like(value) if value.dim() == 0
+                           else torch.zeros_like(model_state[name])
+                           for key, value in template.items()}
+
+
 class TrainingState:
     """Task 6.2's reference Stateful: model and optimizer via get_state_dict, step, per-rank RNGs
     and sampler, and the scaler's state when there is one."""
@@ -63,6 +81,7 @@ class TrainingState:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        with_initial_optimizer_state(model_state, optim_state)
         state = {"model": model_state, "optim": optim_state, "step": self.step,
                  self._rank_key(): {
                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -104,7 +123,10 @@ def _straight_on_rank(kind: str, seed: int, total: int, at: int) -> dict[str, An
 
 
 def _straight_both(seed: int) -> dict[str, Any]:
-    return {kind: _straight_on_rank(kind, seed, L.TOTAL, L.SAVE_AT) for kind in ("ddp", "fsdp")}
+    out = {kind: _straight_on_rank(kind, seed, L.TOTAL, L.SAVE_AT) for kind in ("ddp", "fsdp")}
+    unused = _straight_on_rank("fsdp-unused", seed, L.UNUSED_AT + L.UNUSED_MORE, L.UNUSED_AT)
+    out["unused"] = {"losses": unused["losses"], "final": unused["final"]}
+    return out
 
 
 def _straight(_key: Any, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
