@@ -347,8 +347,9 @@ def _invariants(got: dict[str, Any], edge_index: torch.Tensor, seeds: torch.Tens
                 "order, and each node's neighbours in the order they appear in col",
                 expected="targets non-decreasing, positions in col increasing per target",
                 got=f"first edges {ei[:, e0:e0 + 6].tolist()}",
-                hint="PyG lists a hop's edges node by node, in n_id order, and each node's "
-                     "draws in col order; n_id's new nodes follow that same order.")
+                hint="A hop's edges go node by node, in n_id order (PyG's order), and each "
+                     "node's draws in col order (this task's rule, so that a sample can be "
+                     "checked exactly); n_id's new nodes follow that same order.")
         new = n_id[start[h + 1]:start[h + 2]].tolist()
         first: list[int] = []
         seen = set(n_id[:start[h + 1]].tolist())
@@ -522,7 +523,7 @@ SAMPLE.case("n_id: the seeds, then new nodes in draw order; edges node by node i
             uses=SAMPLES, compare=_invariant_case(counts_only=False), expect=_graph_and_seeds,
             hint="The order is part of PyG's contract: the first batch_size nodes are the seeds, "
                  "new nodes follow in the order they are first drawn, frontier nodes are taken in "
-                 "n_id order and each node's draws in col order.",
+                 "n_id order; and this task's rule: each node's draws in col order.",
             recipe="Visit frontier nodes in the order of n_id; sort each node's chosen positions "
                    "before reading col; append a neighbour to n_id the first time it appears in "
                    "that sequence, and make it part of the next frontier.")

@@ -397,7 +397,7 @@ def _compare_straggler(got: Any, expected: dict[str, Any], phase: str) -> None:
 
 for _phase, _how in (("data", "a slow data loader (the dataset sleeps)"),
                      ("compute", "extra matrix products in forward"),
-                     ("communication", "a slow link (a sleep before the all-reduce)")):
+                     ("communication", "a late send (a host-side sleep before the all-reduce)")):
     STRAGGLER.case(f"{_how}: the slow rank and phase {_phase!r}", uses=_straggler_answers,
                    pick=_phase, compare=partial(_compare_straggler, phase=_phase),
                    expect=partial(lambda seed, p: {"rank": slow_ranks(seed)[p], "phase": p},

@@ -41,7 +41,9 @@
 # a source distribution there, which has to compile against your torch; this course installs
 # neither. So you write the sampler, and PyG's `NodeLoader` runs it through a small
 # `BaseSampler` adapter (`kit.lessons.graphs.FunctionSampler`). With `pyg-lib` installed,
-# `neighbor_loader(...)` below *is* `NeighborLoader`: the same batches, the same code.
+# `neighbor_loader(...)` below *is* `NeighborLoader`: the same code and batches of the same
+# form, but not the same draws: `pyg-lib`'s C++ sampler takes no `torch.Generator` (the
+# adapter drops `generator=` there), so its batches cannot be replayed from one.
 # `kit doctor` tells you which one you have.
 
 # %% tags=["setup"]
@@ -180,7 +182,9 @@ print("in-neighbours of 0:", col[rowptr[0]:rowptr[1]].tolist())
 # returning a `SampledSubgraph(n_id, edge_index, num_sampled_nodes, num_sampled_edges)`.
 # Take every random number from `generator` (`torch.rand(..., generator=generator)`), so a
 # batch can be replayed. Frontier nodes are visited in `n_id` order and each node's draws in
-# the order its neighbours appear in `col`. A loop over nodes with `torch.randperm` is a
+# the order its neighbours appear in `col`: that last rule is this course's, so that a sample
+# can be checked exactly (PyG keeps `col` order when every neighbour is taken; with fewer,
+# `pyg-lib` may list a node's draws in the order it drew them). A loop over nodes with `torch.randperm` is a
 # correct start; the solution draws for the whole frontier at once.
 
 # %% tags=["task-11.1"]
@@ -406,6 +410,10 @@ for name, d in (("peptides", peptides), ("power law", big)):
             print(f"{name:9s} {parts} parts {method:6s}: edge cut {s['edge_cut']:6.1%}, balance "
                   f"{s['balance']:.3f}, halo per rank {sum(s['halo']) / parts / (d.num_nodes / parts):5.0%} "
                   f"of its own nodes ({s['seconds']:.2f} s)")
+for name in ("peptides", "power law"):
+    print(f"{name}: METIS cuts " + ", ".join(
+        f"{stats[name, p, 'random']['edge_cut'] / stats[name, p, 'METIS']['edge_cut']:.1f}x"
+        for p in (2, 4, 8)) + " fewer edges than a random split (2, 4, 8 parts)")
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(9, 3))
@@ -422,8 +430,9 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# On both graphs METIS cuts four to six times fewer edges than a random split: both have
-# communities (similar peptides; the planted classes), and METIS finds them. The halo shrinks
+# On both graphs METIS cuts several times fewer edges than a random split (the ratios
+# above): both have communities (similar peptides; the planted classes), and METIS finds
+# them. The halo shrinks
 # less than the cut: a hub's thousands of neighbours lie on every rank whatever the
 # partition, so it is in every rank's halo. And the halo of a random partition grows towards
 # every other node as the number of parts grows: each rank needs most of the graph.
@@ -636,7 +645,8 @@ print("max |HaloGCNConv - GCNConv| per rank:", launch(halo_vs_gcnconv, part4, wo
 #
 # Now a whole epoch both ways on the peptide graph, on 1, 2 and 4 ranks. Partition-parallel:
 # a 2-layer GCN on the full graph, each rank its METIS part, the weight gradients summed over
-# ranks (DDP's job, done here by hand). Sampled: the GraphSAGE of section 3. For each, the
+# ranks by hand (not DDP's job: DDP averages, and a loss split over parts needs the sum, since
+# each rank's loss is its own nodes' share of one loss over the whole graph). Sampled: the GraphSAGE of section 3. For each, the
 # recorder counts the bytes a rank sends, the meter the peak bytes it allocates, and a clock
 # the epoch time.
 
@@ -768,11 +778,15 @@ plt.show()
 # >     out = model(batch.x, batch.edge_index)[:batch.batch_size]
 # > ```
 # >
-# > **Graphs partitioned over machines.** `torch_geometric.distributed` keeps one METIS part per
-# > machine (`Partitioner` writes them, through `ClusterData`, which needs `torch-sparse` or
-# > `pyg-lib` for METIS), serves remote features and neighbours over RPC
-# > (`LocalFeatureStore`, `LocalGraphStore`, `DistNeighborLoader`), and trains with DDP on
-# > top: sampling that crosses machines instead of a halo per layer. The halo exchange you
+# > **Graphs partitioned over machines.** Sampling that crosses machines keeps one part of
+# > the graph and its features per machine and fetches a batch's remote neighbours and feature
+# > rows from their owners. PyG had this as `torch_geometric.distributed` (`Partitioner`,
+# > `DistNeighborLoader` over RPC), but it is deprecated since PyG 2.7: in 2.8.1 its samplers
+# > and loaders warn that it "will no longer be maintained" and point to PyG's
+# > [distributed training tutorials](https://pytorch-geometric.readthedocs.io/en/latest/tutorial/distributed.html)
+# > (one `NeighborLoader` per GPU under DDP, the pattern above) and to
+# > [cuGraph-PyG](https://github.com/rapidsai/cugraph-gnn) (graph and features sharded over
+# > GPUs, sampled on the GPU) for graphs beyond one machine. The halo exchange you
 # > wrote is the other design, used for full-graph training (DistGNN, BNS-GCN, PipeGCN):
 # > with NCCL, `all_to_all_single` moves the halo GPU to GPU, and the features never leave
 # > device memory.
@@ -795,7 +809,7 @@ plt.show()
 # Docs: [NeighborLoader](https://pytorch-geometric.readthedocs.io/en/latest/modules/loader.html#torch_geometric.loader.NeighborLoader),
 # [BaseSampler](https://pytorch-geometric.readthedocs.io/en/latest/modules/sampler.html),
 # [GCNConv](https://pytorch-geometric.readthedocs.io/en/latest/generated/torch_geometric.nn.conv.GCNConv.html),
-# [torch_geometric.distributed](https://pytorch-geometric.readthedocs.io/en/latest/modules/distributed.html),
+# [PyG's distributed training](https://pytorch-geometric.readthedocs.io/en/latest/tutorial/distributed.html),
 # [all_to_all_single](https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single),
 # [torch.autograd.Function](https://pytorch.org/docs/stable/autograd.html#function),
 # [pymetis](https://documen.tician.de/pymetis/).

@@ -75,8 +75,11 @@ print(f"this lesson's traces and figures: {WORK}")
 # costs `2mkn` FLOPs (a multiply and an add per term). Backward costs about twice the forward:
 # each product `Y = X W` needs one product for `dX` and one for `dW`. Hence the rule of thumb
 # of the scaling-law papers ([Kaplan et al., 2020](https://arxiv.org/abs/2001.08361)):
-# **training costs 6 · N · tokens FLOPs**, with `N` the parameters, plus an attention term
-# `6 · 2 · layers · seq_len · dim` per token that the rule leaves out.
+# **training costs 6 · N · tokens FLOPs**, where Kaplan's `N` counts the parameters outside
+# the embeddings (`12 · layers · dim²` for this model's blocks, biases aside). Attention's two
+# products over every position add `12 · layers · seq_len · dim` per token for training,
+# the count of PaLM's appendix B ([Chowdhery et al., 2022](https://arxiv.org/abs/2204.02311));
+# Kaplan's table keeps half of it, the scores `Q Kᵀ` alone.
 #
 # `torch.utils.flop_counter.FlopCounterMode` counts the FLOPs of the aten ops that actually run
 # ([source](https://github.com/pytorch/pytorch/blob/main/torch/utils/flop_counter.py)): it
@@ -107,7 +110,14 @@ math_total, math_ops = counted(SDPBackend.MATH)
 params = sum(p.numel() for p in model.parameters())
 print(f"fused attention kernel: {fused_total:,} FLOPs  {fused_ops}")
 print(f"math attention backend: {math_total:,} FLOPs  {math_ops}")
-print(f"6 N tokens rule:        {6 * params * batch * seq_len:,} FLOPs (N = {params:,} parameters, embeddings included)")
+tokens = batch * seq_len
+kaplan = 6 * 12 * layers * dim**2 * tokens  # 6 N tokens, Kaplan's N: the blocks' weights only
+palm = 12 * layers * seq_len * dim * tokens  # attention's two products over every position
+head = 6 * dim * vocab * tokens  # the tied output layer: a real product of the embedding matrix
+print(f"6 N tokens, Kaplan's N = 12·layers·dim²: {kaplan:,}; + attention 12·layers·seq_len·dim "
+      f"per token: {kaplan + palm:,}; + the output layer 6·dim·vocab per token: "
+      f"{kaplan + palm + head:,} (= FlopCounterMode's math count: {kaplan + palm + head == math_total})")
+print(f"6 N tokens with N every parameter ({params:,}): {6 * params * tokens:,}")
 from torch.utils.flop_counter import flop_registry  # noqa: E402
 
 print("FlopCounterMode has a formula for the CPU flash kernel:",
@@ -117,8 +127,12 @@ print("FlopCounterMode has a formula for the CPU flash kernel:",
 # On CPU, `scaled_dot_product_attention` runs a fused flash kernel
 # (`_scaled_dot_product_flash_attention_for_cpu`), and `FlopCounterMode` has no formula for it:
 # attention counts as **zero**. Under `sdpa_kernel(SDPBackend.MATH)` the same attention runs as
-# two batched products (`aten.bmm`), which it counts. The `6 N tokens` rule is off the other
-# way: it counts the embeddings (a lookup, no FLOPs) and misses the attention scores.
+# two batched products (`aten.bmm`), which it counts. The `6 N tokens` rule depends on what
+# `N` is. Kaplan's `N` leaves out the embeddings, and so misses the output layer, a real
+# product (`2 · dim · vocab` per token forward: tied to the token embedding here, it is where
+# that matrix costs FLOPs). Every parameter in `N` gets the tied output layer right, but also
+# charges the position embedding, a lookup. Both miss attention's products over the sequence,
+# which grow with `seq_len`; only the three terms together are the count.
 #
 # **Task 12.1.** Count it from the shapes: no model, no counter.
 
@@ -164,7 +178,7 @@ print("training_flops equals FlopCounterMode:", training_flops(vocab, dim, layer
 for shape in [(vocab, dim, layers, heads, batch, seq_len), (256, 64, 4, 4, 1, 1024)]:
     v, d, n_layers, h, b, t = shape
     n = v * d + t * d + n_layers * (12 * d * d + 13 * d) + 2 * d
-    print(f"{shape}: exact {training_flops(*shape):>14,}   6 N tokens {6 * n * b * t:>14,}"
+    print(f"{shape}: exact {training_flops(*shape):>14,}   6 N tokens (N every parameter) {6 * n * b * t:>14,}"
           f"   ({6 * n * b * t / training_flops(*shape):.2f}x)")
 
 # %% [markdown]
@@ -307,8 +321,11 @@ plt.show()
 # bytes, not FLOPs, set the pace, and far below the peak. They can land on or above the DRAM
 # slope because this step's operands (a few hundred kB) fit in the caches, which are faster
 # than the 32 MB copy that measured the bandwidth. The GELU's "8 FLOPs per element" is
-# a convention of this plot: `FlopCounterMode` gives elementwise ops no FLOPs at all, which is
-# why MFU counts only the matrix products.
+# a convention of this plot: `FlopCounterMode` gives elementwise ops no FLOPs at all. MFU
+# counts only the matrix products for another reason: by definition (PaLM's) it divides the
+# FLOPs the *model* needs, from its shapes, by the peak, so that recomputation, padding or a
+# slower kernel lower MFU instead of raising the count; elementwise work is not free, it is
+# simply not in the numerator.
 
 # %% [markdown]
 # ## 3. Bytes per layout
@@ -509,6 +526,18 @@ def collective_seconds(op, nbytes, world, alpha, beta, calls):
     return calls * (world - 1) * alpha + (world - 1) / world * nbytes * beta
 
 
+def ddp_buckets(model, first=2**20, cap=25 * 2**20):
+    """DDP's all-reduces per step: the gradients in reverse order of the parameters, into buckets
+    of 1 MiB first (DDP's first bucket is small so that communication starts early), then of
+    bucket_cap_mb=25 MiB each; a bucket closes once it holds at least its cap."""
+    buckets, size, limit = 0, 0, first
+    for p in reversed(list(model.parameters())):
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            buckets, size, limit = buckets + 1, 0, cap
+    return buckets + (size > 0)
+
+
 def predict(layout, d_, world, cal):
     flops = training_flops(vocab, d_, 2, 4, 4, seq_len)
     if layout == "tp":  # the MLPs (16 N D^2 of the 24 N D^2 per layer) are split W ways
@@ -517,11 +546,20 @@ def predict(layout, d_, world, cal):
     efficiency = training_flops(vocab, 64, 2, 4, 4, seq_len) / (cal["plain"][64] * cal["peak"])
     compute = flops / (efficiency * cal["peak"])
     m = TinyTransformer(vocab, d_, 2, 4, context=seq_len)
-    calls = {"ddp": 1, "fsdp": 5 + 3, "tp": 4}[layout]  # buckets; FSDP's units; TP's all-reduces
+    calls = {"ddp": ddp_buckets(m), "fsdp": 5 + 3, "tp": 4}[layout]  # buckets; FSDP's units; TP's all-reduces
     comm = sum(collective_seconds(op, n, world, cal["alpha"], cal["beta"], calls)
                for op, n in step_traffic(layout, m, world, 4, seq_len).items())
     return compute + comm
 
+
+# DDP's buckets, against the assignment DDP itself computes (a private helper of torch's):
+for d_ in SIZES:
+    m_ = TinyTransformer(vocab, d_, 2, 4, context=seq_len)
+    params_ = list(reversed(list(m_.parameters())))
+    torch_buckets, _ = dist._compute_bucket_assignment_by_size(
+        params_, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20], [False] * len(params_))
+    print(f"dim {d_}: {sum(p.numel() * 4 for p in params_) / 2**20:.2f} MiB of gradients, "
+          f"{ddp_buckets(m_)} DDP all-reduce(s) per step (torch's assignment: {len(torch_buckets)})")
 
 predicted, measured = [], []
 for world in (2, 4):
@@ -589,16 +627,29 @@ def layout_7b(layout, gpus, tp=8):
         tokens_per_group = TOKENS7B / dp
         exposed += 4 * LAYERS7B * 2 * (tp - 1) / tp * tokens_per_group * WIDTH7B * 2 / H100["nvlink"]
     step = compute + exposed + max(0.0, hidden_comm - 2 / 3 * compute)
-    return step, memory
+    return step, memory, dp
+
+
+SEQUENCES7B = TOKENS7B // SEQ7B  # 256 sequences in a global batch: at most 256 data-parallel replicas
+
+
+def why_not(step_memory_dp):
+    """Why a layout cannot run, else ''."""
+    _, memory, dp = step_memory_dp
+    if memory > H100["memory"]:
+        return " (does not fit)"
+    if dp > SEQUENCES7B:  # each replica needs at least one whole sequence per step
+        return f" (the batch's {SEQUENCES7B} sequences do not cover {dp} replicas)"
+    return ""
 
 
 rows = []
 for gpus in (8, 64, 512):
     options = {layout: layout_7b(layout, gpus) for layout in ("ddp", "zero1", "fsdp", "tp+fsdp")}
-    fits = {k: v for k, v in options.items() if v[1] <= H100["memory"]}
-    best = min(fits, key=lambda k: (round(fits[k][0], 1), fits[k][1]))  # a tie: less memory
+    runs = {k: v for k, v in options.items() if not why_not(v)}
+    best = min(runs, key=lambda k: (round(runs[k][0], 1), runs[k][1]))  # a tie: less memory
     print(f"{gpus:>3} GPUs: " + ", ".join(
-        f"{k} {v[0]:.2f} s/{v[1] / 1e9:.0f} GB{'' if k in fits else ' (does not fit)'}" for k, v in options.items())
+        f"{k} {v[0]:.2f} s/{v[1] / 1e9:.0f} GB{why_not(v)}" for k, v in options.items())
         + f"  ->  {best}")
     rows.append((gpus, options, best))
 
@@ -606,10 +657,16 @@ for gpus in (8, 64, 512):
 # DDP never fits: 16 bytes for each of 7B parameters is 112 GB. At 8 GPUs everything rides
 # NVLink and the gradients hide behind a 9 s backward; at 64 they cross InfiniBand, at a ninth
 # of NVLink's speed, and still hide. ZeRO-1 and FSDP tie on time there, so FSDP wins on memory,
-# and tensor parallelism only adds its activation all-reduces. At 512 GPUs each GPU computes
-# for a fraction of a second and the gradient traffic no longer hides: tensor parallelism
-# inside the node divides the gradient bytes that cross nodes by 8, at the price of activation
-# all-reduces that stay on NVLink.
+# and tensor parallelism only adds its activation all-reduces. At 512 GPUs the batch decides:
+# 2^20 tokens are 256 sequences of 4096, so 512 data-parallel replicas would get half a
+# sequence each. Pure data parallelism (DDP, ZeRO, FSDP) cannot use more GPUs than the batch
+# has sequences; to go further, split the work of one sequence: tensor parallelism inside the
+# node (8 GPUs share each sequence, leaving 64 replicas), or context parallelism (Lesson 09's
+# ring attention), which splits the sequence itself. A larger batch would not converge as well
+# per token, so the batch is the fixed quantity. The step is short there too (a fraction of
+# a second of compute per GPU), so the gradient traffic would no longer hide behind the
+# backward either; tensor parallelism also divides the gradient bytes that cross nodes by 8,
+# at the price of activation all-reduces that stay on NVLink.
 # This is why large runs use 2-D (and more) meshes: TP within a node, FSDP across nodes.
 # Real choices also weigh activation memory, pipeline bubbles and the batch size that
 # converges; the [Ultra-Scale Playbook](https://huggingface.co/spaces/nanotron/ultrascale-playbook)
@@ -754,7 +811,11 @@ print("find_straggler blames the slow rank:", all(found))
 # The injected delay is half a second per step, at least 20 times a profiled step of this
 # model on two busy cores, and every comparison is relative: the slow rank waits least, and its phase
 # is the one where it exceeds the *median* of the others. Noise of tens of milliseconds, from
-# four ranks sharing two cores, moves neither.
+# four ranks sharing two cores, moves neither. The "communication" straggler here is a late
+# send: the rank sleeps on the host before its all-reduce, so its peers wait in theirs. A slow
+# *link* looks different: every rank's collective stretches, the ones on either side of that
+# link included, and no rank waits much less than the others; per-rank bus bandwidth (Lesson
+# 01's `bus_bandwidth`) is what finds that one.
 #
 # ## Running at scale
 #
@@ -791,8 +852,9 @@ print("find_straggler blames the slow rank:", all(found))
 #
 # ## Summary
 #
-# - A training step costs 3x its forward's matrix-product FLOPs; `6 N tokens` forgets the
-#   attention scores and counts embeddings that cost nothing. On CPU, `FlopCounterMode` counts
+# - A training step costs 3x its forward's matrix-product FLOPs: `6 N tokens` with Kaplan's
+#   `N` (no embeddings), plus attention's `12 · layers · seq_len · dim` per token, plus the
+#   output layer's `6 · dim · vocab`. On CPU, `FlopCounterMode` counts
 #   fused attention as 0: count under `sdpa_kernel(SDPBackend.MATH)`.
 # - MFU compares the model's FLOPs per second with a peak you measured or a datasheet states;
 #   the roofline says whether an operator is bound by memory or by compute.

@@ -75,12 +75,23 @@ from kit.trace import launch_traced, plot_timeline, region, trace
 # where $e_1, \dots, e_k$ are the $k$ experts with the largest probabilities $p$ and $w_j$
 # their weights. Switch Transformer ([Fedus et al., 2021](https://arxiv.org/abs/2101.03961))
 # uses $k = 1$ and $w_1 = p_{e_1}$, the raw probability, so that the router learns through the
-# weight. Mixtral and most models since use $k = 2$ or more and renormalise: $w_j =
-# p_{e_j} / \sum_{i \le k} p_{e_i}$.
+# weight. Mixtral ([Jiang et al., 2024](https://arxiv.org/abs/2401.04088)) uses $k = 2$ and
+# renormalises over the chosen: $w_j = p_{e_j} / \sum_{i \le k} p_{e_i}$; this lesson does
+# the same for $k > 1$. Not every model does: DeepSeek-V2, Qwen1.5-MoE and OLMoE keep the raw
+# top-$k$ probabilities (`norm_topk_prob=False` in their Hugging Face configs), and
+# DeepSeek-V3 normalises sigmoid scores instead of a softmax.
 #
-# **Capacity.** On real hardware every expert gets a fixed buffer of
-# $C = \lceil k \, T \, c / E \rceil$ slots for $T$ tokens, where $c$ is the *capacity factor*
-# ($c = 1$: exactly the average load). Slots are handed out first come, first served, and a
+# **Capacity.** In the capacity design (GShard, Switch Transformer, this lesson) every expert
+# gets a fixed buffer of $C = \lceil k \, T \, c / E \rceil$ slots for $T$ tokens, where $c$
+# is the *capacity factor* ($c = 1$: exactly the average load), so every tensor, and every
+# all-to-all, has a size known in advance. The formulas vary: Switch's $T c / E$ is for
+# $k = 1$, DeepSpeed-MoE adds a minimum capacity, GShard computes it per group of tokens.
+# Much of today's training is **dropless** instead: MegaBlocks
+# ([Gale et al., 2022](https://arxiv.org/abs/2211.15841)), Megatron-Core by default,
+# DeepSeek-V3 and torchtitan sort the tokens by expert and run one *grouped* matrix product
+# whose groups have whatever sizes the router chose (`torch._grouped_mm` in torch 2.13), so
+# nothing is dropped and no slot is padding; the price is all-to-alls whose sizes change every
+# step. Slots are handed out first come, first served, and a
 # choice that finds its expert full is **dropped**: it contributes nothing, and the block's
 # residual connection carries the token on unchanged. Who comes first matters: the rule here
 # (GShard's, [Lepikhin et al., 2020](https://arxiv.org/abs/2006.16668)) gives every token's
@@ -201,9 +212,12 @@ ax.set_title("Dropped choices against capacity factor (1024 tokens, 8 experts)")
 plt.show()
 print(f"balanced, k=1, c=1.25: {100 * dropped_fraction(0.0, 1, 1.25):.1f}% dropped; "
       f"skewed: {100 * dropped_fraction(2.0, 1, 1.25):.1f}%")
+print(f"balanced, c=1: {100 * dropped_fraction(0.0, 1, 1.0):.1f}% dropped at k=1, "
+      f"{100 * dropped_fraction(0.0, 2, 1.0):.1f}% at k=2")
 
 # %% [markdown]
-# Even balanced tokens lose a few percent at $c = 1$: random loads are never exactly equal.
+# Even balanced tokens lose some at $c = 1$ (the numbers printed below the figure): random
+# loads are never exactly equal, and an expert over its average drops its excess.
 # Switch Transformer compares capacity factors of 1.0, 1.25 and 2.0 and trains well at the
 # low end; the next section's loss is what keeps the load close enough to balanced for that.
 #
@@ -274,7 +288,9 @@ for name, layer in layers.items():
 # $$\mathcal{L}_\text{aux} = E \sum_{i=1}^{E} f_i \, P_i,$$
 #
 # where $f_i$ is the fraction of the $T k$ routing choices that went to expert $i$ (counted
-# before capacity, so dropped choices count) and $P_i$ is the mean router probability of
+# before capacity, so dropped choices count; Switch has $k = 1$, and dividing top-$k$
+# choices by $T k$ is Megatron-Core's form, which keeps the loss at 1 at balance for every $k$,
+# where Hugging Face's Mixtral loss divides by $T$ and equals $k$ there) and $P_i$ is the mean router probability of
 # expert $i$ over the $T$ tokens. $f$ is a count and has no gradient; the gradient flows
 # through $P$ and pushes probability away from the experts that get more than their share.
 # With $\sum_i f_i = \sum_i P_i = 1$, the loss is exactly 1 when either is uniform, and grows
@@ -855,10 +871,13 @@ print("grouped_mm equals the loop over experts:", torch.allclose(grouped, loop, 
 # ## Summary
 #
 # - A router picks each token's top-$k$ experts from a softmax; ties must go to the lower index
-#   on every machine (a stable sort; `torch.topk` promises nothing). Weights are the raw
-#   probability for $k = 1$ and renormalised over the $k$ chosen for $k > 1$.
-# - Each expert has $\lceil k T c / E \rceil$ slots, handed out first choices first; what does
-#   not fit is dropped and carried by the residual. Skew and a low capacity factor drop more.
+#   on every machine (a stable sort; `torch.topk` promises nothing). Weights here are the raw
+#   probability for $k = 1$ and renormalised over the $k$ chosen for $k > 1$ (as Mixtral; some
+#   models keep the raw top-$k$ probabilities).
+# - With a capacity, each expert has $\lceil k T c / E \rceil$ slots, handed out first choices
+#   first; what does not fit is dropped and carried by the residual. Skew and a low capacity
+#   factor drop more. Dropless layers (MegaBlocks, Megatron-Core, DeepSeek-V3, torchtitan) run
+#   grouped matrix products of variable sizes instead.
 # - An MoE has $E$ experts' parameters for $k$ experts' FLOPs per token.
 # - Without Switch's auxiliary loss $E \sum_i f_i P_i$ the router collapses onto a few experts;
 #   the gradient flows through $P$ only, and the loss is 1 at perfect balance.
@@ -874,6 +893,7 @@ print("grouped_mm equals the loop over experts:", torch.allclose(grouped, loop, 
 # GShard ([Lepikhin et al., 2020](https://arxiv.org/abs/2006.16668)),
 # DeepSpeed-MoE ([Rajbhandari et al., 2022](https://arxiv.org/abs/2201.05596)),
 # Mixtral ([Jiang et al., 2024](https://arxiv.org/abs/2401.04088)),
+# MegaBlocks ([Gale et al., 2022](https://arxiv.org/abs/2211.15841)),
 # the [Ultra-Scale Playbook](https://huggingface.co/spaces/nanotron/ultrascale-playbook)'s
 # expert-parallelism chapter, and [torchtitan](https://github.com/pytorch/torchtitan)'s MoE.
 #

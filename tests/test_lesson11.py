@@ -333,6 +333,9 @@ def test_lesson11_runs_headless_with_its_solutions_and_shows_what_it_claims():
     # equal step counts on every rank, for every world size
     assert all(len(set(m.split(", "))) == 1 for m in re.findall(r"on every rank \(\[(.*?)\]\)", printed))
     assert "AmazonProducts is not on this machine" in printed
+    ratios = re.findall(r"METIS cuts (.*) fewer edges than a random split", printed)
+    assert len(ratios) == 2 and all(float(r.rstrip("x")) > 2.5 for line in ratios
+                                    for r in line.split(", ")), ratios
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)

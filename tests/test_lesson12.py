@@ -347,6 +347,10 @@ def test_lesson12_runs_headless_and_shows_what_it_claims():
         f"rank{r}.json" for r in range(4)]
     assert "FlopCounterMode has a formula for the CPU flash kernel: False" in printed
     assert "training_flops equals FlopCounterMode: True" in printed
+    assert "(= FlopCounterMode's math count: True)" in printed  # Kaplan's 6N + PaLM's attention + head
+    buckets = re.findall(r"(\d+) DDP all-reduce\(s\) per step \(torch's assignment: (\d+)\)", printed)
+    assert len(buckets) == 3 and all(a == b for a, b in buckets) and buckets[-1][0] == "2", buckets
+    assert "fsdp 0.91 s/0 GB (the batch's 256 sequences do not cover 512 replicas)" in printed
     assert "ddp" in printed and "112 GB (does not fit)" in printed  # 7B under DDP: 16 B x 7e9
     choices = [line.rsplit("->", 1)[1].strip() for line in printed.splitlines() if "GPUs:" in line]
     assert choices == ["fsdp", "fsdp", "tp+fsdp"], choices

@@ -333,9 +333,11 @@ class FunctionSampler(_sampler_base()):  # type: ignore[misc]
 def neighbor_loader(data: Any, num_neighbors: Sequence[int], *, sample: Callable[..., Any],
                     generator: torch.Generator | None = None, **kwargs: Any) -> Any:
     """PyG's ``NeighborLoader(data, num_neighbors, **kwargs)`` where ``pyg-lib`` is installed;
-    elsewhere PyG's ``NodeLoader`` running ``sample`` (the same batches, the same API).
+    elsewhere PyG's ``NodeLoader`` running ``sample`` (the same API, batches of the same form).
 
     ``kwargs`` are the loader's own (``input_nodes``, ``batch_size``, ``shuffle``, ...).
+    ``generator`` feeds ``sample`` only: ``NeighborLoader`` takes none (pyg-lib draws with its
+    own random numbers), so there the draws cannot be replayed from it.
     """
     if pyg_lib_available():
         from torch_geometric.loader import NeighborLoader

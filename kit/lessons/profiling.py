@@ -269,7 +269,9 @@ def straggler_run(slow_rank: int | None, phase: str, delay: float, *, steps: int
     gradients as one flat buffer and steps SGD. On ``slow_rank`` every profiled step is made
     ``delay`` seconds slower in one ``phase``: ``"data"`` (the dataset's ``__getitem__``
     sleeps), ``"compute"`` (extra matrix products in forward) or ``"communication"`` (a sleep
-    just before the all-reduce: a slow link). ``slow_rank=None`` slows nobody.
+    on the host just before the all-reduce: a late send, such as a rank held up between
+    backward and its collective; a slow link would stretch every rank's collective instead).
+    ``slow_rank=None`` slows nobody.
     """
     import torch.distributed as dist
     from torch.nn import functional as F
