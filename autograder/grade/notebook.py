@@ -4,6 +4,8 @@
     kit grade alice.ipynb --lessons 00,01 --json alice.json
     kit grade course/submitted --out grades --workers 2     a batch, each submission sandboxed
     kit grade submissions/ --out grades --gradescope --timeout 30
+    kit grade course/submitted --out shard1 --shard 1/2 --secret run.json   then 2/2, then
+    kit grade merge shard1 shard2 --out grades                              (see autograder.grade.shards)
 
 With ``--out`` (or several submissions) grading is the isolated batch of :mod:`autograder.grade.batch`: it
 writes ``grades.csv``, ``records/<student>.json``, ``feedback/<student>.txt`` and, with
@@ -135,6 +137,10 @@ def in_process_refusal(path: Path, trusted: bool) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["merge"] and not Path("merge").exists():  # kit grade merge SHARD_DIR... --out DIR
+        from autograder.grade.shards import main_merge
+
+        return main_merge(argv[1:])
     parser = argparse.ArgumentParser(prog="kit grade", description="Grade notebooks or submission folders.")
     parser.add_argument("submissions", nargs="+", metavar="SUBMISSION",
                         help="a notebook, a folder of notebooks, an nbgrader course or submitted/ "
@@ -155,18 +161,26 @@ def main(argv: list[str]) -> int:
                              "(default: grading-out/<name>.json; - for stdout)")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the checks' data (one notebook: default 0; batch: the run's secret)")
+    parser.add_argument("--shard", metavar="I/N",
+                        help="batch: grade only the I-th of N slices of the submissions (a student's "
+                        "slice is fixed by a hash of the name); merge the shards' --out folders "
+                        "with kit grade merge SHARD_DIR... --out DIR")
+    parser.add_argument("--secret", metavar="FILE",
+                        help="batch: the run secret (seed and signing key) to share between shards, "
+                        "created in FILE by the first shard that starts (give every shard the same)")
     parser.add_argument("--unsandboxed", action="store_true",
                         help="trust the submissions: a batch as root where bubblewrap cannot make "
                         "a sandbox grades anyway (without it kit grade refuses there; install "
                         "bubblewrap: apt-get install bubblewrap, or make grade-setup), and one "
                         "notebook is checked in this process as root (your own work)")
     args = parser.parse_args(argv)
-    if args.out or len(args.submissions) > 1 or Path(args.submissions[0]).is_dir():
+    if args.out or args.shard or len(args.submissions) > 1 or Path(args.submissions[0]).is_dir():
         from autograder.grade.reports import run_batch
 
         return run_batch(args.submissions, out=Path(args.out or "grading-out"), lessons=args.lessons,
                          workers=args.workers, timeout=args.timeout, gradescope=args.gradescope,
-                         seed=args.seed, unsandboxed=args.unsandboxed)
+                         seed=args.seed, unsandboxed=args.unsandboxed, shard=args.shard,
+                         secret=args.secret)
     path = Path(args.submissions[0])
     if (why := in_process_refusal(path, args.unsandboxed)) is not None:
         print(f"kit grade: {why}", file=sys.stderr)

@@ -114,21 +114,35 @@ def _batch_lessons(lessons: list[int] | None) -> list[int]:
 
 def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = None, workers: int = 2,
               timeout: float = 60.0, gradescope: bool = False, seed: int | None = None,
-              unsandboxed: bool = False) -> int:
+              unsandboxed: bool = False, shard: str | None = None, secret: str | None = None) -> int:
     """``kit grade SUBMISSION... --out DIR``: grade, then write every report; returns the exit code.
 
     As root with no namespaced sandbox it refuses (exit code 2, nothing written) unless
-    ``unsandboxed`` (``--unsandboxed``), which prints a loud warning instead."""
+    ``unsandboxed`` (``--unsandboxed``), which prints a loud warning instead. ``shard`` ("I/N",
+    ``--shard``) grades only the I-th of N slices of the submissions and ``secret`` (``--secret
+    FILE``) shares one run secret between shards: see :mod:`autograder.grade.shards`."""
+    from autograder.grade.shards import (
+        ShardError,
+        parse_shard,
+        select,
+        shared_secret,
+        write_manifest,
+    )
+
     try:
         lessons = _batch_lessons(lessons)
         if workers < 1 or timeout <= 0:
             raise GradingError("--workers must be at least 1 and --timeout positive")
-        subs = discover(submissions)
+        if secret is not None and seed is not None:
+            raise GradingError("give --secret or --seed, not both: the secret holds the seed")
+        slice_ = parse_shard(shard) if shard is not None else None
+        everyone = discover(submissions)
+        subs = select(everyone, slice_) if slice_ else everyone
         for src in [Path(p) for p in submissions] + [s.source for s in subs if s.source]:
             if (src.is_dir() and _inside(out, src)) or _inside(src, out):
                 raise GradingError(f"--out {out} and the submission {src} overlap: give the results a "
                                    "folder of their own, so no submission is ever written to")
-    except (NotebookError, GradingError) as e:
+    except (NotebookError, GradingError, ShardError) as e:
         print(f"kit grade: {e}", file=sys.stderr)
         return 2
     from autograder.grade.sandbox import (
@@ -144,6 +158,16 @@ def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = 
         print(f"kit grade: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    if secret is not None:  # every shard grades with the same seed and signs with the same key
+        try:
+            shared = shared_secret(Path(secret))
+        except ShardError as e:
+            print(f"kit grade: {e}", file=sys.stderr)
+            return 2
+        (out / ".kit-grade").mkdir(mode=0o700, exist_ok=True)
+        write_atomic(out / ".kit-grade" / "secret.json", json.dumps(shared), mode=0o600)
+    if slice_:
+        print(f"kit grade: shard {slice_[0]}/{slice_[1]}: {len(subs)} of {len(everyone)} submission(s)")
     print(f"kit grade: {len(subs)} submission(s), lessons {','.join(f'{n:02d}' for n in lessons)}, "
           f"{workers} worker(s), results in {out}")
     for sub in subs:
@@ -170,6 +194,11 @@ def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = 
         return 3
     finally:
         bar.close()
+    if slice_:
+        from autograder.grade.batch import run_secret
+
+        run = run_secret(out, config.seed)
+        write_manifest(out, run["key"], slice_, everyone, subs, lessons, run["seed"])
     path = write_outputs(out, subs, records, gradescope=gradescope)
     scores = [records[s.student]["score"] for s in subs]
     print(f"graded {len(subs)} submission(s) in {time.monotonic() - start:.1f} s; "
