@@ -831,11 +831,24 @@ def _lie_about_mtimes(root: str) -> None:
         os.utime(folder, (t, t))
 
 
-def _quick_on_rank(impl: Any, root: str) -> dict[str, Any]:
+def _quick_on_rank(impl: Any, parent: str) -> dict[str, Any]:
     watch = _Watch()
     watch.install()
     fn = _prepared(impl, watch)
-    first = fn(root, QUICK_FIRST, EVERY)
+    # A first run: ckpt_root does not exist yet (DCP creates the step folders with parents).
+    # A loop that needs it is told so by its own case; the rest runs once it exists.
+    root, missing_root = os.path.join(parent, "ckpts"), None
+    try:
+        first = fn(root, QUICK_FIRST, EVERY)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - its own case's finding
+        missing_root = f"{type(e).__name__}: {e}"[:300]
+        if os.path.exists(root) or watch.steps:
+            raise  # not a missing folder: the error is the run's
+        dist.barrier()
+        os.makedirs(root, exist_ok=True)
+        first = fn(root, QUICK_FIRST, EVERY)
     done = watch.pending is None or watch.pending.done()
     complete = _complete_steps(root)
     dist.barrier()
@@ -853,7 +866,8 @@ def _quick_on_rank(impl: Any, root: str) -> dict[str, Any]:
     # QUICK_TOTAL loads it, trains nothing, saves nothing and returns the same parameters.
     steps_from, saves_from, loads_from = len(watch.steps), len(watch.saves), len(watch.loads)
     third = fn(root, QUICK_TOTAL, EVERY)
-    return {"first": _plain_state(first), "complete": complete, "saves": saves,
+    return {"missing root": missing_root,
+            "first": _plain_state(first), "complete": complete, "saves": saves,
             "overlapping": watch.overlapping, "done_at_return": done,
             "resumed_steps": resumed_steps, "loads": loads, "second": _plain_state(second),
             "finished": {"steps": watch.steps[steps_from:], "saves": watch.saves[saves_from:],
@@ -931,6 +945,23 @@ LOOP.case(f"an uninterrupted run on 2 ranks (launch) ends with the reference par
           f"complete checkpoints step-000002 .. step-{QUICK_FIRST:06d}", uses=QUICK_RUN,
           pick=lambda runs: [{"first": r["first"], "complete": r["complete"]} for r in runs],
           compare=_compare_quick_first, expect=_uninterrupted(QUICK_FIRST))
+
+
+def _compare_missing_root(got: Any, expected: None) -> None:
+    for rank, g in enumerate(got):
+        if g["missing root"] is not None:
+            raise CheckFailed(
+                f"a first run (ckpt_root does not exist yet): rank {rank}'s "
+                f"train_with_checkpoints raised {g['missing root']}",
+                expected="a fresh start at step 0", got=g["missing root"],
+                hint="On the very first run there is nothing to resume from, not even the folder: "
+                     "a missing ckpt_root means no checkpoint (dcp.async_save creates the "
+                     "folders it writes into).")
+
+
+LOOP.case("a first run: ckpt_root does not exist yet, so it starts at step 0", uses=QUICK_RUN,
+          compare=_compare_missing_root, weight=0.5, expect=lambda seed: None,
+          pick=lambda runs: [{"missing root": r["missing root"]} for r in runs])
 
 
 def _compare_async(got: Any, expected: Any) -> None:

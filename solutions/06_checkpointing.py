@@ -623,7 +623,8 @@ def train_with_checkpoints(ckpt_root: str, total_steps: int, every: int) -> dict
     ckpt_root/step-{state.step:06d}, with at most one save in flight. Waits for the last save and
     returns full_parameters(model).
 
-    At the edges: with no complete checkpoint it starts at step 0; resumed at total_steps (the
+    At the edges: with no complete checkpoint (ckpt_root empty, or not there yet: the saves
+    create it) it starts at step 0; resumed at total_steps (the
     newest complete checkpoint is the last step's) it trains nothing, saves nothing and returns
     the loaded parameters.
     """

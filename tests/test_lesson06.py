@@ -289,3 +289,13 @@ def test_a_state_without_initial_optimizer_state_fails_the_unused_head_case_nami
     assert failed[0].message.startswith("a parameter without a gradient so far"), failed[0].message
     assert "Missing key in checkpoint state_dict: train.optim.state.unused" in failed[0].message
     assert "zeros and step 0" in failed[0].hint
+
+
+def test_a_loop_that_needs_ckpt_root_to_exist_fails_the_first_run_case_naming_the_regime(bugs):
+    report = run_checks("6.3", dict(bugs["6.3"])[
+        "lists ckpt_root with os.listdir: a first run, before the folder exists, raises"])
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name for c in failed] == [
+        "a first run: ckpt_root does not exist yet, so it starts at step 0"], report.to_text()
+    assert failed[0].message.startswith("a first run (ckpt_root does not exist yet)")
+    assert "FileNotFoundError" in failed[0].message

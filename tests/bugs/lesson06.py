@@ -406,6 +406,12 @@ BUGS = {
         ("two saves in flight (never waits for the previous one)", train_two_saves_in_flight),
         ("blocking dcp.save instead of dcp.async_save", train_blocking_saves),
         ("never resumes", train_never_resumes),
+        ("lists ckpt_root with os.listdir: a first run, before the folder exists, raises",
+         edited_solution("06_checkpointing.py", (
+             'complete = sorted(p for p in root.glob("step-*") if (p / ".metadata").exists())',
+             'complete = sorted(root / n for n in os.listdir(root)\n'
+             '                      if n.startswith("step-") and (root / n / ".metadata").exists())',
+         )).train_with_checkpoints),
         ("tests for the end after the step: resumed at total_steps it trains one step more",
          edited_solution("06_checkpointing.py", (
              "    while state.step < total_steps:\n        train_step(state)\n",
