@@ -481,7 +481,29 @@ def _metered_block(impl: Any, seed: int) -> dict[str, int]:
     return _kept_and_flops(lambda: impl(norm, lin1, lin2), lambda block: block(shard))
 
 
-def _sp_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+def _sp_without_grad(impl: Any, seed: int) -> dict[str, Any]:
+    """A fresh block: a forward under torch.no_grad() (inference), then one training pass on an
+    input shard that does not require grad. A crash is data: it fails only this edge's case."""
+    import torch.distributed as dist
+
+    rank, t = dist.get_rank(), dist.get_world_size()
+    try:
+        block = impl(*sp_modules(seed))
+        x, w = sp_data(seed, 0)
+        shard = x.chunk(t, dim=1)[rank].clone()  # no requires_grad: the input of a frozen stem
+        with torch.no_grad():
+            inferred = block(shard)
+        y = block(shard)
+        (y * w.chunk(t, dim=1)[rank]).sum().backward()
+    except Exception as e:  # noqa: BLE001 - reported by the edge's case
+        return {"raised": f"{type(e).__name__}: {e}"[:300]}
+    return {"inference output": _local(inferred), "output": _local(y),
+            "input grad": None if shard.grad is None else "a gradient",
+            "grads": {f"{m}.{q}": _local(getattr(getattr(getattr(block, m, None), q, None), "grad", None))
+                      for m in ("norm", "linear1", "linear2") for q in ("weight", "bias")}}
+
+
+def _sp_on_rank(impl: Any, seed: int, metered: bool = True) -> dict[str, Any]:
     import torch.distributed as dist
 
     from kit.trace import trace
@@ -503,7 +525,9 @@ def _sp_on_rank(impl: Any, seed: int) -> dict[str, Any]:
         out["input grads"].append(_local(shard.grad))
     out["grads"] = {f"{m}.{p}": _local(getattr(getattr(getattr(block, m, None), p, None), "grad", None))
                     for m in ("norm", "linear1", "linear2") for p in ("weight", "bias")}
-    out["metered"] = _metered_block(impl, seed)
+    out["without grad"] = _sp_without_grad(impl, seed)
+    if metered:
+        out["metered"] = _metered_block(impl, seed)
     return out
 
 
@@ -623,6 +647,7 @@ SP = task(
            "accumulated .grad.",
 )
 _SP_RUNS = {t: SP.shared(_sp_on_rank, world_size=t, timeout=TIMEOUT) for t in (2, 4)}
+_SP_RUNS[1] = SP.shared(partial(_sp_on_rank, metered=False), world_size=1, timeout=TIMEOUT)
 
 
 def _sp_expected(t: int) -> Any:
@@ -634,6 +659,58 @@ SP.case("2 ranks: output shards, input gradients and every gradient (2 passes ac
         expect=_sp_expected(2))
 SP.case("the same on 4 ranks", uses=_SP_RUNS[4], compare=_compare_sp_values, weight=2,
         expect=_sp_expected(4))
+
+
+def _named(regime: str, compare: Any) -> Any:
+    """``compare`` with ``regime`` named first in its feedback."""
+    def named(got: Any, expected: Any) -> None:
+        try:
+            compare(got, expected)
+        except CheckFailed as e:
+            raise CheckFailed(f"{regime}: {e.message}", expected=e.expected, got=e.got,
+                              hint=e.hint, recipe=e.recipe) from None
+
+    return named
+
+
+def _compare_sp_without_grad(got: Any, expected: dict[str, Any]) -> None:
+    """A forward under no_grad, then a pass on an input without grad: the outputs and every
+    .grad of one pass, and no gradient for the input."""
+    regime = "an input without grad, after a forward under torch.no_grad()"
+    for rank, (g, e) in enumerate(zip(per_rank(got, len(expected["ranks"])), expected["ranks"])):
+        g = g.get("without grad") if isinstance(g, dict) else None
+        if not isinstance(g, dict) or "raised" in g:
+            raise CheckFailed(f"{regime}, rank {rank}: the block raised",
+                              got=g.get("raised") if isinstance(g, dict) else repr(g)[:200],
+                              hint="An input shard that does not require grad is ordinary (the "
+                                   "first block of a frozen stem, inference): the parameters still "
+                                   "get gradients, and under torch.no_grad() nothing is recorded.")
+        for key, what in (("inference output", "output under torch.no_grad()"),
+                          ("output", "output of the pass after it")):
+            problem = _mismatch(g[key], e["outputs"][0])
+            if problem is not None:
+                raise CheckFailed(f"{regime}, rank {rank}: the {what} {problem}",
+                                  expected=short(e["outputs"][0]), got=short(g[key]))
+        for name, want in e["grads"].items():
+            problem = _mismatch(g["grads"].get(name), want)
+            if problem is not None:
+                raise CheckFailed(
+                    f"{regime}, rank {rank}: {name}.grad after one backward pass {problem}",
+                    expected=short(want), got=short(g["grads"].get(name)),
+                    hint="A forward under torch.no_grad() runs no backward: whatever a forward "
+                         "arranges for its backward (a hook registered on a parameter) must not "
+                         "outlive it, or the next backward sums the gradients twice.",
+                    recipe="Sum the shard-region gradients inside the graph (an identity-forward, "
+                           "all-reduce-backward autograd function applied to the parameters in "
+                           "forward), not with hooks registered by forward.")
+
+
+SP.case("world size 1: the block equals the unsharded LayerNorm, Linear, GELU, Linear (output, "
+        "input gradient, every gradient over 2 passes)", uses=_SP_RUNS[1], weight=0.5,
+        compare=_named("world size 1", _compare_sp_values), expect=_sp_expected(1))
+SP.case("an input without grad, after a forward under torch.no_grad(): the same outputs, and "
+        "every .grad that of one pass (2 ranks)", uses=_SP_RUNS[2], weight=0.5,
+        compare=_compare_sp_without_grad, expect=lambda seed: SP.trusted("sp_expected")(seed, 2, 1))
 SP.case("forward makes one all-gather and one reduce-scatter of the whole activation, and no "
         "all-reduce (4 ranks)", uses=_SP_RUNS[4], compare=_compare_sp_calls, expect=_sp_expected(4),
         saving=True)
@@ -829,6 +906,109 @@ GPIPE.case("the last stage returns the mean loss, the others None", uses=_gpipe_
 GPIPE.case("exactly 2·m·(p−1) messages, each to the neighbour it belongs to, all forwards "
            "before the backwards", weight=2, uses=_gpipe_runs,
            compare=_for_each_shape(_compare_pipe_messages), expect="gpipe_expected")
+
+# The edges: one stage (p = 1, first and last at once), one micro-batch on two stages (fewer
+# micro-batches than stages), and micro-batches of different sizes (refused on every rank before
+# anything is sent: the mean of their means is not the batch's mean loss). Each a small launch
+# of its own, so that a crash at one edge costs only its case.
+GPIPE_EDGES = {"one stage (p = 1, 3 micro-batches)": (1, 3),
+               "one micro-batch on 2 stages (fewer micro-batches than stages)": (2, 1)}
+UNEQUAL_SIZES = (2, 1)  # the rows of the two micro-batches the refusal case hands gpipe
+
+
+def _gpipe_refusal_on_rank(impl: Any, seed: int) -> dict[str, Any]:
+    """What gpipe does with micro-batches of UNEQUAL_SIZES rows (one stage: nothing can hang)."""
+    stage = pipeline(seed, 1)[0]
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, PIPE_HIDDEN, generator=g) for n in UNEQUAL_SIZES]
+    ys = [torch.randn(n, PIPE_HIDDEN, generator=g) for n in UNEQUAL_SIZES]
+    try:
+        returned = impl(stage, xs, ys, mse)
+    except Exception as e:  # noqa: BLE001 - what it raised is the answer
+        return {"raised": type(e).__name__, "message": str(e)[:300]}
+    return {"returned": repr(returned)[:120]}
+
+
+def _guarded(regime: str, fn: Any, world_size: int) -> Any:
+    """A shared run of ``fn`` on ``world_size`` ranks whose crash is data naming ``regime``."""
+    def run(impl: Any, seed: int) -> Any:
+        from kit.failures import LaunchError, LaunchTimeout
+
+        try:
+            return _launch(fn, (impl, seed), world_size, GPIPE.preload, PIPE_TIMEOUT)
+        except (LaunchError, LaunchTimeout) as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raised = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception"))]
+            return {"crashed": f"{regime}: {(raised or lines or [type(e).__name__])[-1][:300]}"}
+
+    run.__name__ = f"gpipe {regime}"
+    return GPIPE.shared(run)
+
+
+def _edge_compare(regime: str, compare: Any) -> Any:
+    """``compare`` with ``regime`` named first in its feedback, and a crash reported as one."""
+    def each(got: Any, expected: Any) -> None:
+        if isinstance(got, dict) and "crashed" in got:
+            raise CheckFailed(f"gpipe crashed or hung at this edge: {got['crashed']}",
+                              hint="One stage is the first and the last stage at once: it takes "
+                                   "the micro-batches from the list, computes the losses and "
+                                   "sends nothing. With fewer micro-batches than stages each "
+                                   "stage still runs micro-batches 0..m−1, nothing more.")
+        try:
+            compare(got, expected)
+        except CheckFailed as e:
+            raise CheckFailed(f"{regime}: {e.message}", expected=e.expected, got=e.got,
+                              hint=e.hint, recipe=e.recipe) from None
+
+    return each
+
+
+def _gpipe_edge_run(regime: str) -> Any:
+    p, m = GPIPE_EDGES[regime]
+    return _guarded(regime, partial(_gpipe_on_rank, m=m), p)
+
+
+def _gpipe_edge_expected(regime: str) -> Any:
+    return lambda seed: GPIPE.trusted("pipe_expected")(seed, *GPIPE_EDGES[regime])
+
+
+def _gpipe_edge_values(got: Any, expected: dict[str, Any]) -> None:
+    _compare_pipe_grads(got, expected)
+    _compare_pipe_loss(got, expected)
+    _compare_pipe_messages(got, expected)
+
+
+for _regime in GPIPE_EDGES:
+    GPIPE.case(f"{_regime}: the gradients, the loss and the messages equal the whole model's",
+               weight=0.5, uses=_gpipe_edge_run(_regime),
+               compare=_edge_compare(_regime, _gpipe_edge_values),
+               expect=_gpipe_edge_expected(_regime))
+
+
+def _compare_unequal(got: Any, expected: Any) -> None:
+    got = got[0] if isinstance(got, list) and len(got) == 1 else got
+    if isinstance(got, dict) and "crashed" in got:
+        raise CheckFailed(f"gpipe crashed on micro-batches of {UNEQUAL_SIZES} rows: {got['crashed']}")
+    if not isinstance(got, dict) or got.get("raised") != "ValueError":
+        did = (f"returned {got['returned']}" if isinstance(got, dict) and "returned" in got
+               else f"raised {got.get('raised')}: {got.get('message', '')}" if isinstance(got, dict)
+               else repr(got)[:200])
+        raise CheckFailed(
+            f"micro-batches of different sizes ({' and '.join(map(str, UNEQUAL_SIZES))} rows): "
+            "the mean of their mean losses is not the whole batch's mean loss",
+            expected="a ValueError naming the constraint (the micro-batches must have the same size)",
+            got=did, hint="Dividing each micro-batch's mean loss by m gives the batch's mean only "
+                          "when the micro-batches are equal; refuse unequal ones on every rank "
+                          "before anything is sent, so no stage waits for a message that never "
+                          "comes.",
+            recipe="First thing in gpipe: if the micro-batches' first dimensions differ, raise "
+                   "ValueError(...) naming their sizes.")
+
+
+GPIPE.case(f"micro-batches of different sizes ({' and '.join(map(str, UNEQUAL_SIZES))} rows): a "
+           "ValueError naming the constraint", weight=0.5, compare=_compare_unequal,
+           uses=_guarded("micro-batches of different sizes", _gpipe_refusal_on_rank, 1),
+           expect=lambda seed: None)
 
 
 # --------------------------------------------------------------------------- task 8.4

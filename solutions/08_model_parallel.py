@@ -467,6 +467,9 @@ plt.show()
 # `.grad`. `dist.all_gather_single(output, input)` and `dist.reduce_scatter_single(output,
 # input)` (torch 2.13's names for `all_gather_into_tensor` and `reduce_scatter_tensor`) gather
 # and split along dimension 0: move the sequence to the front first (and make it contiguous).
+# The checks also run it on one rank, where it must equal the unsharded block, and on an input
+# without grad after a forward under `torch.no_grad()`, which must not change the next pass's
+# gradients.
 
 # %% tags=["task-8.2"]
 def _all_gather_seq(x, group):
@@ -547,6 +550,10 @@ class SequenceParallelMLP(nn.Module):
         group: the tensor-parallel process group (None: the default group).
     After backward every .grad is final: the gradients of the parameters used on the sequence
     shard (the LayerNorm's, linear2's bias) are summed over the group.
+
+    Edges: on one rank (world size 1) the block is the unsharded block. An input shard that does
+    not require grad, and a forward under torch.no_grad() (inference), work as usual and leave the
+    gradients of later passes unchanged. Every rank's shard has the same length (seq divides by t).
     """
 
     def __init__(self, norm: nn.LayerNorm, linear1: nn.Linear, linear2: nn.Linear, group=None):
@@ -808,7 +815,9 @@ for key, value in launch(fsdp_times_tp, world_size=4)[0].items():
 #    $r-1$;
 # 3. return the mean of the micro-batch losses (a 0-d tensor) on the last stage, `None` elsewhere.
 #
-# That is $2m(p-1)$ messages in all, and nothing else: the checks count them.
+# That is $2m(p-1)$ messages in all, and nothing else: the checks count them. One stage ($p = 1$)
+# and fewer micro-batches than stages are pipelines too; micro-batches of different sizes are a
+# `ValueError` (the mean of their means would not be the batch's mean loss).
 
 # %% tags=["task-8.3"]
 def gpipe(stage: nn.Module, microbatches: list, targets: list, loss_fn):
@@ -823,8 +832,17 @@ def gpipe(stage: nn.Module, microbatches: list, targets: list, loss_fn):
         targets: the m targets (used on the last rank).
         loss_fn: loss_fn(output, target) -> a scalar mean loss of one micro-batch.
     Returns the mean of the m micro-batch losses on the last rank, None elsewhere.
+
+    Edges: one stage (p = 1) is first and last at once and sends nothing; one micro-batch, or
+    fewer micro-batches than stages, is a pipeline too. The micro-batches must all have the same
+    size (only then is the mean of their mean losses the whole batch's): micro-batches of
+    different sizes are a ValueError, raised on every rank before anything is sent.
     """
     ### BEGIN SOLUTION
+    sizes = sorted({len(x) for x in microbatches})
+    if len(sizes) > 1:
+        raise ValueError(f"the micro-batches must all have the same size, got sizes {sizes}: "
+                         "split a batch that divides by the number of micro-batches")
     rank, p = dist.get_rank(), dist.get_world_size()
     first, last = rank == 0, rank == p - 1
     m = len(microbatches)

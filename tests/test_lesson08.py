@@ -448,3 +448,27 @@ def test_a_layer_keeping_the_whole_weights_fails_only_the_bounds_naming_the_lost
         assert float(re.search(r"holds ([\d.]+)x the bound", case.message)[1]) >= 3.0, case.message
     value_share = sum(task.case_points(c) for c in task.cases if " is within " not in c.name)
     assert report.score == pytest.approx(value_share) and report.score < task.points
+
+
+# --------------------------------------------------------------------------- the edges (issue 44)
+
+
+@pytest.mark.parametrize(("task_id", "bug", "case", "regime"), [
+    ("8.2", "one rank: skips the collectives", "world size 1", "world size 1: "),
+    ("8.2", "summed by hooks each forward registers", "an input without grad",
+     "an input without grad, after a forward under torch.no_grad()"),
+    ("8.3", "first and last stage taken as exclusive", "one stage (p = 1",
+     "one stage (p = 1, 3 micro-batches)"),
+    ("8.3", "shaped by microbatches[rank]", "one micro-batch on 2 stages",
+     "fewer micro-batches than stages"),
+    ("8.3", "micro-batches of different sizes: no ValueError", "micro-batches of different sizes",
+     "micro-batches of different sizes"),
+])
+def test_a_seeded_bug_at_an_edge_fails_exactly_its_case_naming_the_regime(bugs, task_id, bug, case,
+                                                                            regime):
+    impl = next(impl for label, impl in bugs[task_id] if bug in label)
+    report = run_checks(task_id, impl)
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name for c in failed] == [c.name for c in report.cases if c.name.startswith(case)], \
+        report.to_text()
+    assert regime in failed[0].message, report.to_text()

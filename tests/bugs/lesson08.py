@@ -457,7 +457,14 @@ class SPDTensor(nn.Module):
 # --------------------------------------------------------------------------- task 8.3
 
 
+def _equal_sizes(microbatches):
+    """The edge's check each 8.3 bug keeps, so that it has one defect."""
+    if len({len(x) for x in microbatches}) > 1:
+        raise ValueError("the micro-batches must all have the same size")
+
+
 def _gpipe(stage, microbatches, targets, loss_fn, *, scale=True, grad_dst=None):
+    _equal_sizes(microbatches)
     rank, p = dist.get_rank(), dist.get_world_size()
     m = len(microbatches)
     inputs, outputs = [], []
@@ -501,6 +508,7 @@ def gpipe_grads_to_first_stage(stage, microbatches, targets, loss_fn):
 def gpipe_interleaved(stage, microbatches, targets, loss_fn):
     """Backward of each micro-batch right after its forward: correct gradients, but not GPipe
     (and it holds one activation instead of m)."""
+    _equal_sizes(microbatches)
     rank, p = dist.get_rank(), dist.get_world_size()
     m = len(microbatches)
     total = torch.zeros(())
@@ -757,6 +765,27 @@ BUGS = {
         ("the LayerNorm .grad reduced after accumulation", SPNormReducedOnAccumulatedGrad),
         ("wraps parallelize_module (SequenceParallel)", SPDTensor),
         ("keeps the whole weights and runs the full-width MLP on every rank", SPFullWidth),
+        ("one rank: skips the collectives, and linear2's bias with them",
+         edited_solution("08_model_parallel.py", (
+             "        ### BEGIN SOLUTION\n        weight = SumGradOverTP.apply(self.norm.weight",
+             "        ### BEGIN SOLUTION\n        if dist.get_world_size(self.group) == 1:\n"
+             "            return F.linear(F.gelu(self.linear1(self.norm(x))), self.linear2.weight)\n"
+             "        weight = SumGradOverTP.apply(self.norm.weight",
+         )).SequenceParallelMLP),
+        ("the LayerNorm gradients summed by hooks each forward registers (a no_grad forward leaves "
+         "one behind)",
+         edited_solution("08_model_parallel.py", (
+             "        weight = SumGradOverTP.apply(self.norm.weight, self.group)\n"
+             "        bias = SumGradOverTP.apply(self.norm.bias, self.group)\n",
+             "        for q in (self.norm.weight, self.norm.bias):\n"
+             "            def once(g, handle=[], group=self.group):\n"
+             "                handle[0].remove()\n"
+             "                g = g.clone()\n"
+             "                dist.all_reduce(g, group=group)\n"
+             "                return g\n"
+             "            once.__defaults__[0].append(q.register_hook(once))\n"
+             "        weight, bias = self.norm.weight, self.norm.bias\n",
+         )).SequenceParallelMLP),
     ],
     "8.3": [
         ("micro-batch losses not scaled by 1/m", gpipe_unscaled),
@@ -764,6 +793,21 @@ BUGS = {
         ("backward right after each forward (not GPipe)", gpipe_interleaved),
         ("wraps torch.distributed.pipelining (ScheduleGPipe)", gpipe_with_torch_pipelining),
         ("sends through a load-time copy of torch's private schedules._batch_p2p", _with_copied_p2p()),
+        ("first and last stage taken as exclusive: one stage never computes the loss",
+         edited_solution("08_model_parallel.py", (
+             "        if last:\n            loss = loss_fn",
+             "        if last and not first:\n            loss = loss_fn",
+         )).gpipe),
+        ("the receive buffer shaped by microbatches[rank] (this stage's index, not the micro-batch's)",
+         edited_solution("08_model_parallel.py", (
+             "            x = torch.empty_like(microbatches[i])\n",
+             "            x = torch.empty_like(microbatches[rank])\n",
+         )).gpipe),
+        ("micro-batches of different sizes: no ValueError",
+         edited_solution("08_model_parallel.py", (
+             "    if len(sizes) > 1:\n        raise ValueError(f\"the micro-batches",
+             "    if False:\n        raise ValueError(f\"the micro-batches",
+         )).gpipe),
     ],
     "8.4": [
         ("a warm-up one too long", one_f_one_b_long_warmup),
