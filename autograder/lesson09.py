@@ -330,6 +330,107 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
                for k in ("inputs", "labels"))
 
 
+# --------------------------------------------------------------------------- 9.1 at the edges
+
+OUT_OF_RANGE = (-0.1, 1.5)  # mask_prob values that are no probability
+
+
+def _nothing_maskable(seed: int) -> dict[str, torch.Tensor]:
+    """A batch whose second and third rows hold nothing maskable (<cls><eos> and padding, only
+    padding), beside a real peptide; and a batch of no sequences (a rank that holds nothing)."""
+    alphabet = _alphabet()
+    row = _peptide_tokens(seed, 1)[0]
+    specials = torch.full((2, len(row)), alphabet.padding_idx)
+    specials[0, :2] = torch.tensor([alphabet.cls_idx, alphabet.eos_idx])
+    return {"rows of only cls, eos and pad": torch.cat([row[None], specials]),
+            "a batch of no sequences": torch.empty(0, len(row), dtype=torch.int64)}
+
+
+def _guarded_mask(mask_tokens: Any, tokens: torch.Tensor, seed: int, **kwargs: Any) -> dict[str, Any]:
+    try:
+        return _masked(mask_tokens, tokens, seed, **kwargs)
+    except Exception as e:  # noqa: BLE001 - reported by the edge's case
+        return {"result": f"raised {type(e).__name__}: {e}"[:300], "inputs": None, "labels": None}
+
+
+@MASK.shared
+def _mask_edges(mask_tokens: Any, seed: int) -> dict[str, Any]:
+    out = {"mask_prob = 0": _guarded_mask(mask_tokens, _peptide_tokens(seed), seed, mask_prob=0.0)}
+    for name, tokens in _nothing_maskable(seed).items():
+        out[name] = _guarded_mask(mask_tokens, tokens, seed)
+    for prob in OUT_OF_RANGE:
+        try:
+            mask_tokens(_peptide_tokens(seed, 4).clone(), _alphabet(), torch.Generator().manual_seed(seed),
+                        mask_prob=prob)
+            out[f"mask_prob = {prob}"] = {"returned": "a result"}
+        except Exception as e:  # noqa: BLE001 - what it raised is the answer
+            out[f"mask_prob = {prob}"] = {"raised": type(e).__name__, "message": str(e)[:300]}
+    return out
+
+
+def _nothing_selected(where: str, got: Any, tokens: torch.Tensor) -> None:
+    inputs, labels = _check_pair(got, tokens, where)
+    _check_invariants(inputs, labels, tokens, where)
+    chosen = labels != -100
+    if chosen.any():
+        rows = sorted(set(chosen.nonzero()[:, 0].tolist()))
+        raise CheckFailed(f"{where}: {int(chosen.sum())} positions selected, in rows {rows[:8]}",
+                          expected="nothing selected: labels all -100, inputs equal to the tokens",
+                          got=int(chosen.sum()), cause=f"selected at {where}",
+                          hint="Every position is selected on its own draw, with probability "
+                               "mask_prob: with mask_prob = 0 nothing is, and a sequence may end "
+                               "up with no selected position at all. Forcing one per sequence "
+                               "changes the probabilities the model is trained with.",
+                          recipe="Select exactly the eligible positions whose draw is below "
+                                 "mask_prob, and nothing else: no position added afterwards.")
+
+
+def _compare_mask_prob_zero(got: Any, tokens: torch.Tensor) -> None:
+    _nothing_selected("mask_prob = 0", got["mask_prob = 0"], tokens)
+
+
+def _compare_nothing_maskable(got: Any, expected: dict[str, torch.Tensor]) -> None:
+    for name, tokens in expected.items():
+        have = got[name]
+        if name == "a batch of no sequences":
+            _check_pair(have, tokens, name)  # int64 (0, L) pairs
+            continue
+        inputs, labels = _check_pair(have, tokens, name)
+        _check_invariants(inputs, labels, tokens, name)
+        for row in (1, 2):
+            if (labels[row] != -100).any():
+                raise CheckFailed(f"{name}: row {row} holds nothing maskable, yet a position was "
+                                  "selected", expected="labels all -100 in that row",
+                                  got=labels[row].tolist(),
+                                  hint="A sequence of only special tokens has nothing to mask: "
+                                       "its labels stay -100 and its tokens unchanged.")
+
+
+def _compare_out_of_range(got: Any, expected: Any) -> None:
+    for prob in OUT_OF_RANGE:
+        did = got.get(f"mask_prob = {prob}", {}) if isinstance(got, dict) else {}
+        if did.get("raised") != "ValueError" or "mask_prob" not in did.get("message", ""):
+            raise CheckFailed(
+                f"mask_prob = {prob} is not a probability",
+                expected="a ValueError naming mask_prob and its range [0, 1]",
+                got=("returned a result" if "returned" in did
+                     else f"raised {did.get('raised')}: {did.get('message', '')}"),
+                hint="A selection probability outside [0, 1] is a mistake of the caller: "
+                     "comparing draws with it would select nothing or everything silently.",
+                recipe="First thing: if not 0 <= mask_prob <= 1, raise ValueError(...) naming "
+                       "mask_prob and the value given.")
+
+
+MASK.case("mask_prob = 0: nothing selected, inputs unchanged (256 real peptides)", weight=0.5,
+          uses=_mask_edges, compare=_compare_mask_prob_zero, expect=lambda seed: _peptide_tokens(seed))
+MASK.case("nothing maskable: rows of only cls, eos and pad keep labels -100, and a batch of no "
+          "sequences gives empty int64 results", weight=0.5, uses=_mask_edges,
+          compare=_compare_nothing_maskable, expect=_nothing_maskable)
+MASK.case(f"mask_prob outside [0, 1] ({OUT_OF_RANGE[0]}, {OUT_OF_RANGE[1]}): a ValueError naming "
+          "mask_prob", weight=0.5, uses=_mask_edges, compare=_compare_out_of_range,
+          expect=lambda seed: None)
+
+
 # --------------------------------------------------------------------------- task 9.2
 
 # bounds nothing beyond its value checks: each batch's padded size (longest length x size) stays
@@ -821,6 +922,7 @@ CHUNK_RUNS = {  # name -> (L, chunk_size, dtype, tolerance)
 # The metered run: long enough that the whole logits (heads·L³ = 442,368 floats) dwarf a
 # block's (heads·chunk·L² = 36,864) and the output (L²·c_z = 36,864).
 METERED_L, METERED_CHUNK = 48, 4
+BAD_CHUNKS = (0, -2)  # chunk sizes that make no block of rows: a ValueError
 
 
 @CHUNKED.shared
@@ -837,7 +939,31 @@ def _run_chunked(chunked: Any, seed: int) -> dict[str, Any]:
     with torch.no_grad(), meter.track() as usage:  # z exists before the track: not counted
         result = chunked(module, z, METERED_CHUNK)
     out["peak bytes"], out["largest bytes"] = usage.peak, usage.largest
+    module, z = triangle(seed, torch.float64), pair(seed, 5, torch.float64)
+    for chunk in BAD_CHUNKS:  # no block of rows at all: refused, not an empty or endless loop
+        try:
+            with torch.no_grad():
+                chunked(module, z.clone(), chunk)
+            out[f"chunk_size {chunk}"] = {"returned": "a result"}
+        except Exception as e:  # noqa: BLE001 - what it raised is the answer
+            out[f"chunk_size {chunk}"] = {"raised": type(e).__name__, "message": str(e)[:300]}
     return out
+
+
+def _compare_bad_chunks(got: Any, expected: Any) -> None:
+    for chunk in BAD_CHUNKS:
+        did = got.get(f"chunk_size {chunk}", {}) if isinstance(got, dict) else {}
+        if did.get("raised") != "ValueError" or "chunk_size" not in did.get("message", ""):
+            raise CheckFailed(
+                f"chunk_size {chunk}: no block of rows has {chunk} rows",
+                expected="a ValueError naming chunk_size (it must be a positive integer)",
+                got=("returned a result (the output's rows never written)" if "returned" in did
+                     else f"raised {did.get('raised')}: {did.get('message', '')}"),
+                hint="The rows go in blocks of chunk_size: a size below 1 gives no block (a "
+                     "step of 0 is no loop, a negative one runs no step and leaves the output "
+                     "unwritten). Refuse it with a message that names chunk_size.",
+                recipe="First thing: if chunk_size < 1, raise ValueError(...) naming chunk_size "
+                       "and the value given.")
 
 
 def _compare_values(got: Any, expected: dict[str, Any]) -> None:
@@ -871,7 +997,7 @@ CHUNKED.bound("largest tensor chunked(module, z, 4) allocates on an L = 48 pair 
               recipe="Project, layer-norm and attend block by block of rows; compute the logits "
                      "as one matrix product of the block's queries with its keys, never as a "
                      "broadcast product summed afterwards.",
-              expect="chunked_largest_bound", uses=_run_chunked,
+              expect="chunked_largest_bound", uses=_run_chunked, weight=1.25,
               pick=lambda got: {"measured": [got["largest bytes"]]} if isinstance(got, dict) else got)
 CHUNKED.bound("peak bytes of chunked(module, z, 4) on an L = 48 pair representation (fp32)",
               formula="1.25 · (2·heads·chunk·L² + 2·L²·c_z + heads·L²) · 4 bytes: one block's "
@@ -884,5 +1010,7 @@ CHUNKED.bound("peak bytes of chunked(module, z, 4) on an L = 48 pair representat
               recipe="Compute the logits, their softmax and the output block by block of at "
                      "most chunk_size rows, writing each block into the output before the next; "
                      "only the bias is built for every row.",
-              expect="chunked_peak_bound", uses=_run_chunked,
+              expect="chunked_peak_bound", uses=_run_chunked, weight=1.25,
               pick=lambda got: {"measured": [got["peak bytes"]]} if isinstance(got, dict) else got)
+CHUNKED.case(f"chunk_size below 1 ({BAD_CHUNKS[0]}, {BAD_CHUNKS[1]}): a ValueError naming chunk_size",
+             weight=0.5, uses=_run_chunked, compare=_compare_bad_chunks, expect=lambda seed: None)

@@ -147,7 +147,8 @@ for name in ESM2_FAMILY:
 # with a second draw, and draw random tokens from the 20 canonical amino acids. Take every
 # random number from `generator` (`torch.rand(..., generator=generator)`), so that a run can
 # be replayed. The checks test the invariants exactly, the frequencies within binomial bounds
-# on 66,000 residues, and replay.
+# on 66,000 residues, and replay, and the edges: `mask_prob=0` selects nothing, a row of only
+# special tokens has nothing to select, and a `mask_prob` outside [0, 1] is a `ValueError`.
 #
 # fair-esm's model expects this recipe. `small_esm2` keeps `ESM2`'s default
 # `token_dropout=True`: its forward sets the embedding of every `<mask>` token to zero and
@@ -172,8 +173,14 @@ def mask_tokens(tokens, alphabet, generator, mask_prob=0.15):
     amino acids (``CANONICAL``) with probability 0.1, and stays unchanged otherwise.
     ``labels`` holds the original token at selected positions and -100 everywhere else.
     Every random number comes from ``generator``.
+
+    Edges: with mask_prob = 0 nothing is selected, and a row of only special tokens (or a batch
+    of no rows) has nothing to select: its labels are all -100. A sequence may end up with no
+    selected position; none is forced. A mask_prob outside [0, 1] is a ValueError.
     """
     ### BEGIN SOLUTION
+    if not 0 <= mask_prob <= 1:
+        raise ValueError(f"mask_prob must be a probability in [0, 1], got {mask_prob}")
     special = (tokens == alphabet.cls_idx) | (tokens == alphabet.eos_idx) | (tokens == alphabet.padding_idx)
     selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special
     split = torch.rand(tokens.shape, generator=generator)  # one draw decides 80 / 10 / 10
@@ -738,7 +745,8 @@ for length in (32, 64, 96):
 # `module.bias`, `module.gate`, `module.out`, and `module.heads`, `module.c`), its `forward`
 # (`module(z)`) and `pair_bias` are not. The checks compare your output with the module's
 # (float64 within 1e-10) and measure, from torch's allocator, the largest tensor your call
-# allocates: at most one block's logits, heads · chunk_size · L² values.
+# allocates: at most one block's logits, heads · chunk_size · L² values. A `chunk_size` below 1
+# makes no block of rows: raise a `ValueError` naming it.
 
 # %% tags=["task-9.4"]
 def chunked(module, z, chunk_size):
@@ -748,8 +756,13 @@ def chunked(module, z, chunk_size):
     ``module`` is a :class:`TriangleAttentionStartingNode` (AlphaFold 2, Algorithm 13); use its
     layers, not its forward or pair_bias. No tensor larger than one block's logits
     (heads · chunk_size · L² values) may be allocated, besides the output.
+
+    Edges: a chunk_size of L or more is one block; one that does not divide L leaves a smaller
+    last block. A chunk_size below 1 makes no block at all: a ValueError.
     """
     ### BEGIN SOLUTION
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
     length = z.shape[0]
     h, c = module.heads, module.c
     bias = z.new_empty(h, length, length)  # b_jk^h for every edge jk, built by rows j

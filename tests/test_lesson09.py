@@ -293,3 +293,24 @@ def test_lesson09_runs_headless_with_its_solutions_and_shows_what_it_claims():
     checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
               for o in c.get("outputs", [])]
     assert checks and '"stderr"' not in json.dumps(checks)
+
+
+# --------------------------------------------------------------------------- the edges (issue 44)
+
+
+@pytest.mark.parametrize(("task_id", "bug", "case", "regime"), [
+    ("9.1", "forces one target in every sequence that has a residue", "mask_prob = 0",
+     "mask_prob = 0"),
+    ("9.1", "a special token where it has no residue", "nothing maskable",
+     "rows of only cls, eos and pad"),
+    ("9.1", "mask_prob outside [0, 1]: no ValueError", "mask_prob outside", "is not a probability"),
+    ("9.4", "chunk_size below 1: no ValueError", "chunk_size below 1", "chunk_size 0"),
+])
+def test_a_seeded_bug_at_an_edge_fails_exactly_its_case_naming_the_regime(bugs, task_id, bug, case,
+                                                                            regime):
+    impl = next(impl for label, impl in bugs[task_id] if bug in label)
+    report = run_checks(task_id, impl)
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name for c in failed] == [c.name for c in report.cases if c.name.startswith(case)], \
+        report.to_text()
+    assert regime in failed[0].message, report.to_text()

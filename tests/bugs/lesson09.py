@@ -25,6 +25,8 @@ CANONICAL = "ACDEFGHIKLMNPQRSTVWY"
 def _mask(tokens, alphabet, generator, mask_prob=0.15, *, specials=True, vocabulary=None,
           rand=None, random_share=0.1, labels_everywhere=False, fixed_count=False, prob=None,
           labels_where_masked=False, per_sequence=False):
+    if not 0 <= mask_prob <= 1:  # each bug keeps the edge's check: one defect each
+        raise ValueError(f"mask_prob must be a probability in [0, 1], got {mask_prob}")
     rand = rand or (lambda shape: torch.rand(shape, generator=generator))
     p = mask_prob if prob is None else prob
     special = (tokens == alphabet.cls_idx) | (tokens == alphabet.eos_idx) | (tokens == alphabet.padding_idx)
@@ -291,9 +293,16 @@ def ring_by_direct_sends(q, k, v, key_padding_mask=None, group=None):
 # --------------------------------------------------------------------------- task 9.4
 
 
+def _positive(chunk_size):
+    """The edge's check each 9.4 bug keeps, so that it has one defect."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
+
+
 def _attend(module, z, chunk_size, *, axis=0, with_bias=True, softmax_dim=-1, transpose_bias=False,
             whole_logits=False):
     """The chunked triangle attention with one step replaceable, as a student writes it."""
+    _positive(chunk_size)
     length = z.shape[0]
     bias = module.bias(module.norm(z)).permute(2, 0, 1)  # (h, L_j, L_k)
     if transpose_bias:
@@ -351,6 +360,7 @@ def whole_logits_at_once(module, z, chunk_size):
 
 def one_row_too_many(module, z, chunk_size):
     """Overlapping blocks of chunk_size + 1 rows, the extra row dropped afterwards."""
+    _positive(chunk_size)
     bias = module.bias(module.norm(z)).permute(2, 0, 1)
     return torch.cat([_block(module, z[a:a + chunk_size + 1], bias)[:chunk_size]
                       for a in range(0, z.shape[0], chunk_size)])
@@ -359,6 +369,7 @@ def one_row_too_many(module, z, chunk_size):
 def broadcast_logits(module, z, chunk_size):
     """The logits as a broadcast product summed over c: right values, a (rows, h, L, L, c)
     tensor per block."""
+    _positive(chunk_size)
     length = z.shape[0]
     h, c = module.heads, module.c
     bias = module.bias(module.norm(z)).permute(2, 0, 1)
@@ -412,6 +423,28 @@ BUGS = {
         ("labels hold the original token everywhere", labels_everywhere),
         ("one draw per sequence: whole sequences selected", one_draw_per_sequence),
         ("labels only where <mask> went (not at the random or unchanged 20%)", labels_only_where_masked),
+        ("forces one target in every sequence that has a residue (even at mask_prob = 0)",
+         edited_solution("09_proteins.py", (
+             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n",
+             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n"
+             "    draw = torch.rand(tokens.shape, generator=generator) * ~special\n"
+             "    lonely = ~selected.any(1) & (~special).any(1)  # residues, but no target\n"
+             "    selected[lonely, draw[lonely].argmax(1)] = True\n",
+         )).mask_tokens),
+        ("forces one target in every sequence, a special token where it has no residue",
+         edited_solution("09_proteins.py", (
+             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n",
+             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n"
+             "    if mask_prob > 0:  # every sequence gets at least one target\n"
+             "        lonely = ~selected.any(1)\n"
+             "        draw = torch.rand(tokens.shape, generator=generator) * ~special\n"
+             "        selected[lonely, draw[lonely].argmax(1)] = True\n",
+         )).mask_tokens),
+        ("mask_prob outside [0, 1]: no ValueError",
+         edited_solution("09_proteins.py", (
+             "    if not 0 <= mask_prob <= 1:\n        raise ValueError(f\"mask_prob",
+             "    if False:\n        raise ValueError(f\"mask_prob",
+         )).mask_tokens),
     ],
     "9.2": [
         ("batches built per rank before dealing: ranks get different counts", batches_built_per_rank),
@@ -447,5 +480,10 @@ BUGS = {
         ("the logits as a broadcast product summed over c", broadcast_logits),
         ("calls the module's own forward and pair_bias", calls_the_module),
         ("runs a load-time copy of the module's forward", _with_copied_forward()),
+        ("chunk_size below 1: no ValueError",
+         edited_solution("09_proteins.py", (
+             "    if chunk_size < 1:\n        raise ValueError(",
+             "    if False:\n        raise ValueError(",
+         )).chunked),
     ],
 }
