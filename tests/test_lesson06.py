@@ -87,7 +87,9 @@ def test_a_save_that_writes_other_ranks_pieces_fails_only_the_write_bound(bugs):
     assert failed[0].status == "failed"
     assert "rank 0 holds" in failed[0].message and "x the bound" in failed[0].message
     assert "a rank writes other ranks' pieces" in failed[0].message
-    assert report.score == pytest.approx(task.points - failed[0].max_points)
+    # a lost saving caps the task at half its points (autograder.results.settle)
+    assert task.points - failed[0].max_points > task.points / 2
+    assert report.score == pytest.approx(task.points / 2)
 
 
 def test_lesson06_states_what_each_task_bounds():
