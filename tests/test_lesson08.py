@@ -447,7 +447,8 @@ def test_a_layer_keeping_the_whole_weights_fails_only_the_bounds_naming_the_lost
         assert saving in case.message, case.message
         assert float(re.search(r"holds ([\d.]+)x the bound", case.message)[1]) >= 3.0, case.message
     value_share = sum(task.case_points(c) for c in task.cases if " is within " not in c.name)
-    assert report.score == pytest.approx(value_share) and report.score < task.points
+    # right values with the saving thrown away keep at most half of the points
+    assert report.score == pytest.approx(min(value_share, task.points / 2))
 
 
 # --------------------------------------------------------------------------- the edges (issue 44)

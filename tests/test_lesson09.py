@@ -255,7 +255,8 @@ def test_a_mistake_that_keeps_what_the_technique_frees_fails_only_its_bound(bugs
         assert lost in bound.message, bound.message
         assert float(re.search(r"holds ([\d.]+)x the bound", bound.message)[1]) >= 2.0, bound.message
     value_share = sum(task.case_points(c) for c in task.cases if " is within " not in c.name)
-    assert report.score == pytest.approx(value_share) and report.score < task.points
+    # right values with the saving thrown away keep at most half of the points (issue 45)
+    assert report.score == pytest.approx(min(value_share, task.points / 2))
 
 
 # --------------------------------------------------------------------------- the lesson
