@@ -212,7 +212,7 @@ FEEDBACK_CELLS = [
     "    base = n // world_size\n"
     "    return range(rank * base, (rank + 1) * base)\n"
     "check('0.1', shard_range)",
-    # 9.1 with special tokens selected: two cases follow the first failure
+    # 9.1 with special tokens selected: three cases follow the first failure
     "import sys\n"
     f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
     "from bugs.lesson09 import mask_special_tokens\n"
@@ -246,7 +246,7 @@ def test_feedback_boxes_align_code_spans_render_and_dependent_failures_say_so(
             assert boxes.count() >= 2, bug
             widths = [boxes.nth(i).bounding_box()["width"] for i in range(boxes.count())]
             assert max(widths) - min(widths) < 1, widths  # expected and got: one width
-            assert masked.count("follows from the failure above: fix that first") == 2, masked
+            assert masked.count("follows from the failure above: fix that first") == 3, masked
             assert "fixed" not in masked and "`" not in masked, masked
             page.locator(".jp-Notebook .jp-Cell").nth(2).scroll_into_view_if_needed()
             screenshot(page, "feedback_9_1_special_tokens", focus_index=2)

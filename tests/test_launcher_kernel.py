@@ -21,7 +21,8 @@ class Kernel:
     """A started kernel with a helper that runs a cell and collects what the notebook shows."""
 
     def __init__(self):
-        self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+        # 180 s: on two cores shared with headless lesson runs a kernel's start once took over 60 s
+        self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=180)
 
     def run(self, code: str, timeout: float = 120) -> dict:
         msg_id = self.kc.execute(textwrap.dedent(code))
