@@ -58,6 +58,9 @@ def _wait(job_ids: list[str], cwd: Path, timeout: float = 420) -> None:
                                 capture_output=True, text=True).stdout.strip()
         if not queued:
             return
+        for line in queued.splitlines():  # a requeued job waits out a begin time: start it now
+            if line.endswith("(BeginTime)"):
+                subprocess.run(["scontrol", "update", f"JobId={line.split()[0]}", "StartTime=now"])
         if any(why in queued for why in ("DependencyNeverSatisfied", "PartitionConfig",
                                           "BadConstraints", "ReqNodeNotAvail")):
             break  # it will never run: say why now
@@ -97,3 +100,75 @@ def test_grade_sbatch_shards_a_class_over_a_job_array_and_merges_it_as_one_run(s
                        "--seed", str(seed), "--gradescope"]) == 0
     merged, one = _normalised(out), _normalised(tmp_path / "one")
     assert merged["grades.csv"] == one["grades.csv"] and merged == one
+
+
+# --------------------------------------------------------------------------- train.sbatch, requeued
+
+# Appended to Lesson 02's train.py: on the job's first run, rank 0 has Slurm requeue the job at
+# REQUEUE_AT_STEP (what a preemption does: every task killed, the job back in the queue); the
+# second run (SLURM_RESTART_COUNT=1) trains on from the checkpoint.
+REQUEUE_HOOK = """
+import subprocess
+import time
+
+if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and os.environ.get("REQUEUE_AT_STEP"):
+    _requeue_at = int(os.environ["REQUEUE_AT_STEP"])
+    _train_step = train_step
+
+    def train_step(model, optimizer, step):
+        if step == _requeue_at:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"requeueing job {os.environ['SLURM_JOB_ID']} at step {step}", flush=True)
+                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
+            time.sleep(600)  # killed by the requeue
+        return _train_step(model, optimizer, step)
+"""
+
+
+def _lesson02_train_script(path: Path) -> Path:
+    """train.py as Lesson 02 writes it (its setup and task code, its HEADER and TRAIN_MAIN)."""
+    import ast
+
+    from autograder.loading import load_tasks
+    from kit.torchrun import init_process_group_per_attempt, write_script
+
+    source = ROOT / "solutions" / "02_torchrun.py"
+    texts = {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(source.read_text()).body
+             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+             and node.targets[0].id in ("HEADER", "TRAIN_MAIN")}
+    lesson = load_tasks(source)
+    return write_script(path, texts["HEADER"], lesson.DistInfo, lesson.dist_info_from_env,
+                        lesson.make_model, lesson.make_optimizer, lesson.batch_at, lesson.train_step,
+                        lesson.resumable_train, init_process_group_per_attempt, REQUEUE_HOOK,
+                        texts["TRAIN_MAIN"])
+
+
+def test_train_sbatch_on_cpu_resumes_from_its_checkpoint_after_the_job_is_requeued(slurm, tmp_path):
+    import torch
+
+    from autograder.loading import load_tasks
+
+    script = _lesson02_train_script(tmp_path / "train.py")
+    # The CPU/gloo variant: the same file without its GPU request, 2 workers on the one node.
+    text = (ROOT / "slurm" / "train.sbatch").read_text()
+    cpu = tmp_path / "train-cpu.sbatch"
+    cpu.write_text(re.sub(r"^#SBATCH --gpus-per-node=.*\n", "", text, flags=re.M))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    done = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/train-%j.out",
+         "--open-mode=append", "--nodes=1", "--cpus-per-task=2",
+         f"--export=ALL,NPROC_PER_NODE=2,REQUEUE_AT_STEP=3,PATH={Path(sys.executable).parent}:{os.environ['PATH']}",
+         str(cpu), str(script), str(ckpt), "6"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip()
+    _wait([job], tmp_path, timeout=420)
+    log = (tmp_path / f"train-{job}.out").read_text()
+    assert f"requeueing job {job} at step 3" in log, log[-3000:]
+    assert "rank 0: resuming at step 3" in log, log[-3000:]  # the second run, from the checkpoint
+    assert (ckpt / "final.pt").exists(), log[-3000:]
+    lesson = load_tasks(ROOT / "solutions" / "02_torchrun.py")
+    (tmp_path / "uninterrupted").mkdir()
+    reference = lesson.resumable_train(str(tmp_path / "uninterrupted"), 6)
+    resumed = torch.load(ckpt / "final.pt", weights_only=True)
+    assert all(torch.equal(resumed[k], reference[k]) for k in reference), log[-3000:]
