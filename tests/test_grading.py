@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -205,7 +206,8 @@ def test_the_command_grades_a_folder_with_progress_and_every_output(tmp_path, ca
     args = [str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00", "--gradescope"]
     assert main(args) == 0
     captured = capsys.readouterr()
-    assert "graded 2 submission(s)" in captured.out and "2/2] graded, 0:00 left" in captured.err
+    assert "graded 2 submission(s)" in captured.out and "2/2] graded, 0:00 left, " in captured.err
+    assert re.search(r"graded, \d+:\d\d left, [\d.]+ per minute", captured.err), captured.err
     rows = list(csv.DictReader((tmp_path / "out" / "grades.csv").open()))
     assert [(r["student"], r["0.1"], r["0.2"]) for r in rows] == [("correct", "2.0", "3.0"), ("stub", "0.0", "0.0")]
     nbgrader = list(csv.DictReader((tmp_path / "out" / "nbgrader-grades.csv").open()))

@@ -79,6 +79,13 @@ def _files(folder: Path) -> dict[str, str]:
             and ".kit-grade" not in p.parts}
 
 
+def test_a_merge_reports_its_progress_as_plain_lines_in_a_log(graded, tmp_path, capsys):
+    assert grade_main(["merge", str(graded / "shard1"), str(graded / "shard2"), "--out",
+                       str(tmp_path / "again")]) == 0
+    err = capsys.readouterr().err  # not a terminal: one line per shard
+    assert "[  1/2] shard 1/2 read:" in err and "[  2/2] shard 2/2 read:" in err, err
+
+
 def test_the_merged_shards_write_exactly_what_one_unsharded_run_writes(graded):
     full, merged = _files(graded / "full"), _files(graded / "merged")
     assert "grades.csv" in full and "gradescope/correct/results.json" in full

@@ -184,7 +184,9 @@ def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = 
     def progress(done: int, total: int, seconds: float) -> None:
         left = seconds / done * (total - done)
         bar.total = total
-        bar.update(f"graded, {int(left // 60)}:{int(left % 60):02d} left", done=done)
+        rate = 60 * done / max(seconds, 1e-9)
+        bar.update(f"graded, {int(left // 60)}:{int(left % 60):02d} left, {rate:.1f} per minute",
+                   done=done)
 
     try:
         records = grade_batch(subs, config, progress, unsandboxed=unsandboxed)

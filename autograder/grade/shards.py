@@ -143,8 +143,10 @@ def _read_shard(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return manifest, secret
 
 
-def merge_shards(folders: list[Path], out: Path, *, gradescope: bool = False) -> dict[str, dict[str, Any]]:
-    """Merge shard output folders into ``out``; returns every record by student.
+def merge_shards(folders: list[Path], out: Path, *, gradescope: bool = False,
+                 progress: Any = None) -> dict[str, dict[str, Any]]:
+    """Merge shard output folders into ``out``; returns every record by student. ``progress``
+    (a :class:`kit.output.Progress` over the shards) hears of each shard once its records are read.
 
     Raises:
         MergeError: naming each missing or repeated shard, disagreement between shards, and every
@@ -188,6 +190,8 @@ def merge_shards(folders: list[Path], out: Path, *, gradescope: bool = False) ->
                                 "with another seed or other lessons than its shard")
             else:
                 records[student] = record
+        if progress is not None:
+            progress.update(f"shard {manifest['shard']}/{n} read: {len(manifest['mine'])} record(s)")
     if not problems and set(records) != set(first["students"]):
         unplaced = sorted(set(first["students"]) - set(records))
         problems.append("students in no shard's list: " + ", ".join(unplaced))
@@ -229,11 +233,17 @@ def main_merge(argv: list[str]) -> int:
         print(f"kit grade merge: --out {out} is one of the shards: give the merge a folder of its own",
               file=sys.stderr)
         return 2
+    from kit.output import Progress
+
+    bar = Progress(len(args.shards), sys.stderr, width=20)
     try:
-        records = merge_shards([Path(f) for f in args.shards], out, gradescope=args.gradescope)
+        records = merge_shards([Path(f) for f in args.shards], out, gradescope=args.gradescope,
+                               progress=bar)
     except MergeError as e:
+        bar.close()
         print(f"kit grade merge: {e}", file=sys.stderr)
         return 2
+    bar.close()
     scores = [r["score"] for r in records.values()]
     print(f"merged {len(args.shards)} shard(s): {len(records)} submission(s), mean score "
           f"{sum(scores) / max(1, len(scores)):.3g}; wrote {out / 'grades.csv'}")
