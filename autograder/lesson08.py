@@ -954,11 +954,7 @@ def _edge_compare(regime: str, compare: Any) -> Any:
                                    "the micro-batches from the list, computes the losses and "
                                    "sends nothing. With fewer micro-batches than stages each "
                                    "stage still runs micro-batches 0..m−1, nothing more.")
-        try:
-            compare(got, expected)
-        except CheckFailed as e:
-            raise CheckFailed(f"{regime}: {e.message}", expected=e.expected, got=e.got,
-                              hint=e.hint, recipe=e.recipe) from None
+        _named(regime, compare)(got, expected)
 
     return each
 
