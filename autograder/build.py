@@ -18,6 +18,7 @@ import ast
 import copy
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import nbformat
 from nbformat import NotebookNode
 from nbgrader.preprocessors import NbGraderPreprocessor
 
+from autograder import course
 from autograder.loading import Cell, cell_role, definitions_only, grade_id, lesson_of, lessons_arg
 from autograder.registry import get_task, lesson_tasks
 
@@ -173,8 +175,64 @@ def autograde_preprocessors() -> list[type]:
 
 
 def lesson_sources(root: Path) -> list[Path]:
-    """``solutions/NN_slug.py`` files under ``root``, in lesson order."""
-    return sorted((root / "solutions").glob("[0-9][0-9]_*.py"))
+    """The course spec's lesson sources under ``root`` (``solutions/NN_slug.py``), in order."""
+    return [root / "solutions" / f"{spec.stem}.py" for spec in course.LESSONS]
+
+
+def spec_problems(root: Path) -> list[str]:
+    """What in ``root`` disagrees with the course spec: a spec lesson without its source, a
+    source no spec lesson names."""
+    problems = []
+    for spec in course.LESSONS:
+        if not (root / "solutions" / f"{spec.stem}.py").is_file():
+            problems.append(f"solutions/{spec.stem}.py is missing: autograder/course.py lists "
+                            f"lesson {spec.number:02d} ({spec.slug}); write its source, or "
+                            "remove its entry")
+    for path in sorted((root / "solutions").glob("*.py")):
+        if course.by_stem(path.stem) is None:
+            problems.append(f"solutions/{path.name} is no lesson of autograder/course.py: add "
+                            "a Lesson(...) entry there (number, slug, title, tasks), or rename "
+                            "the file to its lesson's NN_slug.py")
+    return problems
+
+
+_TASK_WORDS = re.compile(r"\bTasks? (\d+\.\d+)")
+_HEADING_NAME = re.compile(r"^#+ .*\bTask (\d+\.\d+): `([\w.]+)`", re.M)
+
+
+def _render_markdown(spec: course.Lesson, nb: NotebookNode, path: Path) -> None:
+    """Fill in every markdown cell's marks from the spec, and refuse facts stated by hand."""
+    ids = {t.id: t for t in spec.tasks}
+    first = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+    if first is None or not first.source.lstrip().startswith("# {{title}}"):
+        raise BuildError(f"{path}: the first markdown cell must start with the heading "
+                         "`# {{title}}` (the title is autograder/course.py's)")
+    missing = [t for t in ids if not re.search(r"\{\{\s*task " + re.escape(t) + r"\s*\}\}",
+                                               first.source)]
+    if missing:
+        raise BuildError(f"{path}: the intro (first markdown cell) must name every task with "
+                         f"its mark; add {', '.join('{{task ' + t + '}}' for t in missing)}")
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "markdown":
+            continue
+        where = f"{path}, cell {i + 1}"
+        if (m := course.STATED_POINTS.search(cell.source)):
+            raise BuildError(f"{where}: {m.group(0)!r} states points by hand; write "
+                             f"{{{{task {m.group(1)}}}}}, which the build fills in from "
+                             "autograder/course.py")
+        for task_id in _TASK_WORDS.findall(cell.source):
+            if task_id.split(".")[0] == str(spec.number) and task_id not in ids:
+                raise BuildError(f"{where}: the text names Task {task_id}, which lesson "
+                                 f"{spec.number:02d} does not have (its tasks: {', '.join(ids)})")
+        for task_id, name in _HEADING_NAME.findall(cell.source):
+            t = ids.get(task_id)
+            if t is not None and name.split(".")[0] not in (t.name, *t.companions):
+                raise BuildError(f"{where}: the heading calls Task {task_id} `{name}`; its "
+                                 f"entry is `{t.name}` (autograder/course.py)")
+        try:
+            cell.source = course.render_marks(cell.source, spec)
+        except course.MarkError as e:
+            raise BuildError(f"{where}: {e}") from None
 
 
 def _defines(source: str, name: str) -> bool:
@@ -220,13 +278,16 @@ def source_notebook(path: Path) -> NotebookNode:
     """
     import jupytext
 
-    lesson = lesson_of(path)
-    if lesson is None:
-        raise BuildError(f"{path}: a lesson source is named NN_slug.py (e.g. 00_launching_ranks.py)")
+    spec = course.by_stem(path.stem)
+    if spec is None:
+        raise BuildError(f"{path}: no lesson of autograder/course.py has this stem; a lesson "
+                         "source is named solutions/NN_slug.py after its Lesson(...) entry")
+    lesson = spec.number
     try:
         nb = jupytext.read(path, fmt="py:percent")
     except Exception as e:
         raise BuildError(f"{path}: not a jupytext percent source ({e})") from e
+    _render_markdown(spec, nb, path)
     tasks = {t.id: t for t in lesson_tasks(lesson)}
     positions: dict[tuple[str, str | None], int] = {}
     ids: set[str] = set()
@@ -306,12 +367,13 @@ def render(nb: NotebookNode) -> str:
 
 def build_lessons(root: Path, *, check: bool = False) -> list[str]:
     """Write ``lessons/`` from ``solutions/``; with ``check``, write nothing and return problems."""
-    sources = lesson_sources(root)
-    if not sources:
+    if not (root / "solutions").is_dir():
         raise BuildError(f"no lesson sources (solutions/NN_slug.py) under {root}: run kit build "
                          "from the course repository's root, or pass --root")
+    problems = spec_problems(root)
+    sources = [s for s in lesson_sources(root) if s.is_file()]
     lessons = root / "lessons"
-    problems = []
+    problems += readme_problems(root, check=check)
     for src in sources:
         out = lessons / f"{src.stem}.ipynb"
         text = render(student_notebook(source_notebook(src)))
@@ -333,6 +395,33 @@ def build_lessons(root: Path, *, check: bool = False) -> list[str]:
             problems.append(f"{orphan.relative_to(root)} has no source solutions/{orphan.stem}.py: "
                             "restore the source, or delete the notebook.")
     return problems
+
+
+README_BEGIN = "<!-- lesson table: written by `kit build` from autograder/course.py -->"
+README_END = "<!-- end of lesson table -->"
+
+
+def readme_problems(root: Path, *, check: bool) -> list[str]:
+    """Write README.md's lesson table from the spec (between its two markers); with ``check``,
+    write nothing and say whether it is stale."""
+    readme = root / "README.md"
+    if not readme.is_file():
+        return []
+    text = readme.read_text(encoding="utf-8")
+    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
+        return [f"README.md must hold the lesson table between the lines {README_BEGIN} and "
+                f"{README_END}, once"]
+    head, rest = text.split(README_BEGIN)
+    _, tail = rest.split(README_END)
+    new = f"{head}{README_BEGIN}\n{course.readme_table()}\n{README_END}{tail}"
+    if new == text:
+        return []
+    if check:
+        return ["README.md's lesson table is stale: it differs from autograder/course.py. Run "
+                "`kit build` and commit README.md."]
+    readme.write_text(new, encoding="utf-8")
+    print("wrote README.md's lesson table")
+    return []
 
 
 # --------------------------------------------------------------------------- nbgrader course
@@ -411,7 +500,7 @@ def main_build(argv: list[str]) -> int:
     for problem in problems:
         print(f"kit build: {problem}", file=sys.stderr)
     if not problems and args.check:
-        print("kit build --check: lessons/ is up to date")
+        print("kit build --check: lessons/ and README's lesson table are up to date")
     return 1 if problems else 0
 
 

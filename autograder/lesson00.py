@@ -20,7 +20,7 @@ from autograder.registry import plain, task
 # --------------------------------------------------------------------------- task 0.1
 
 SHARD = task(
-    "0.1", "shard_range", points=2, reference="shard_range",
+    "0.1", reference="shard_range",
     # DistributedSampler's module, and the balanced splits that answer in one call.
     forbidden=("torch.utils.data.DistributedSampler", "torch.utils.data.distributed",
                "torch.tensor_split", "torch.Tensor.tensor_split", "numpy.array_split"),
@@ -107,7 +107,7 @@ def _(shard_range: Any, seed: int) -> str:
 # forbids nothing: no library computes a mean weighted by each rank's count; dist.all_reduce,
 # which the task calls, is the tool, not the answer.
 MEAN = task(
-    "0.2", "global_mean", points=3,
+    "0.2",
     hint="A mean over all ranks weighs every element alike, so a rank holding more elements "
          "counts more. Averaging the per-rank means is wrong as soon as ranks hold different "
          "numbers of elements.",

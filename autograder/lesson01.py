@@ -187,7 +187,7 @@ def _compare_broadcast(got: Any, expected: dict[str, Any]) -> None:
 
 
 BROADCAST = task(
-    "1.1", "tree_broadcast", points=3, reference="tree_broadcast", forbidden=COLLECTIVES,
+    "1.1", reference="tree_broadcast", forbidden=COLLECTIVES,
     hint="A binomial tree: in every round each rank that already holds the data sends it to "
          "one rank that does not, so the number of holders doubles and p ranks are done in "
          "ceil(log2 p) rounds, with point-to-point messages only.",
@@ -407,7 +407,7 @@ def _compare_ring_pattern(messages: list[list[tuple[str, int | None, int]]], n: 
 
 
 RING = task(
-    "1.2", "ring_all_reduce", points=4, reference="ring_all_reduce", forbidden=COLLECTIVES,
+    "1.2", reference="ring_all_reduce", forbidden=COLLECTIVES,
     hint="A ring all-reduce is a reduce-scatter followed by an all-gather over p chunks: each "
          "rank only sends to its right neighbour and receives from its left, one chunk of about "
          "n / p elements per step, sending and receiving at the same time, 2(p - 1) steps.",
@@ -576,7 +576,7 @@ def _barrier_case(name: str, world_size: int, names: list[str], *, file_store: b
 
 
 BARRIER = task(
-    "1.3", "store_barrier", points=3,
+    "1.3",
     # torch's barriers, and torchelastic's store helpers (barrier, synchronize, get_all, ...).
     forbidden=("torch.distributed.barrier", "torch.distributed.monitored_barrier",
                "torch.distributed.distributed_c10d._store_based_barrier",
@@ -699,7 +699,7 @@ def _compare_fit(got: Any, expected: Any) -> None:
 
 
 MODEL = task(
-    "1.4", "fit_alpha_beta", points=2, reference="fit_alpha_beta", companions=("ring_all_reduce_time",),
+    "1.4", reference="fit_alpha_beta",
     # One-call answers (line fits and least-squares solvers); kit.lessons.costmodel.ring_all_reduce_time
     # stays in kit for Lesson 08's planner.
     forbidden=("numpy.polyfit", "numpy.polynomial.polynomial.polyfit", "numpy.polynomial",

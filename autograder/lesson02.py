@@ -57,7 +57,7 @@ def _outcome(fn: Callable[..., Any], env: dict[str, str]) -> Any:
 # forbids nothing: no library reads torchrun's environment into these fields with these checks
 # (torch.distributed reads it only inside init_process_group, which the task must not need).
 INFO = task(
-    "2.1", "dist_info_from_env", points=3, reference="dist_info_from_env",
+    "2.1", reference="dist_info_from_env",
     hint="The environment torchrun sets is the only truth about where a process runs: read "
          "every variable, fall back to one process when it is unset, and refuse (ValueError) "
          "values that are malformed or contradict each other, before anything uses them.",
@@ -208,7 +208,7 @@ def _compare_params(got: Any, expected: dict[str, torch.Tensor]) -> None:
 # forbids nothing: the loop is built from torch.save, torch.load and os.replace, which it must
 # call; no library resumes a training loop (DCP, a different format, is Lesson 06's).
 TRAIN = task(
-    "2.2", "resumable_train", points=4,
+    "2.2",
     hint="A restart runs the script from the top: everything the next step depends on (the "
          "weights, the optimizer's state, the step number) must be on disk, written so that a "
          "crash never leaves half a checkpoint, and the run must continue from it exactly.",
@@ -382,7 +382,7 @@ def _mismatch_as_dict(m: Any) -> Any:
 
 
 MISMATCH = task(
-    "2.3", "first_mismatch", points=3, reference="first_mismatch",
+    "2.3", reference="first_mismatch",
     # torch's own desync analyser: the flight recorder's fr_trace matches every rank's
     # collectives and reports where they part.
     forbidden=("torch.distributed.flight_recorder",),

@@ -32,7 +32,7 @@ from autograder.registry import task
 # --------------------------------------------------------------------------- task 3.1
 
 SAMPLER = task(
-    "3.1", "ShardSampler", points=4, reference=DistributedSampler,
+    "3.1", reference=DistributedSampler,
     # DistributedSampler's module, and torchelastic's subclass of it.
     forbidden=("torch.utils.data.DistributedSampler", "torch.utils.data.distributed",
                "torch.distributed.elastic.utils.data.ElasticDistributedSampler"),
@@ -332,7 +332,7 @@ def _(impl: Any, seed: int) -> str:
 # forbids nothing: torch's DataLoader seeds each worker from base_seed + worker_id, the same on
 # every rank; no library mixes in the rank (its own seeding runs in every worker it starts).
 SEEDING = task(
-    "3.2", "seed_worker", points=3,
+    "3.2",
     hint="Every data-loader worker on every rank needs its own random streams, in torch, NumPy "
          "and Python's random alike, reproducible from torch's seed and new every epoch: the "
          "loader already gives each worker a fresh torch seed, but the same one on every rank.",
@@ -567,7 +567,7 @@ SEEDING.case("world size 1: RANK unset (a plain python run), one worker: rank 0'
 # forbids nothing: it calls all_gather, the tool; no library undoes a distributed sampler's
 # interleaving and padding.
 GATHER = task(
-    "3.3", "gather_unpadded", points=3,
+    "3.3",
     hint="Undo the sampler: the ranks' results together, in dataset order, every sample once. "
          "A distributed sampler deals the samples out like cards (rank r holds positions r, "
          "r + W, r + 2W, ...) and pads the last round with duplicates.",

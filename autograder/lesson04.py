@@ -397,7 +397,7 @@ SOMETIMES_USED = ("extra.",)
 # --------------------------------------------------------------------------- task 4.1
 
 NAIVE = task(
-    "4.1", "NaiveDDP", points=3, preload=PRELOAD, forbidden=DDP,
+    "4.1", preload=PRELOAD, forbidden=DDP,
     hint="Averaging the gradients over ranks that hold the same weights equals one step on the "
          "global batch: after backward every gradient must be the mean over the ranks, each "
          "parameter reduced exactly once.",
@@ -452,7 +452,7 @@ NAIVE.case("at most one all-reduce per parameter with a gradient (the tied weigh
 # --------------------------------------------------------------------------- task 4.2
 
 OVERLAPPED = task(
-    "4.2", "OverlappedDDP", points=3, preload=PRELOAD, forbidden=DDP,
+    "4.2", preload=PRELOAD, forbidden=DDP,
     hint="Overlap: each gradient's all-reduce must start during backward, as soon as that "
          "gradient is final, and run in the background while backward computes the rest; only "
          "finish_gradient_synchronization waits.",
@@ -502,7 +502,7 @@ OVERLAPPED.case("one async all-reduce per parameter with a gradient, each starte
 # --------------------------------------------------------------------------- task 4.3
 
 BUCKETED = task(
-    "4.3", "BucketedDDP", points=4, preload=PRELOAD, forbidden=DDP,
+    "4.3", preload=PRELOAD, forbidden=DDP,
     hint="Buckets: few large all-reduces instead of many small ones, still overlapped with "
          "backward. Gradients become ready in reverse registration order, so buckets follow "
          "that order, and each bucket is reduced once, as one flat buffer, as soon as all of "
@@ -560,7 +560,7 @@ BUCKETED.case("exactly one all-reduce per bucket per step, started when the buck
 # --------------------------------------------------------------------------- task 4.4
 
 NO_SYNC = task(
-    "4.4", "BucketedDDP", points=2, preload=PRELOAD, forbidden=DDP,
+    "4.4", preload=PRELOAD, forbidden=DDP,
     hint="Gradient accumulation: inside no_sync() backward only accumulates gradients locally, "
          "with no communication; the first backward outside it reduces the accumulated sum, "
          "and the previous setting comes back even if the block raises.",

@@ -203,7 +203,7 @@ def _bytes_compare(scenarios: list[str]) -> Any:
 # bounds nothing: state_bytes is a meter; it saves no memory (its cases compare its counts with
 # the reference's on the same objects, on the same ranks).
 BYTES = task(
-    "5.1", "state_bytes", points=2, reference="state_bytes", preload=PRELOAD,
+    "5.1", reference="state_bytes", preload=PRELOAD,
     # forbids nothing: no library counts the bytes a rank holds now, storages once, DTensors by
     # their local shard (torch's MemTracker attributes allocations while it watches a run).
     hint="Count memory, not tensors: tensors that share a storage (tied weights, views of one "
@@ -433,7 +433,7 @@ def _compare_ownership(got: Any, expected: dict[str, Any]) -> None:
 
 
 ZERO = task(
-    "5.2", "ShardedOptimizer", points=4, preload=PRELOAD,
+    "5.2", preload=PRELOAD,
     # torch's ZeRO-1 (its module's helpers too) and the DDP hook that steps it.
     forbidden=("torch.distributed.optim.ZeroRedundancyOptimizer",
                "torch.distributed.optim.zero_redundancy_optimizer",
@@ -833,7 +833,7 @@ def _compare_fsdp_freed(got: Any, expected: dict[str, Any]) -> None:
 
 
 FSDP_TASK = task(
-    "5.3", "FSDP", points=6, preload=PRELOAD,
+    "5.3", preload=PRELOAD,
     # torch's FSDP, 1 and 2, everything in torch.distributed.fsdp (flat parameters, the runtime's
     # hooks) and the composable alias; DDP for the replicated parameters.
     forbidden=("torch.distributed.fsdp.fully_shard",
@@ -1111,7 +1111,7 @@ def _compare_mixed(got: Any, expected: dict[str, Any]) -> None:
 
 
 FSDP2 = task(
-    "5.4", "apply_fsdp2", points=3, preload=PRELOAD,
+    "5.4", preload=PRELOAD,
     # Lesson 06's kit.lessons.resume.shard_model wraps a TinyTransformer the same way: not an answer here.
     forbidden=("kit.lessons.resume.shard_model",),
     hint="FSDP2 shards unit by unit: each block is its own unit of all-gather, the root takes "
@@ -1564,7 +1564,7 @@ def _compare_step_zeroed(got: Any, expected: Any) -> None:
 
 
 CLIP = task(
-    "5.5", "clip_grad_norm_", points=5, companions=("train_step",), preload=PRELOAD,
+    "5.5", preload=PRELOAD,
     # torch's clipping (every helper of its module: get_total_norm, clip_grads_with_norm_, the
     # deprecated clip_grad_norm) and gathering a sharded gradient whole.
     forbidden=("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad",

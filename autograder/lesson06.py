@@ -225,7 +225,7 @@ def _written_beyond_own(run: dict[str, Any]) -> dict[str, Any]:
 # bounds: the bytes each rank writes (/proc/self/io: the kernel's count, below Python); the
 # bytes each load reads is bounded by a case of its own, against the pieces it overlaps.
 SHARDS = task(
-    "6.1", "save_shards", points=4, companions=("load_shards",), preload=PRELOAD,
+    "6.1", preload=PRELOAD,
     # All of DCP (its planners, storage writers and metadata too): the task is a sharded
     # checkpoint by hand, with torch.save and torch.load.
     forbidden=DCP_ENTRY_POINTS + ("torch.distributed.checkpoint",),
@@ -559,7 +559,7 @@ def _resume_run(impl: Any, seed: int) -> list[dict[str, Any]]:
 # bounds nothing: an exact resume is about what is saved, not how much; what each rank writes
 # is dcp.save's own business (each rank writes its own shards), and 6.1 bounds it by hand.
 STATE = task(
-    "6.2", "TrainingState", points=4, preload=PRELOAD,
+    "6.2", preload=PRELOAD,
     forbidden=DCP_ENTRY_POINTS,
     hint="An exact resume needs everything the next step reads: the weights and the optimizer's "
          "moments, the step, every random generator this rank draws from, and where the "
@@ -903,7 +903,7 @@ _NO_TRAINING_STATE = ("train_with_checkpoints runs with the notebook's own Train
 # forbids nothing: the loop is made of dcp.async_save and dcp.load, which it must call; no
 # library picks the newest complete checkpoint or keeps one save in flight.
 LOOP = task(
-    "6.3", "train_with_checkpoints", points=5, companions=("TrainingState",), preload=PRELOAD,
+    "6.3", preload=PRELOAD,
     hint="A checkpoint counts only once it is complete, and DCP writes its metadata last; the "
          "newest is the one with the highest step in its name, not the newest file on disk. At "
          "most one asynchronous save may be in flight. (The loop runs with your own "

@@ -91,7 +91,7 @@ def _no_torch_helper(got: dict[str, Any], what: str) -> None:
 # bounds nothing: loss scaling keeps small fp16 gradients from flushing to zero; it saves
 # neither memory nor time (its cases compare its scales and steps with torch's GradScaler).
 SCALER = task(
-    "7.1", "DynamicLossScaler", points=4,
+    "7.1",
     # torch's GradScaler under every name (its module, the deprecated cuda/cpu aliases, FSDP's
     # subclass) and the two C++ ops it is made of.
     forbidden=("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.cpu.amp.GradScaler",
@@ -450,7 +450,7 @@ SCALER.case(f"FSDP2 on {FSDP_WORLD} ranks: gradients are sharded DTensors, inf o
 # bounds nothing: saved_activation_bytes is a meter of what autograd saves; it saves nothing
 # (its cases compare its count with the reference's and with the per-layer formula).
 SAVED = task(
-    "7.2", "saved_activation_bytes", points=3,
+    "7.2",
     forbidden=("autograder.references.lesson07.saved_activation_bytes",),
     hint="Autograd can tell you every tensor it keeps for backward as it keeps it; what costs "
          "memory is the storage behind a tensor, and several saved tensors (views, a weight and "
@@ -530,7 +530,7 @@ def _(impl: Any, seed: int) -> Any:
 # --------------------------------------------------------------------------- task 7.3
 
 CHECKPOINT = task(
-    "7.3", "apply_checkpointing", points=4, companions=("checkpoint",),
+    "7.3",
     # torch's checkpointing: all of torch.utils.checkpoint (its private generator and hooks too),
     # the distributed checkpoint_wrapper's module and the composable checkpoint.
     forbidden=("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
@@ -827,8 +827,7 @@ CHECKPOINT.bound(
 # op, allow_in_graph, a module kept whole) put an opaque node in the graph: the compiled run
 # refuses it as a ForbiddenUse (the task scores 0), and the bound shows the FLOPs it hid.
 READY = task(
-    "7.4", "compile_ready",
-    points=3,
+    "7.4",
     hint="Graph breaks come from Python that needs a value Dynamo cannot know while tracing: a "
          "side effect (print), a loop whose trip count is data, an if on .item(). Written as "
          "tensor operations instead, one graph serves every batch.",

@@ -350,8 +350,8 @@ def _compare_tp_calls(got: Any, expected: list[dict[str, Any]]) -> None:
 
 
 TP = task(
-    "8.1", "ColumnParallelLinear", points=4, forbidden=DTENSOR,
-    companions=("RowParallelLinear",), preload=TP_PRELOAD,
+    "8.1", forbidden=DTENSOR,
+    preload=TP_PRELOAD,
     hint="Tensor parallelism splits each Linear over the ranks: the column layer computes a "
          "slice of the output features, the row layer a partial sum over its slice of the input "
          "features. Two conjugate operations carry all the communication: f (identity forward, "
@@ -628,7 +628,7 @@ def _compare_sp_memory(got: Any, expected: dict[str, Any]) -> None:
 
 
 SP = task(
-    "8.2", "SequenceParallelMLP", points=3, forbidden=DTENSOR, preload=TP_PRELOAD,
+    "8.2", forbidden=DTENSOR, preload=TP_PRELOAD,
     hint="Sequence parallelism runs the LayerNorm on this rank's shard of the sequence and "
          "splits the tensor-parallel all-reduce into an all-gather before linear1 and a "
          "reduce-scatter after linear2, each the other's backward. Parameters used on the shard "
@@ -872,7 +872,7 @@ def _for_each_shape(compare: Any) -> Any:
 # rank, is the stage it is handed, and its traffic, 2·m·(p−1) messages of one micro-batch each,
 # is checked exactly by the message case.
 GPIPE = task(
-    "8.3", "gpipe", points=3, forbidden=PIPELINING, preload=PIPE_PRELOAD,
+    "8.3", forbidden=PIPELINING, preload=PIPE_PRELOAD,
     hint="GPipe: micro-batches flow forward through the stages, then their gradients flow "
          "back in reverse; a stage talks only to its neighbours, and the micro-batch losses, "
          "each divided by m, add up to the whole batch's mean loss.",
@@ -1229,7 +1229,7 @@ def _compare_played(got: Any, expected: Any) -> None:
 
 
 ONE_F_ONE_B = task(
-    "8.4", "one_f_one_b", points=2, forbidden=PIPELINING, preload=PIPE_PRELOAD,
+    "8.4", forbidden=PIPELINING, preload=PIPE_PRELOAD,
     hint="1F1B fills the pipe, then alternates: a stage runs as many forwards as there are "
          "stages after it before its first backward, and from then on never keeps more "
          "activations than that plus one.",
@@ -1470,7 +1470,7 @@ def _refuses_partial_rounds(got: Any, expected: Any) -> None:
 # trusted simulation of the orders the task returns (the bubble and the chunks in flight per
 # stage); 8.4's bound already measures a stage's activations per micro-batch on the meter.
 INTERLEAVED = task(
-    "8.5", "interleaved_one_f_one_b", points=3, forbidden=PIPELINING,
+    "8.5", forbidden=PIPELINING,
     hint="Interleaved 1F1B is 1F1B on a pipeline of v·p virtual stages where each rank holds v "
          "of them (chunk c of stage s is virtual stage c·p + s): micro-batches go round the ranks "
          "v times forward and v times back, in rounds of p micro-batches.",

@@ -61,7 +61,7 @@ def _within(count: int, n: int, p: float) -> bool:
 # forbids nothing: fair-esm has no masking code, and no installed library masks ESM tokens
 # (transformers' DataCollatorForLanguageModeling is not a dependency).
 MASK = task(
-    "9.1", "mask_tokens", points=3,
+    "9.1",
     hint="BERT/ESM masking: every residue is chosen independently with probability mask_prob "
          "(special tokens never); a chosen one becomes <mask> 80% of the time, a random amino "
          "acid 10% and stays itself 10%, and only chosen positions carry a label. All "
@@ -437,7 +437,7 @@ MASK.case(f"mask_prob outside [0, 1] ({OUT_OF_RANGE[0]}, {OUT_OF_RANGE[1]}): a V
 # within max_tokens because the batches must equal fair-esm's exactly, and the saving, padding
 # tokens, is counted from the indices themselves in the "2x less padding" case.
 BUDGET = task(
-    "9.2", "token_budget_batches", points=3,
+    "9.2",
     # fair-esm's own token-budget batching and batch converter, and DistributedSampler's dealing.
     forbidden=("esm.data.FastaBatchedDataset.get_batch_indices", "esm.data.BatchConverter",
                "torch.utils.data.DistributedSampler", "torch.utils.data.distributed"),
@@ -607,7 +607,7 @@ def _(token_budget_batches: Any, seed: int) -> list[Any]:
 # --------------------------------------------------------------------------- task 9.3
 
 RING = task(
-    "9.3", "ring_attention", points=4,
+    "9.3",
     forbidden=("torch.distributed.all_gather", "torch.distributed.all_gather_into_tensor",
                "torch.distributed.all_gather_object", "torch.distributed.all_to_all",
                "torch.distributed.all_to_all_single", "torch.distributed.broadcast",
@@ -883,8 +883,7 @@ RING.bound("growth of the peak bytes per rank from 3 to 4 ranks at the same L/W 
 TRIANGLE = ("kit.lessons.proteins.TriangleAttentionStartingNode.forward",
             "kit.lessons.proteins.TriangleAttentionStartingNode.pair_bias")
 CHUNKED = task(
-    "9.4", "chunked",
-    points=2, forbidden=TRIANGLE,
+    "9.4", forbidden=TRIANGLE,
     hint="Attention around the starting node treats each row i of the pair representation "
          "independently, except for the bias b_jk, which comes from every edge: compute the "
          "bias for all rows first, then the logits, softmax and output one block of rows at a "

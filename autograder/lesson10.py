@@ -202,7 +202,7 @@ def _compare_declarations(got: Any, expected: list[dict[str, Any]]) -> None:
 # bounds nothing: collation is bookkeeping (index offsets, batch and ptr); a batch holds exactly
 # its graphs' tensors, and the checks compare every one of them with PyG's.
 COLLATE = task(
-    "10.1", "collate", points=3,
+    "10.1",
     hint="A batch of graphs is one disconnected graph: attributes that hold node indices "
          "(edge_index, triplet_index) are shifted past the nodes of the graphs before them, and "
          "batch and ptr record which graph each node came from. Each graph's __inc__ and "
@@ -220,7 +220,6 @@ COLLATE = task(
     forbidden=("torch_geometric.data.Batch.from_data_list", "torch_geometric.data.collate.collate",
                "torch_geometric.loader.dataloader.Collater", "torch_geometric.data.collate",
                "torch_geometric.loader.dataloader", "torch_geometric.data.InMemoryDataset.collate"),
-    companions=("MolData",),
 )
 
 
@@ -428,7 +427,7 @@ def _compare_separate(got: Any, expected: Any) -> None:
 # bounds nothing: the layer's point is symmetry (E(3)- and permutation-equivariance by
 # construction); it costs what one message per edge costs, and saves nothing to measure.
 EGNN = task(
-    "10.2", "EGNNLayer", points=3, reference="ReferenceEGNNLayer",
+    "10.2", reference="ReferenceEGNNLayer",
     # forbids nothing: no installed library has an EGNN layer; the grader's own reference layer
     # is refused as the grader's code (a subclass, a call or a copy of its forward), while its
     # constructor is the task's given scaffolding
@@ -591,7 +590,7 @@ def _compare_invalid(got: Any, expected: Any) -> None:
 # bounds nothing: a scaffold split is about what the test set may contain (no scaffold seen in
 # training), not about memory or compute.
 SCAFFOLD = task(
-    "10.3", "scaffold_split", points=3, reference="reference_scaffold_split",
+    "10.3", reference="reference_scaffold_split",
     hint="A scaffold split keeps every molecule of one Bemis-Murcko scaffold in the same split, "
          "so the test set holds chemistry the model never saw; train takes the biggest scaffold "
          "sets that fit, valid and test what is left. Compare your order with DeepChem's split "
@@ -844,7 +843,7 @@ def _compare_screen(got: Any, expected: dict[str, Any]) -> None:
 # bounds nothing: early-recognition metrics rank the whole screen, so every rank needs every
 # shard; gathering them is the point, and nothing is saved to measure.
 SCREEN = task(
-    "10.4", "screen_metrics", points=4,
+    "10.4",
     hint="Early-recognition metrics depend only on where the actives land in the ranked list: "
          "EF@x compares their share of the top x with their share overall, BEDROC weights each "
          "one by an exponential of its rank. For a sharded screen the ranking is of the whole "
@@ -866,7 +865,6 @@ SCREEN = task(
                "autograder.references.lesson10.reference_enrichment_factor",
                "autograder.references.lesson10.reference_bedroc",
                "autograder.references.lesson10.reference_screen"),
-    companions=("enrichment_factor", "bedroc"),
 )
 _SCREEN_RANKS = SCREEN.shared(_screen_on_rank, world_size=len(SHARD_SIZES), timeout=30.0)
 

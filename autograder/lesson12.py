@@ -63,7 +63,7 @@ def seeded_flop_shapes(seed: int) -> list[tuple[int, int, int, int, int, int]]:
 
 
 FLOPS = task(
-    "12.1", "training_flops", points=3,
+    "12.1",
     # the count is a formula: no counter (FlopCounterMode, the profiler's with_flops, a dispatch
     # mode of one's own) and no model to run it on (the lesson's, or its blocks)
     forbidden=("torch.utils.flop_counter", "kit.meter.count_flops", "kit.lessons.models",
@@ -184,7 +184,7 @@ RUNNING_A_LAYOUT = ("kit.launcher", "kit.trace", "kit.recorder",
                     "torch.distributed.tensor.parallel", "torch.distributed.init_process_group")
 
 TRAFFIC = task(
-    "12.2", "step_traffic", points=4, forbidden=RUNNING_A_LAYOUT,
+    "12.2", forbidden=RUNNING_A_LAYOUT,
     hint="Each layout moves a fixed set of tensors per step, and the recorder counts each "
          "collective's buffer: DDP all-reduces every gradient once (the tied weight is one "
          "parameter); ZeRO-1 adds one broadcast of every parameter from its owner after the "
@@ -299,7 +299,7 @@ def _straggler_ranks(seed: int) -> list[dict[str, Any]]:
 
 
 STRAGGLER = task(
-    "12.3", "find_straggler", points=4, preload=("kit.lessons.profiling",),
+    "12.3", preload=("kit.lessons.profiling",),
     # forbids nothing: torch has no straggler finder; HTA's (GPU traces) is not installed
     hint="Everyone waits for the slowest rank inside the collective, so the slow rank is the one "
          "that waits least in its gloo: events (the others' waits are long). Its phase is where "

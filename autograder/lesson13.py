@@ -86,7 +86,7 @@ def _fields(routing: Any) -> dict[str, Any]:
 
 
 ROUTE = task(
-    "13.1", "route", points=4, reference="route",
+    "13.1", reference="route",
     # forbids nothing: torch has no router; torch.topk and torch.sort are the tools it builds on
     hint="A router turns each token's logits into k choices: the softmax's k most likely experts "
          "(equal probabilities go to the lower expert index), weights that are the raw "
@@ -286,7 +286,7 @@ def _loss_and_grad(load_balancing_loss: Any, logits: torch.Tensor, routing: Rout
 
 
 LOSS = task(
-    "13.2", "load_balancing_loss", points=3, reference="load_balancing_loss",
+    "13.2", reference="load_balancing_loss",
     # forbids nothing: torch has no load-balancing loss; the task is the formula
     hint="Switch Transformer's auxiliary loss is num_experts times the sum over experts of f_i "
          "times P_i: f_i the fraction of all T*k routing choices (dropped ones too, since they "
@@ -639,7 +639,7 @@ def _ops(events: list[list[Any]]) -> str:
 
 
 MOE = task(
-    "13.3", "ExpertParallelMoE", points=6, forbidden=ALL_GATHERS,
+    "13.3", forbidden=ALL_GATHERS,
     preload=("kit.meter",),
     hint="Expert parallelism: each rank holds E/W experts, rank r the experts r*E/W to "
          "(r+1)*E/W - 1. A rank routes its own tokens, tells every rank how many of them it will "

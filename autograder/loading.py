@@ -123,6 +123,9 @@ def read_cells(path: str | os.PathLike[str]) -> list[Cell]:
             raise NotebookError(f"{path} is not a readable jupytext percent source ({e}); "
                                 "cells start with '# %%'.") from e
         raw_cells = [dict(c) for c in nb.cells]
+        from autograder.course import render_source_markdown
+
+        render_source_markdown(raw_cells, path.stem)
     elif path.suffix == ".ipynb":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

@@ -20,7 +20,7 @@ technique's saving is a :meth:`Task.bound`, a case that holds a measured resourc
 the recorder) to the formula the technique promises. Lessons use it like this
 (``autograder/lesson00.py``)::
 
-    T = task("0.1", "shard_range", points=2, reference="shard_range",
+    T = task("0.1", reference="shard_range",  # name and points: autograder/course.py
              hint="Balanced and contiguous: shard sizes differ by at most one.",
              recipe="Each rank gets n // world_size items; the first n % world_size get one more.")
 
@@ -379,21 +379,37 @@ class Task:
 TASKS: dict[str, Task] = {}
 
 
-def task(id: str, name: str, *, points: float, reference: Any = None, hint: str = "",
-         forbidden: tuple[str, ...] = (), recipe: str = "", companions: tuple[str, ...] = (),
-         preload: tuple[str, ...] = ()) -> Task:
-    """Register a task. ``id`` is ``"L.N"``; ``name`` is the student's function/class name;
+def task(id: str, name: str | None = None, *, points: float | None = None, reference: Any = None,
+         hint: str = "", forbidden: tuple[str, ...] = (), recipe: str = "",
+         companions: tuple[str, ...] | None = None, preload: tuple[str, ...] = ()) -> Task:
+    """Register a task. ``id`` is ``"L.N"``; its entry name, points and companions (the other
+    names its code defines, ``load_shards`` beside ``save_shards``) are the course spec's
+    (:mod:`autograder.course`), stated there once: a lesson's checks pass only ``id``.
     ``forbidden`` names what the task re-implements (its use scores the task 0); ``hint`` is
     the concept shown on a first failure, ``recipe`` the steps shown after repeated failures;
-    ``companions`` are the other names its code defines (``load_shards`` beside
-    ``save_shards``); ``preload`` the modules its launches import before ranks fork."""
+    ``preload`` the modules its launches import before ranks fork.
+
+    A task the spec does not list (a unit test's scratch task) must give ``name`` and ``points``
+    itself; a spec task that repeats them is refused, so the two can never disagree."""
+    from autograder import course
+
     lesson, _, number = id.partition(".")
     if not (lesson.isdigit() and number.isdigit()):
         raise ValueError(f"task id must look like '4.2', got {id!r}")
     if id in TASKS:
         raise ValueError(f"task {id} is registered twice")
-    TASKS[id] = Task(id, name, float(points), reference, hint, forbidden=tuple(forbidden),
-                     recipe=recipe, companions=tuple(companions), preload=tuple(preload))
+    try:
+        spec = course.task_spec(id)
+    except KeyError:
+        if name is None or points is None:
+            raise
+        spec = course.TaskSpec(id, name, float(points), tuple(companions or ()))
+    else:
+        if name is not None or points is not None or companions is not None:
+            raise ValueError(f"task {id}: its name, points and companions are stated in "
+                             "autograder/course.py; pass only the id here")
+    TASKS[id] = Task(id, spec.name, spec.points, reference, hint, forbidden=tuple(forbidden),
+                     recipe=recipe, companions=spec.companions, preload=tuple(preload))
     return TASKS[id]
 
 
@@ -418,10 +434,10 @@ def get_task(task_id: str) -> Task:
 
 
 def checked_lessons() -> list[int]:
-    """Every lesson that has checks (an ``autograder/lessonNN.py``), in order."""
-    from pathlib import Path
+    """Every lesson of the course spec (:data:`autograder.course.LESSONS`), in order."""
+    from autograder import course
 
-    return sorted(int(p.stem[6:]) for p in Path(__file__).resolve().parent.glob("lesson[0-9][0-9].py"))
+    return [spec.number for spec in course.LESSONS]
 
 
 def lesson_tasks(lesson: int) -> list[Task]:

@@ -88,7 +88,11 @@ def read_notebook(path: Path) -> NotebookNode:
         if path.suffix == ".py":
             import jupytext
 
-            return jupytext.read(path, fmt="py:percent")
+            from autograder.course import render_source_markdown
+
+            nb = jupytext.read(path, fmt="py:percent")
+            render_source_markdown(nb.cells, path.stem)
+            return nb
         if path.suffix == ".ipynb":
             import nbformat
 

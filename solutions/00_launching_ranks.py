@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 00 · Launching ranks from a notebook
+# # {{title}}
 #
 # Distributed training runs one copy of your program per worker and lets the copies talk.
 # This lesson starts such copies from a notebook cell, shows what each one sees, and what
@@ -27,8 +27,8 @@
 # - read per-rank output, a crashed rank and a hung collective;
 # - start 4 ranks yourself with `torch.multiprocessing` (`spawn`, `Process`), and say why a
 #   notebook function cannot be spawned and how fork and cloudpickle get around it;
-# - split work across ranks (**Task 0.1**, 2 points) and combine a result from all of them
-#   (**Task 0.2**, 3 points).
+# - split work across ranks ({{task 0.1}}) and combine a result from all of them
+#   ({{task 0.2}}).
 #
 # Each task is a function with a fixed name. Replace `raise NotImplementedError(...)` with
 # your code, run the cell, then run the `check(...)` cell under it for instant feedback.

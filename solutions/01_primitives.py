@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 01 · torch.distributed primitives
+# # {{title}}
 #
 # Every distributed training method (DDP, FSDP, tensor parallelism) is built from a handful of
 # operations that move tensors between ranks. This lesson takes them apart: how ranks find each
@@ -28,9 +28,8 @@
 # - use `send`/`recv` and `isend`/`irecv`, and explain why two blocking sends deadlock;
 # - state exactly what broadcast, reduce, all_reduce, all_gather, reduce_scatter, all_to_all,
 #   gather, scatter and barrier compute, in place or out of place, blocking or async;
-# - build a broadcast tree (**Task 1.1**, 3 points) and a ring all-reduce (**Task 1.2**,
-#   4 points) from point-to-point calls, and a barrier from a store (**Task 1.3**, 3 points);
-# - fit the alpha-beta cost model and predict an all-reduce (**Task 1.4**, 2 points).
+# - build a broadcast tree ({{task 1.1}}) and a ring all-reduce ({{task 1.2}}) from point-to-point calls, and a barrier from a store ({{task 1.3}});
+# - fit the alpha-beta cost model and predict an all-reduce ({{task 1.4}}).
 # - write the same all-reduce with MPI (`mpi4py` under `mpirun`), compare the two programming
 #   models, and measure `MPI_Allreduce` against gloo.
 #

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 02 · torchrun, elastic restarts and debugging hangs
+# # {{title}}
 #
 # So far `launch` started your ranks inside the notebook. On a cluster the launcher is
 # [`torchrun`](https://pytorch.org/docs/stable/elastic/run.html): one *agent* per machine
@@ -26,13 +26,12 @@
 # **You will be able to:**
 # - say what `torchrun` and its elastic agent do, and which environment variables every
 #   worker receives (`RANK`, `LOCAL_RANK`, `GROUP_RANK`, `TORCHELASTIC_RESTART_COUNT`...);
-# - read that environment safely (**Task 2.1**, 3 points);
-# - write a training loop that survives a worker crash and resumes *exactly* (**Task 2.2**,
-#   4 points);
+# - read that environment safely ({{task 2.1}});
+# - write a training loop that survives a worker crash and resumes *exactly* ({{task 2.2}});
 # - run two "nodes" with one rendezvous endpoint, and launch on SLURM with `srun torchrun`;
 # - debug a hang: timeouts, `monitored_barrier`, `TORCH_DISTRIBUTED_DEBUG=DETAIL`, error files
 #   and the NCCL variables that matter, and find the first mismatched collective
-#   (**Task 2.3**, 3 points).
+#   ({{task 2.3}}).
 #
 # Replace each `raise NotImplementedError(...)` with your code, run the cell, then the
 # `check(...)` cell under it. Each real `torchrun` takes a few seconds to start.

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 03 · The data plane: DataLoader, DistributedSampler and exact evaluation
+# # {{title}}
 #
 # Data-parallel training gives every rank a different share of the data. `DistributedDataParallel`
 # does not do that for you: it averages gradients, and whatever batches you feed it are what
@@ -27,11 +27,11 @@
 # - tune a `DataLoader`: `num_workers`, `prefetch_factor`, `persistent_workers`, `pin_memory`,
 #   `collate_fn`, and measure what each buys;
 # - seed loader workers so that every worker of every rank in every epoch draws its own,
-#   reproducible random numbers (**Task 3.2**, 3 points);
+#   reproducible random numbers ({{task 3.2}});
 # - say exactly which indices `DistributedSampler` gives each rank, padding, `drop_last` and
-#   `set_epoch` included, by rebuilding it (**Task 3.1**, 4 points);
+#   `set_epoch` included, by rebuilding it ({{task 3.1}});
 # - compute a metric over a distributed evaluation set that equals the single-process metric
-#   exactly (**Task 3.3**, 3 points).
+#   exactly ({{task 3.3}}).
 #
 # Each task is a function or class with a fixed name. Replace `raise NotImplementedError(...)`
 # with your code, run the cell, then run the `check(...)` cell under it.

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 04 · Data parallelism from scratch, then torch DDP
+# # {{title}}
 #
 # Data parallelism is the workhorse of distributed training: every rank holds the whole
 # model, trains on its own slice of each batch, and the ranks average their gradients so that
@@ -26,10 +26,10 @@
 # **You will be able to:**
 # - say why averaging gradients over ranks equals one step on the global batch, and when it
 #   does not;
-# - write data parallelism that all-reduces after backward (**Task 4.1**, 3 points), that
-#   overlaps the all-reduces with backward through gradient hooks (**Task 4.2**, 3 points),
-#   and that groups gradients into buckets (**Task 4.3**, 4 points);
-# - accumulate gradients over micro-batches without communication (**Task 4.4**, 2 points);
+# - write data parallelism that all-reduces after backward ({{task 4.1}}), that
+#   overlaps the all-reduces with backward through gradient hooks ({{task 4.2}}),
+#   and that groups gradients into buckets ({{task 4.3}});
+# - accumulate gradients over micro-batches without communication ({{task 4.4}});
 # - read torch DDP's options (`bucket_cap_mb`, `no_sync`, `find_unused_parameters`,
 #   `static_graph`, communication hooks) as the pieces you built.
 #

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 05 · Sharding training state: a ZeRO optimizer, FSDP from scratch, then FSDP2
+# # {{title}}
 #
 # Data parallelism (Lesson 04) keeps a full copy of the model on every rank: its parameters,
 # its gradients and the optimizer's state. With Adam that is 16 bytes per parameter on every
@@ -27,14 +27,14 @@
 #
 # **You will be able to:**
 # - count the bytes of training state a rank really holds, storages once and DTensors by
-#   their local shard (**Task 5.1**, 2 points), and predict them with the ZeRO formulas;
-# - shard the optimizer state over ranks, ZeRO-1 (**Task 5.2**, 4 points);
+#   their local shard ({{task 5.1}}), and predict them with the ZeRO formulas;
+# - shard the optimizer state over ranks, ZeRO-1 ({{task 5.2}});
 # - shard everything, ZeRO-3: flat padded units gathered before forward, freed after it,
-#   gathered again for backward, gradients reduce-scattered (**Task 5.3**, 6 points);
+#   gathered again for backward, gradients reduce-scattered ({{task 5.3}});
 # - apply FSDP2 per block on a 1-D and a 2-D `DeviceMesh`, with mixed precision
-#   (**Task 5.4**, 3 points);
+#   ({{task 5.4}});
 # - clip sharded gradients by their global norm with one all-reduce of one number, and
-#   accumulate micro-batches with one reduce-scatter per step (**Task 5.5**, 5 points);
+#   accumulate micro-batches with one reduce-scatter per step ({{task 5.5}});
 # - say what each scheme costs in communication, and why ZeRO-3 costs 1.5x DDP.
 #
 # Every class here is called from ranks started with `launch` (Lesson 00), so that the

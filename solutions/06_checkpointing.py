@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 06 · Distributed Checkpoint: sharded saves, resharding, async saves, exact resume
+# # {{title}}
 #
 # Lesson 02's `resumable_train` saved a small model from rank 0 with `torch.save`. That stops
 # working as models grow: the full state has to be gathered onto one rank, which then needs
@@ -29,12 +29,12 @@
 # **You will be able to:**
 # - measure why rank 0's `torch.save` of the full state does not scale;
 # - write sharded save and load by hand: per-rank files, a metadata map, loads that read only
-#   the pieces they need, onto any world size (**Task 6.1**, 4 points);
+#   the pieces they need, onto any world size ({{task 6.1}});
 # - use `get_state_dict`/`set_state_dict` and the `Stateful` protocol to capture *everything*
 #   an exact resume needs: model, optimizer, step, each rank's RNG states, the sampler's
-#   position (**Task 6.2**, 4 points);
+#   position ({{task 6.2}});
 # - save with `dcp.async_save` without stopping training, commit checkpoints atomically and
-#   resume from the newest complete one under real `torchrun` restarts (**Task 6.3**, 5 points);
+#   resume from the newest complete one under real `torchrun` restarts ({{task 6.3}});
 # - convert between DCP and `torch.save` files, and pick a checkpoint interval from the failure
 #   rate.
 #

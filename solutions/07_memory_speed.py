@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 07 · Memory and speed: mixed precision, activation checkpointing and torch.compile
+# # {{title}}
 #
 # A training step spends memory on four things (weights, gradients, optimizer state and the
 # activations kept for backward) and time on arithmetic and on moving bytes. This lesson
@@ -27,14 +27,13 @@
 #   underflows, which one overflows and which one rounds;
 # - say which ops `torch.autocast` runs in low precision on CPU and on CUDA, and why the
 #   weights stay in fp32;
-# - write a dynamic loss scaler that skips a step on every rank together (**Task 7.1**,
-#   4 points);
+# - write a dynamic loss scaler that skips a step on every rank together ({{task 7.1}});
 # - count the bytes autograd saves for backward and check them against the per-layer formula
-#   (**Task 7.2**, 3 points);
+#   ({{task 7.2}});
 # - write activation checkpointing as an `autograd.Function`, dropout included, and apply it
-#   to every k-th block (**Task 7.3**, 4 points);
+#   to every k-th block ({{task 7.3}});
 # - find and remove graph breaks so `torch.compile` captures a model in one graph
-#   (**Task 7.4**, 3 points), and measure what Inductor's fusion buys on CPU.
+#   ({{task 7.4}}), and measure what Inductor's fusion buys on CPU.
 #
 # Everything runs on CPU. Where a GPU behaves differently, the text says so.
 

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 08 · Model parallelism: tensor, sequence and pipeline parallel, and 2-D meshes
+# # {{title}}
 #
 # Data parallelism (Lesson 04) and sharding (Lesson 05) keep the model's *computation* whole on
 # every rank: each rank runs every layer on its own slice of the batch. That stops working in
@@ -29,13 +29,12 @@
 #
 # **You will be able to:**
 # - split a linear layer by columns and by rows and write Megatron-LM's conjugate operators
-#   f and g as autograd functions (**Task 8.1**, 4 points);
+#   f and g as autograd functions ({{task 8.1}});
 # - split the LayerNorm region along the sequence, turning each all-reduce into an all-gather
-#   and a reduce-scatter (**Task 8.2**, 3 points);
-# - run a GPipe pipeline with send/recv (**Task 8.3**, 3 points), write the 1F1B order that
-#   bounds its activation memory (**Task 8.4**, 2 points) and Megatron-LM's interleaved 1F1B
-#   order, which divides the bubble by the number of model chunks per rank (**Task 8.5**, 3
-#   points);
+#   and a reduce-scatter ({{task 8.2}});
+# - run a GPipe pipeline with send/recv ({{task 8.3}}), write the 1F1B order that
+#   bounds its activation memory ({{task 8.4}}) and Megatron-LM's interleaved 1F1B
+#   order, which divides the bubble by the number of model chunks per rank ({{task 8.5}});
 # - do the same with torch's own `parallelize_module` (DTensor) and
 #   `torch.distributed.pipelining`, combine FSDP and tensor parallelism on a 2-D mesh, and
 #   choose a layout from its memory and communication.

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 09 · Protein language models at scale: ESM-2 on real peptides, long sequences, AlphaFold's pair memory
+# # {{title}}
 #
 # A protein is a string over an alphabet of 20 amino acids, so the machinery of language
 # models applies to it almost unchanged. ESM-2 (Lin et al., *Science* 2023) is a BERT-style
@@ -29,15 +29,15 @@
 #
 # **You will be able to:**
 # - tokenise proteins with fair-esm's `Alphabet` and say which ESM-2 sizes need FSDP;
-# - mask tokens for masked-language-model pretraining, the 80/10/10 way (**Task 9.1**, 3 points);
+# - mask tokens for masked-language-model pretraining, the 80/10/10 way ({{task 9.1}});
 # - batch variable-length sequences by a token budget and deal the batches so that every rank
-#   takes the same number of steps (**Task 9.2**, 3 points);
+#   takes the same number of steps ({{task 9.2}});
 # - train a small ESM-2 on 4 ranks with FSDP2, bf16 autocast (where the hardware has bf16)
 #   and activation checkpointing, and probe what it learned;
 # - compute attention over a sequence split across ranks with ring attention: K and V travel
-#   around the ring, and an online softmax merges the pieces (**Task 9.3**, 4 points);
+#   around the ring, and an online softmax merges the pieces ({{task 9.3}});
 # - predict AlphaFold 2's pair memory and cut triangle attention's peak by chunking
-#   (**Task 9.4**, 2 points).
+#   ({{task 9.4}}).
 
 # %% tags=["setup"]
 import math

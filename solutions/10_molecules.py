@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 10 · Molecular graphs at scale
+# # {{title}}
 #
 # A molecule is a small graph: atoms are nodes, bonds are edges, and a 3-D conformer gives
 # every atom a position. Graph neural networks (GNNs) learn from such graphs, and training
@@ -29,13 +29,13 @@
 #
 # **You will be able to:**
 # - batch molecular graphs the way PyG does, including your own index-valued attributes
-#   (**Task 10.1**, 3 points);
+#   ({{task 10.1}});
 # - write an E(3)-equivariant graph layer, EGNN, and prove its symmetry numerically
-#   (**Task 10.2**, 3 points);
+#   ({{task 10.2}});
 # - split molecules by Bemis–Murcko scaffold exactly as DeepChem/MoleculeNet do, and measure how
-#   much a random split flatters a model (**Task 10.3**, 3 points);
+#   much a random split flatters a model ({{task 10.3}});
 # - compute early-recognition metrics (EF@1%, BEDROC) and exact global metrics and top-k from
-#   uneven shards of a screen (**Task 10.4**, 4 points);
+#   uneven shards of a screen ({{task 10.4}});
 # - train a message-passing network with DDP and balance graph batches across ranks.
 #
 # We use [PyTorch Geometric](https://pytorch-geometric.readthedocs.io/) (PyG) without its

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 11 · Graphs that do not fit one machine
+# # {{title}}
 #
 # Lesson 10 batched many small molecules. The other half of graph learning is *one* graph with
 # millions of nodes: products bought together, papers citing papers, proteins interacting.
@@ -28,12 +28,12 @@
 # - say why full-batch training of one big graph runs out of memory, and measure how fast a
 #   k-hop neighbourhood grows with fan-out and hops;
 # - write PyG `NeighborLoader`'s sampler yourself and run it inside PyG's own `NodeLoader`
-#   (**Task 11.1**, 4 points);
+#   ({{task 11.1}});
 # - train GraphSAGE data-parallel on sampled mini-batches with DDP;
 # - partition a graph with METIS, measure edge cut, balance and halo, and build the halo plan
-#   each rank needs by asking the others (**Task 11.2**, 4 points);
+#   each rank needs by asking the others ({{task 11.2}});
 # - write one GCN layer that runs on a partitioned graph, exchanging only the halo with
-#   `all_to_all_single`, equal to PyG's `GCNConv` on the whole graph (**Task 11.3**, 5 points);
+#   `all_to_all_single`, equal to PyG's `GCNConv` on the whole graph ({{task 11.3}});
 # - compare sampling with partitioning: bytes moved, memory held and epoch time per rank.
 #
 # PyG's `NeighborLoader` needs `pyg-lib` or `torch-sparse`. `pyg-lib` has no release on PyPI

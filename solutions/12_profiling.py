@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 12 · Where the time goes: profiling ranks, counting FLOPs and bytes, finding the straggler
+# # {{title}}
 #
 # Every lesson so far said what a technique should save. This one measures where a real
 # distributed step spends its time, the way practitioners do: a `torch.profiler` trace on every
@@ -24,11 +24,11 @@
 #
 # **You will be able to:**
 # - count the FLOPs of a transformer's training step from its shapes, exactly as
-#   `FlopCounterMode` does (**Task 12.1**, 3 points);
+#   `FlopCounterMode` does ({{task 12.1}});
 # - say how many bytes DDP, ZeRO-1, FSDP and TP move per step and per rank, padding included
-#   (**Task 12.2**, 4 points);
+#   ({{task 12.2}});
 # - read per-rank profiler traces and name the slow rank and what made it slow
-#   (**Task 12.3**, 4 points);
+#   ({{task 12.3}});
 # - measure this CPU's achieved FLOP/s, the MFU of DDP and FSDP steps, a roofline, and predict
 #   step times; pick a layout for a 7B model on 8, 64 and 512 GPUs from published H100 numbers.
 #

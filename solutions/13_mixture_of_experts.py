@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 13 · Mixture of experts and expert parallelism
+# # {{title}}
 #
 # The largest open models (Mixtral, DeepSeek-V3, Qwen3-MoE, Llama 4) are mixtures of experts:
 # the feed-forward block of each layer is replaced by many small MLPs, the *experts*, and a
@@ -26,11 +26,11 @@
 #
 # **You will be able to:**
 # - route tokens to their top-k experts with a capacity per expert, dropping what does not fit,
-#   with the same answer on every machine (**Task 13.1**, 4 points);
+#   with the same answer on every machine ({{task 13.1}});
 # - write Switch Transformer's load-balancing loss and show what goes wrong without it
-#   (**Task 13.2**, 3 points);
+#   ({{task 13.2}});
 # - write an expert-parallel MoE layer: one all-to-all of counts, then tokens out and results
-#   back with uneven all-to-alls, differentiable end to end (**Task 13.3**, 6 points);
+#   back with uneven all-to-alls, differentiable end to end ({{task 13.3}});
 # - count the bytes a token costs under EP and why top-k multiplies them; combine EP with data
 #   parallelism on a 2-D `DeviceMesh` and reduce each gradient over the right group; measure
 #   the load on real ranks: token histograms, dropped tokens, the slowest expert's rank.

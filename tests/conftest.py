@@ -23,10 +23,11 @@ from typing import Any
 
 import pytest
 
-from autograder.loading import lesson_of, load_tasks
+from autograder import course
+from autograder.loading import load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {lesson_of(p): p for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}
+SOURCES = {spec.number: spec.source for spec in course.LESSONS}
 
 
 def _keeping_executed_lessons() -> None:
@@ -57,8 +58,8 @@ GROUPS = {
     # every file that runs a lesson headless, then the site built from those runs (test_site
     # must come after all of them: build/executed/ is only complete on that worker);
     # Lesson 00's run is shared by test_runner and test_lesson00_by_hand (conftest.executed_lesson)
-    "lessons": ["test_runner.py", "test_lesson00_by_hand.py", "test_mpi.py",
-                *[f"test_lesson{n:02d}.py" for n in range(2, 14)], "test_site.py"],
+    # (each lesson's files are its spec's Lesson.test_files, autograder/course.py)
+    "lessons": [*[name for spec in course.LESSONS for name in spec.test_files], "test_site.py"],
     # the sandboxed batch grader: test_isolation asserts that no sandbox process (bwrap, a
     # sandbox uid) outlives its batch, which another file's batch running beside it would break
     "sandbox": ["test_isolation.py", "test_grading.py", "test_grading_resume.py",

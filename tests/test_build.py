@@ -28,10 +28,17 @@ LESSON00 = ROOT / "solutions" / "00_launching_ranks.py"
 
 
 def _copy_course(tmp_path: Path, lessons: list[Path] = (LESSON00,)) -> Path:
+    """A course root holding ``lessons``' sources (the others' built notebooks kept as they are,
+    so that the spec finds every lesson and only ``lessons`` build anew)."""
     root = tmp_path / "repo"
     (root / "solutions").mkdir(parents=True)
-    for src in lessons:
-        shutil.copy(src, root / "solutions")
+    (root / "lessons").mkdir()
+    for src in SOURCES:
+        if src in lessons:
+            shutil.copy(src, root / "solutions")
+        else:
+            (root / "solutions" / src.name).symlink_to(src)
+            shutil.copy(ROOT / "lessons" / f"{src.stem}.ipynb", root / "lessons")
     return root
 
 
@@ -134,7 +141,7 @@ def test_malformed_source_names_the_cell_and_the_fix(tmp_path, capsys, old, new,
         source_notebook(source)
     assert main_build(["--root", str(root)]) == 2
     assert "00_launching_ranks.py" in capsys.readouterr().err
-    assert not (root / "lessons").exists()
+    assert not (root / "lessons" / "00_launching_ranks.ipynb").exists()
 
 
 def test_build_outside_a_course_repository_says_where_to_run(tmp_path, capsys):

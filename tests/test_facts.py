@@ -10,35 +10,35 @@ own hint/recipe rule. A failure names the file and the fact that disagrees.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
 import pytest
 
-from autograder import registry
+from autograder import course, registry
 from autograder.registry import lesson_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {int(p.name[:2]): p for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}
+SOURCES = {spec.number: spec.source for spec in course.LESSONS}
 
 
-def _intro(path: Path) -> str:
-    """The lesson's opening markdown (up to its first code cell), comment marks removed."""
-    lines = []
-    for line in path.read_text(encoding="utf-8").splitlines()[1:]:
-        if line.startswith("# %%") and "[markdown]" not in line and lines:
-            break
-        lines.append(line[2:] if line.startswith("# ") else line.lstrip("#"))
-    return " ".join(" ".join(lines).split())
+def _intro(lesson: int) -> str:
+    """The built notebook's opening markdown cell, white space folded."""
+    nb = json.loads(course.lesson(lesson).notebook.read_text(encoding="utf-8"))
+    first = next(c for c in nb["cells"] if c["cell_type"] == "markdown")
+    return " ".join("".join(first["source"]).split())
 
 
 @pytest.mark.parametrize("lesson", sorted(SOURCES))
-def test_the_lesson_intro_states_every_task_with_the_registrys_points(lesson):
-    intro = _intro(SOURCES[lesson])
+def test_the_lesson_intro_states_every_task_with_the_specs_points(lesson):
+    """The source says {{task L.N}}; the notebook a student opens says the spec's points."""
+    intro = _intro(lesson)
     stated = {tid: float(p) for tid, p in re.findall(r"\*\*Task (\d+\.\d+)\*\*,\s*(\d+(?:\.\d+)?) points?", intro)}
     registered = {t.id: t.points for t in lesson_tasks(lesson)}
-    assert stated == registered, (f"{SOURCES[lesson].name}'s intro says {stated}, "
-                                  f"autograder/lesson{lesson:02d}.py registers {registered}")
+    assert stated == registered, (f"lessons/{course.lesson(lesson).stem}.ipynb's intro says {stated}, "
+                                  f"autograder/course.py says {registered}")
+    assert intro.startswith(f"# {course.lesson(lesson).heading}")
 
 
 @pytest.mark.parametrize("lesson", sorted(SOURCES))

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from autograder import gates
+from autograder import course, gates
 from autograder.grade.sandbox import (
     Limits,
     WorkerExit,
@@ -239,11 +239,10 @@ def _death(exit: WorkerExit, limits: Limits) -> tuple[str, str]:
                    "do not call sys.exit() or os._exit() in graded code")
 
 
-# Seconds each lesson's checks take on the solutions on 2 cores (the in-process per-lesson line
-# of benchmarks/grading_throughput.py). Only a weight for splitting one submission's lessons
-# evenly over idle workers: a stale number costs balance, never a grade.
-LESSON_SECONDS = {0: 0.7, 1: 4.5, 2: 1.1, 3: 2.7, 4: 2.2, 5: 6.2, 6: 7.1, 7: 1.8, 8: 2.3, 9: 0.7,
-                  10: 0.5, 11: 1.2, 12: 2.4, 13: 0.4}
+# Seconds each lesson's checks take on the solutions on 2 cores: the course spec's
+# Lesson.grading_seconds (autograder/course.py). Only a weight for splitting one submission's
+# lessons evenly over idle workers: a stale number costs balance, never a grade.
+LESSON_SECONDS = {spec.number: spec.grading_seconds for spec in course.LESSONS}
 
 
 def split_lessons(lessons: list[int], parts: int) -> list[list[int]]:

@@ -15,10 +15,17 @@ SOLUTIONS = Path(__file__).resolve().parents[2] / "solutions"
 _EDITED = Path(tempfile.mkdtemp(prefix="kit-seeded-bugs-"))
 
 
-def edited_solution(source: str, *edits: tuple[str, str]) -> ModuleType:
-    """The lesson ``source`` (``"13_mixture_of_experts.py"``) with each ``(old, new)`` text edit
-    made, loaded as a student's notebook would be: a bug built from the solution itself, one
-    step changed. Each ``old`` must occur exactly once, so a stale edit fails loudly."""
+def edited_solution(lesson: int | str, *edits: tuple[str, str]) -> ModuleType:
+    """Lesson ``lesson``'s solution (its number, ``13``; or its source's file name) with each
+    ``(old, new)`` text edit made, loaded as a student's notebook would be: a bug built from the
+    solution itself, one step changed. Each ``old`` must occur exactly once, so a stale edit
+    fails loudly."""
+    if isinstance(lesson, int):
+        from autograder.course import lesson as spec
+
+        source = f"{spec(lesson).stem}.py"
+    else:
+        source = lesson
     text = (SOLUTIONS / source).read_text()
     for old, new in edits:
         if text.count(old) != 1:
