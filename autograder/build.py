@@ -428,8 +428,8 @@ def readme_problems(root: Path, *, check: bool) -> list[str]:
 
 _CONFIG = f'''\
 # nbgrader configuration of the torchdist course, written by `kit course`.
-#   nbgrader generate_assignment 00_launching_ranks     release/ from source/
-#   nbgrader autograde 00_launching_ranks               grade submitted/
+#   nbgrader generate_assignment {course.LESSONS[0].stem}     release/ from source/
+#   nbgrader autograde {course.LESSONS[0].stem}               grade submitted/
 c = get_config()  # noqa: F821
 
 c.CourseDirectory.course_id = "{COURSE_ID}"

@@ -438,8 +438,10 @@ def load_tasks(path: str | os.PathLike[str], *, lesson: int | None = None) -> Mo
     cells = read_cells(path)
     lesson = lesson_of(path) if lesson is None else lesson
     if lesson is None:
+        from autograder.course import LESSONS
+
         raise NotebookError(f"cannot tell which lesson {path.name} belongs to: name it "
-                            "NN_slug.ipynb (e.g. 00_launching_ranks.ipynb) or pass lesson=NN.")
+                            f"NN_slug.ipynb (e.g. {LESSONS[0].stem}.ipynb) or pass lesson=NN.")
     tasks = lesson_tasks(lesson)
     if not tasks:
         raise NotebookError(f"lesson {lesson:02d} has no registered tasks "

@@ -42,6 +42,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import kit.launcher
+    from autograder import course
     from autograder.checking import run_checks
     from autograder.loading import load_tasks
     from autograder.registry import fresh_runs, lesson_tasks
@@ -63,7 +64,7 @@ def main() -> None:
 
     kit.launcher._validate = counted_validate
     subprocess.Popen.__init__ = counted_popen
-    sources = {int(p.name[:2]): p for p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))}
+    sources = {spec.number: spec.source for spec in course.LESSONS}
     rows = []
     for lesson in args.lessons or sorted(sources):
         module = load_tasks(sources[lesson])

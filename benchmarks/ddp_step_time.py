@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from autograder import course
 from autograder.loading import load_tasks
 from kit.launcher import run_ranks
 from kit.lessons.models import TinyTransformer, token_batch
@@ -204,7 +205,7 @@ def main() -> None:
                              "with plain gloo, alternating launches, and print the ratios")
     args = parser.parse_args()
 
-    solution = load_tasks(ROOT / "solutions" / "04_data_parallel.py")
+    solution = load_tasks(course.lesson(4).source)
     wrappers = {n: getattr(solution, n) for n in NAMES[:3]}
     config = {"vocab": 256, "dim": 128, "layers": 4, "heads": 4, "context": 64}
     n_params = sum(p.numel() for p in TinyTransformer(**config).parameters())

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from autograder import course
 from autograder.loading import load_tasks
 from kit.launcher import run_ranks
 from kit.lessons.proteins import alphabet, load_peptides, small_esm2, tokenize
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
 
-    tasks = load_tasks(ROOT / "solutions" / "09_proteins.py")
+    tasks = load_tasks(course.lesson(9).source)
     load = os.getloadavg()[0]
     wall = time.perf_counter()
     per_rank = run_ranks(_time_both, (tasks, args), world_size=args.world_size, timeout=1800, echo=False)

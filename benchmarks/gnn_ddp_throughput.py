@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autograder import course
 from autograder.loading import load_tasks
 from kit.launcher import run_ranks
 from kit.lessons.molecules import MessagePassingNet, conformer, freesolv, mol_graph
@@ -95,7 +96,7 @@ def main() -> None:
                         help="passes over all configurations; the best median of each is kept")
     args = parser.parse_args()
 
-    lesson = load_tasks(ROOT / "solutions" / "10_molecules.py")
+    lesson = load_tasks(course.lesson(10).source)
     start = time.perf_counter()
     graphs = _graphs(lesson)
     print(f"featurised {len(graphs)} molecules in {time.perf_counter() - start:.1f} s")

@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from autograder import course
 from autograder.build import render, source_notebook
 from autograder.grade.batch import BatchConfig, expectations, grade_batch
 from autograder.grade.notebook import grade_notebook
@@ -48,10 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def _full_submission(folder: Path) -> list[int]:
     folder.mkdir(parents=True)
     lessons = []
-    for source in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py")):
-        if (ROOT / "autograder" / f"lesson{lesson_of(source):02d}.py").exists():
-            (folder / f"{source.stem}.ipynb").write_text(render(source_notebook(source)))
-            lessons.append(lesson_of(source))
+    for spec in course.LESSONS:
+        (folder / f"{spec.stem}.ipynb").write_text(render(source_notebook(spec.source)))
+        lessons.append(spec.number)
     return lessons
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autograder import course
 from autograder.loading import load_tasks
 from kit.launcher import run_ranks
 from kit.lessons.graphs import local_graph, metis_partition, power_law_graph, random_partition
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
 
-    lesson = load_tasks(ROOT / "solutions" / "11_big_graphs.py")
+    lesson = load_tasks(course.lesson(11).source)
     data = power_law_graph(args.nodes, args.degree)
     print(f"power-law graph: {data.num_nodes:,} nodes, {data.edge_index.shape[1]:,} edges, "
           f"hidden {args.hidden} (float32); per rank, median of {args.repeats} calls")

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from autograder import course
 from autograder.references.lesson07 import saved_activation_bytes as _reference_saved_bytes
 from kit.lessons.models import TinyTransformer, token_batch
 
@@ -170,7 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; TinyTransformer "
           f"layers={args.layers} dim={args.dim}, batch {args.batch} x {args.length} tokens")
-    lesson = load_tasks(ROOT / "solutions" / "07_memory_speed.py")
+    lesson = load_tasks(course.lesson(7).source)
     checkpointing(lesson, args)
     precision(args)
     compile_vs_eager(args)

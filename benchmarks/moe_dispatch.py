@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autograder import course
 from autograder.loading import load_tasks
 from kit.launcher import preload_modules, run_ranks
 from kit.lessons.moe import expert_range, make_experts, make_router, skewed_tokens
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     preload_modules(("torch.distributed._functional_collectives",))
-    lesson = load_tasks(ROOT / "solutions" / "13_mixture_of_experts.py")
+    lesson = load_tasks(course.lesson(13).source)
     result = run_ranks(_time_all, (lesson, args.experts, args.k, args.d_model, args.d_hidden,
                                    args.tokens, args.capacity_factor, args.skew, args.steps),
                        world_size=args.world_size, timeout=900, echo=False)

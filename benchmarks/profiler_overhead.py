@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from autograder import course
 from autograder.loading import load_tasks
 from kit.launcher import run_ranks
 from kit.lessons.models import TinyTransformer, token_batch
@@ -96,7 +97,7 @@ def flop_count_cost(vocab: int, dim: int, layers: int, seq_len: int, batch: int)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    lesson = load_tasks(ROOT / "solutions" / "12_profiling.py")
+    lesson = load_tasks(course.lesson(12).source)
     # One thread, as in the ranks: on a busy 2-core machine a second intra-op thread makes each
     # small op wait for a core (a 50 ms step took over a second).
     torch.set_num_threads(1)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from autograder import course
 from autograder.loading import load_tasks
 from autograder.references.lesson11 import sample_neighbors as loop_sampler
 from kit.lessons.graphs import FunctionSampler, in_neighbour_csr, power_law_graph, pyg_lib_available
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    lesson = load_tasks(ROOT / "solutions" / "11_big_graphs.py")
+    lesson = load_tasks(course.lesson(11).source)
     data = power_law_graph(args.nodes, args.degree)
     rowptr, col = in_neighbour_csr(data.edge_index, data.num_nodes)
     g = torch.Generator().manual_seed(0)

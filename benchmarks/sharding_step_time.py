@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from autograder import course
 from autograder.loading import load_tasks
 from kit.launcher import preload_modules, run_ranks
 from kit.lessons.models import TinyTransformer, token_batch
@@ -136,7 +137,7 @@ def main() -> None:
     # FSDP2's DTensors import Dynamo: once here, before the ranks fork, not in every rank
     preload_modules(("torch._dynamo", "torch.distributed.fsdp"))
 
-    solution = load_tasks(ROOT / "solutions" / "05_sharding.py")
+    solution = load_tasks(course.lesson(5).source)
     config = {"vocab": 256, "dim": args.dim, "layers": args.layers, "heads": 4, "context": 64}
     n_params = sum(p.numel() for p in _model(config).parameters())
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

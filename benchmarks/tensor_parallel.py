@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autograder import course
 from autograder.loading import load_tasks
 from kit.launcher import preload_modules, run_ranks
 from kit.trace import trace
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 
     preload_modules(("torch.distributed.tensor.parallel",))  # once here, not in every forked rank
 
-    solution = load_tasks(ROOT / "solutions" / "08_model_parallel.py")
+    solution = load_tasks(course.lesson(8).source)
     result = run_ranks(_time_both, (solution.ColumnParallelLinear, solution.RowParallelLinear,
                                     args.hidden, args.batch, args.seq, args.steps),
                        world_size=args.world_size, timeout=600, echo=False)
