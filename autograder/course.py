@@ -198,11 +198,13 @@ _SLUG = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 
 def _validate(lessons: tuple[Lesson, ...]) -> None:
     seen: set[str] = set()
-    for n, spec in enumerate(lessons):
+    last = -1
+    for spec in lessons:
         where = f"autograder/course.py, lesson {spec.number:02d}"
-        if spec.number != n:
-            raise ValueError(f"{where}: lessons are numbered 0, 1, 2, ... in order; "
-                             f"expected {n:02d} here")
+        if not 0 <= spec.number <= 99 or spec.number <= last:
+            raise ValueError(f"{where}: lessons are numbered 00-99, each once, in increasing "
+                             f"order; it comes after lesson {last:02d}")
+        last = spec.number
         if not _SLUG.fullmatch(spec.slug):
             raise ValueError(f"{where}: slug {spec.slug!r} must be lowercase words joined by '_'")
         if bool(spec.gpu_smoke) == bool(spec.no_gpu_smoke):

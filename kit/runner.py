@@ -88,11 +88,7 @@ def read_notebook(path: Path) -> NotebookNode:
         if path.suffix == ".py":
             import jupytext
 
-            from autograder.course import render_source_markdown
-
-            nb = jupytext.read(path, fmt="py:percent")
-            render_source_markdown(nb.cells, path.stem)
-            return nb
+            return jupytext.read(path, fmt="py:percent")
         if path.suffix == ".ipynb":
             import nbformat
 

@@ -143,3 +143,27 @@ def _balanced(n, rank, world_size):
     base, extra = divmod(n, world_size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (rank < extra))
+
+
+def _contributing_block(heading: str) -> str:
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    return text.split(heading, 1)[1].split("```python", 1)[1].split("```", 1)[0]
+
+
+def test_contributings_spec_entry_is_one_the_spec_accepts():
+    """The example entry, appended to the course as its next lesson, passes the spec's rules."""
+    entry = eval(_contributing_block("## 0. The spec entry").strip().rstrip(","),  # noqa: S307
+                 {"Lesson": course.Lesson, "_t": course._t})
+    course._validate((*course.LESSONS, entry))
+    assert entry.stem == f"{entry.number:02d}_{entry.slug}" and entry.points > 0
+
+
+def test_contributings_seeded_bug_is_built_from_the_solution_and_fails():
+    """The example bug's edits still apply to Lesson 00's solution, and its check fails."""
+    from autograder.checking import run_checks
+
+    namespace: dict = {}
+    exec(compile(_contributing_block("## 3. Seed the typical bug"), "CONTRIBUTING.md", "exec"),
+         namespace)  # noqa: S102
+    (label, impl), = namespace["BUGS"]["0.2"]
+    assert not run_checks("0.2", impl).passed, label

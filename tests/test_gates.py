@@ -485,7 +485,7 @@ def test_every_forbidden_name_resolves(task_id, name):
 PASTED_IN_THE_WORKER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from autograder.grade.sandbox import _NoReferences
+from autograder.grade.sandbox.worker import _NoReferences
 sys.meta_path.insert(0, _NoReferences())  # as in the batch worker: the answers are out of reach
 from autograder import gates
 if sys.argv[2] == "with":

@@ -286,9 +286,9 @@ def _sandboxed(work: Path, code: str, hide: tuple[Path, ...] = ()) -> subprocess
     os.chmod(work, 0o711)
     uid = sandbox.sandbox_uid(0)
     os.chown(work, uid, uid)
-    fd = sandbox._offline_nsswitch()
+    fd = sandbox.namespaces._offline_nsswitch()
     try:
-        cmd = sandbox._namespaced(work, uid, [sys.executable, "-I", "-c", code], hide, fd)
+        cmd = sandbox.namespaces._namespaced(work, uid, [sys.executable, "-I", "-c", code], hide, fd)
         return subprocess.run(cmd, pass_fds=(fd,), capture_output=True, text=True, timeout=300,
                               env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work),
                                    "TMPDIR": str(work), "GLOO_SOCKET_IFNAME": "lo"})
@@ -477,21 +477,21 @@ class _FakeCgroups:
 def test_the_process_count_reads_the_pids_cgroup_once_the_worker_is_in_it(monkeypatch):
     """The poll loop's count: /proc is scanned until the worker's pids cgroup holds it, then never."""
     scans = []
-    monkeypatch.setattr(sandbox, "_members", lambda pid, uid: scans.append(pid) or [pid, 7, 8, 9])
+    monkeypatch.setattr(sandbox.processes, "_members", lambda pid, uid: scans.append(pid) or [pid, 7, 8, 9])
     waiting = _FakeCgroups([])  # the worker has not joined yet (or joining failed)
-    counter = sandbox._ProcessCounter(100, 61000, waiting)
+    counter = sandbox.processes._ProcessCounter(100, 61000, waiting)
     assert counter.count() == 4 and len(scans) == 1
     waiting.pids = [100, 101]  # joined: the cgroup's list is the count from now on
     assert [counter.count(), counter.count()] == [2, 2] and len(scans) == 1
     waiting.pids = [101]  # still trusted once joined: a worker that exited leaves its ranks counted
     assert counter.count() == 1 and len(scans) == 1
-    no_cgroup = sandbox._ProcessCounter(100, 61000, _FakeCgroups(None))
+    no_cgroup = sandbox.processes._ProcessCounter(100, 61000, _FakeCgroups(None))
     assert [no_cgroup.count(), no_cgroup.count()] == [4, 4] and len(scans) == 3
 
 
 def test_a_workers_pids_cgroup_counts_what_a_scan_of_proc_counts(tmp_path):
     """As root with cgroup v1's pids controller: the cgroup holds every process a worker forks."""
-    cgroups = sandbox._Cgroups(f"kit-grade-{os.getpid()}-test-{secrets.token_hex(3)}", Limits())
+    cgroups = sandbox.processes._Cgroups(f"kit-grade-{os.getpid()}-test-{secrets.token_hex(3)}", Limits())
     if "pids" not in cgroups.controllers:
         cgroups.remove()
         pytest.skip("no pids cgroup can be made here (needs root and cgroup v1's pids controller)")
@@ -506,11 +506,11 @@ def test_a_workers_pids_cgroup_counts_what_a_scan_of_proc_counts(tmp_path):
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        counter = sandbox._ProcessCounter(proc.pid, None, cgroups)
-        assert counter.count() == len(sandbox._members(proc.pid, None)) == 6
+        counter = sandbox.processes._ProcessCounter(proc.pid, None, cgroups)
+        assert counter.count() == len(sandbox.processes._members(proc.pid, None)) == 6
         assert counter.joined
     finally:
-        sandbox._kill_all(proc.pid, None, cgroups)
+        sandbox.processes._kill_all(proc.pid, None, cgroups)
         proc.wait()
         cgroups.remove()
     assert not any(p.exists() for p in cgroups.paths)
@@ -518,7 +518,7 @@ def test_a_workers_pids_cgroup_counts_what_a_scan_of_proc_counts(tmp_path):
 
 HUGE_PAGES = """
 import os, sys
-from autograder.grade.sandbox import _collapse_anonymous_memory
+from autograder.grade.sandbox.worker import _collapse_anonymous_memory
 
 def huge_kb():
     with open("/proc/self/smaps_rollup") as f:

@@ -23,7 +23,7 @@ def check_isolation() -> doctor.Finding:
                               f"root without a sandbox ({found.missing})",
                               "make grade-setup (as root: apt-get install bubblewrap), on a machine or "
                               "container that may create namespaces (Docker: --privileged; or grade in a "
-                              "VM); see CONTRIBUTING.md, Isolation")
+                              "VM); see README.md, Grading in detail")
     if found.missing is None:
         return doctor.Finding("grading isolation", doctor.OK, found.describe())
     # not root (a student's machine): workers run as this user, with one warning line; nothing to fix
