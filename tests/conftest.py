@@ -64,7 +64,7 @@ GROUPS = {
     # sandbox uid) outlives its batch, which another file's batch running beside it would break
     "sandbox": ["test_isolation.py", "test_grading.py", "test_grading_resume.py",
                 "test_result_routes.py", "test_environment.py", "test_fail_closed.py",
-                "test_shards.py", "test_slurm.py"],
+                "test_shards.py", "test_slurm.py", "test_scaffold.py"],
 }
 # the longest units first, so that the last one to finish starts early (the rest keep the
 # order they were collected in)
