@@ -2,7 +2,8 @@
 
 * :func:`solutions` (lesson) -> the graded code of ``solutions/NN_slug.py``;
 * :func:`stubs` (lesson) -> the graded code of the released ``lessons/NN_slug.ipynb``;
-* :func:`seeded_bugs` (lesson) -> ``tests/bugs/lessonNN.py``'s ``BUGS``: ``{task id: [(what, impl)]}``;
+* :func:`seeded_bugs` (lesson) -> ``tests/bugs/lessonNN.py``'s ``BUGS``:
+  ``{task id: [(what, impl)]}``;
 * the fixtures ``solution``, ``stub`` and ``bugs`` give the same for the lesson a test module
   names in its ``LESSON`` constant.
 
@@ -142,7 +143,8 @@ def seeded_bugs(lesson: int) -> dict[str, list[tuple[str, Any]]]:
 
 def _lesson(request: pytest.FixtureRequest) -> int:
     lesson = getattr(request.module, "LESSON", None)
-    assert lesson is not None, f"{request.module.__name__} needs LESSON = <lesson number> to use this fixture"
+    assert lesson is not None, \
+        f"{request.module.__name__} needs LESSON = <lesson number> to use this fixture"
     return lesson
 
 

@@ -159,3 +159,14 @@ def test_marks_are_filled_in_and_an_unknown_one_is_refused():
         course.render_marks("{{points}}", spec)
     with pytest.raises(KeyError, match="autograder/course.py"):
         course.lesson(99)
+
+
+def test_every_lesson_file_belongs_to_a_spec_lesson():
+    """A check module, reference, bugs module or lesson test without its Lesson(...) entry is a
+    lesson half added: the spec names the fix."""
+    known = {f"{n:02d}" for n in LESSONS}
+    files = [*ROOT.glob("autograder/lesson[0-9][0-9].py"),
+             *ROOT.glob("autograder/references/lesson[0-9][0-9].py"),
+             *ROOT.glob("tests/bugs/lesson[0-9][0-9].py"), *ROOT.glob("tests/test_lesson[0-9][0-9].py")]
+    stray = [str(p.relative_to(ROOT)) for p in files if p.stem[-2:] not in known]
+    assert not stray, f"no Lesson(...) in autograder/course.py for {stray}: add its entry there"
