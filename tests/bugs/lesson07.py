@@ -1,107 +1,39 @@
 """Seeded bugs for Lesson 07: the typical mistakes each check of tasks 7.1-7.4 must catch.
 
 ``BUGS[task_id]`` lists ``(what is wrong, implementation)``; tests/test_checks.py proves every
-one of them fails its task's checks. Each bug is a correct implementation with one step
-replaced, plus the cheats that call torch's own scaler or checkpoint.
+one of them fails its task's checks. Each bug is the solution with one step changed
+(``edited_solution``), plus the cheats that call torch's own scaler, checkpoint or a hidden op.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from bugs import edited_solution
 
+SOLUTION = edited_solution(7)
+
+
+def _scaler(*edits):
+    return edited_solution(7, *edits).DynamicLossScaler
+
+
+_REENTRANT = ("params = [p for p in fn.parameters() if p.requires_grad] if isinstance(fn, "
+              "nn.Module) else []", "params = []")  # the parameters are not inputs
+
+
+def _checkpointing(*edits):
+    return edited_solution(7, *edits).apply_checkpointing
+
+
+def _ready(*edits):
+    return edited_solution(7, *edits).compile_ready
+
+
 # --------------------------------------------------------------------------- task 7.1
-
-
-class _Scaler:
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        self.value, self.growth, self.backoff, self.interval = float(init_scale), growth_factor, backoff_factor, growth_interval
-        self.tracker, self.found_inf, self.unscaled = 0, False, False
-
-    def scale(self, loss):
-        return loss * self.value
-
-    def _bad(self, grad):
-        return bool((~torch.isfinite(grad)).any())
-
-    def _sync(self, found):
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([float(found)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            found = bool(flag.item())
-        return found
-
-    def unscale_(self, optimizer):
-        if self.unscaled:
-            return
-        if any(p.grad is not None and p.grad.dtype == torch.float16
-               for group in optimizer.param_groups for p in group["params"]):
-            raise ValueError("fp16 gradients cannot be unscaled")
-        found = False
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    found |= self._bad(p.grad)
-                    p.grad.mul_(1.0 / self.value)
-        self.found_inf = self._sync(found)
-        self.unscaled = True
-
-    def step(self, optimizer):
-        self.unscale_(optimizer)
-        if not self.found_inf:
-            optimizer.step()
-
-    def _after_bad_step(self):
-        self.value *= self.backoff
-        self.tracker = 0
-
-    def update(self):
-        if self.found_inf:
-            self._after_bad_step()
-        else:
-            self.tracker += 1
-            if self.tracker == self.interval:
-                self.value *= self.growth
-                self.tracker = 0
-        self.found_inf = self.unscaled = False
-
-    def get_scale(self):
-        return self.value
-
-
-class ScalerNoBackoff(_Scaler):
-    def _after_bad_step(self):
-        self.tracker = 0
-
-
-class ScalerCountsSkippedSteps(_Scaler):
-    def update(self):
-        if self.found_inf:
-            self.value *= self.backoff
-        self.tracker += 1  # a skipped step counts toward growth too
-        if self.tracker == self.interval:
-            self.value *= self.growth
-            self.tracker = 0
-        self.found_inf = self.unscaled = False
-
-
-class ScalerDecidesAlone(_Scaler):
-    def _sync(self, found):
-        return found
-
-
-class ScalerMissesNaN(_Scaler):
-    def _bad(self, grad):
-        return bool(torch.isinf(grad).any())
-
-
-class ScalerUnscalesTwice(_Scaler):
-    def step(self, optimizer):
-        self.unscaled = False  # unscales again after the user's unscale_()
-        super().step(optimizer)
 
 
 class ScalerWrapsGradScaler:
@@ -117,16 +49,16 @@ class ScalerWrapsDeprecatedCudaGradScaler(ScalerWrapsGradScaler):
         self.inner = torch.cuda.amp.GradScaler(**kwargs)  # the old alias of torch.amp.GradScaler
 
 
-class ScalerUpdatesWithTorchsOp(_Scaler):
+class ScalerUpdatesWithTorchsOp(SOLUTION.DynamicLossScaler):
     """update() by torch's own C++ op, found by a computed name: no name in the source to see."""
 
     def update(self):
-        scale = torch.tensor([self.value])
-        tracker = torch.tensor([self.tracker], dtype=torch.int32)
+        scale = torch.tensor([self.scale_value])
+        tracker = torch.tensor([self.growth_tracker], dtype=torch.int32)
         found = torch.tensor([float(self.found_inf)])
-        getattr(torch, "_amp_" + "update_scale_")(scale, tracker, found, self.growth, self.backoff,
-                                                  self.interval)
-        self.value, self.tracker = scale.item(), int(tracker.item())
+        getattr(torch, "_amp_" + "update_scale_")(scale, tracker, found, self.growth_factor,
+                                                  self.backoff_factor, self.growth_interval)
+        self.scale_value, self.growth_tracker = scale.item(), int(tracker.item())
         self.found_inf = self.unscaled = False
 
 
@@ -140,163 +72,11 @@ class ScalerWrapsShardedGradScaler(ScalerWrapsGradScaler):
 # --------------------------------------------------------------------------- task 7.2
 
 
-def _saved(fn, args, *, key, size, skip_params=True):
-    found = {}
-
-    def pack(t):
-        if not (skip_params and (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter))):
-            found[key(t)] = size(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(found.values())
-
-
-def _storage(t):
-    return t.untyped_storage().data_ptr()
-
-
-def saved_bytes_per_tensor(fn, *args):
-    return _saved(fn, args, key=id, size=lambda t: t.untyped_storage().nbytes())
-
-
-def saved_bytes_with_parameters(fn, *args):
-    return _saved(fn, args, key=_storage, size=lambda t: t.untyped_storage().nbytes(), skip_params=False)
-
-
-def saved_bytes_of_views(fn, *args):
-    return _saved(fn, args, key=_storage, size=lambda t: t.numel() * t.element_size())
-
-
-# --------------------------------------------------------------------------- task 7.3
-
-
-def _checkpointing(*, restore_rng=True, fork=True, detach=True, grad_inputs=True, no_grad=True,
-                   first=False, torch_checkpoint=False, keep_graph=False):
-    """An apply_checkpointing whose checkpoint has one of its steps changed."""
-
-    class Checkpoint(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, fn, x):
-            ctx.fn, ctx.rng = fn, torch.get_rng_state()
-            ctx.save_for_backward(x)
-            if no_grad:
-                with torch.no_grad():
-                    return fn(x)
-            with torch.enable_grad():
-                out = fn(x)
-            if keep_graph:
-                ctx.out = out  # "in case backward needs it": the block's whole graph stays alive
-            return out.detach()
-
-        @staticmethod
-        def backward(ctx, grad):
-            (x,) = ctx.saved_tensors
-            if detach:
-                x = x.detach().requires_grad_(grad_inputs)
-            if restore_rng and fork:
-                with torch.random.fork_rng(devices=[]), torch.enable_grad():
-                    torch.set_rng_state(ctx.rng)
-                    out = ctx.fn(x)
-            else:
-                if restore_rng:
-                    torch.set_rng_state(ctx.rng)
-                with torch.enable_grad():
-                    out = ctx.fn(x)
-            if detach:
-                out.backward(grad)
-                return None, x.grad
-            return None, torch.autograd.grad(out, x, grad)[0]
-
-    def checkpoint(fn, x):
-        if torch_checkpoint:
-            from torch.utils.checkpoint import checkpoint as torch_ckpt
-
-            return torch_ckpt(fn, x, use_reentrant=True)
-        return Checkpoint.apply(fn, x)
-
-    class Wrapped(nn.Module):
-        def __init__(self, block):
-            super().__init__()
-            self.block = block
-
-        def forward(self, x):
-            return checkpoint(self.block, x)
-
-    def apply_checkpointing(model, every=1):
-        for i, block in enumerate(model.blocks):
-            if (i % every == 0) if first else ((i + 1) % every == 0):
-                model.blocks[i] = Wrapped(block)
-        return model
-
-    return apply_checkpointing
+def _saved_bytes(old, new):
+    return edited_solution(7, (old, new)).saved_activation_bytes
 
 
 # --------------------------------------------------------------------------- task 7.4
-
-
-class _Ready(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def _pool(self, h, lengths):
-        mask = torch.arange(h.shape[1]) < lengths.unsqueeze(1)  # (B, T)
-        return (h * mask.unsqueeze(2)).sum(1) / lengths.unsqueeze(1)
-
-    def _clip(self, pooled):
-        norm = pooled.norm()
-        return torch.where(norm > self.model.max_norm, pooled * (self.model.max_norm / norm), pooled)
-
-    def forward(self, tokens, lengths):
-        m = self.model
-        h = torch.tanh(m.mix(m.embed(tokens)))
-        return m.head(self._clip(self._pool(h, lengths)))
-
-
-class ReadyKeepsItemBranch(_Ready):
-    def _clip(self, pooled):
-        norm = pooled.norm()
-        if norm.item() > self.model.max_norm:
-            pooled = pooled * (self.model.max_norm / norm)
-        return pooled
-
-
-class ReadyKeepsPrint(_Ready):
-    def _pool(self, h, lengths):
-        print("pooling", tuple(h.shape))
-        return super()._pool(h, lengths)
-
-
-class ReadyKeepsLengthLoop(_Ready):
-    def _pool(self, h, lengths):
-        total = torch.zeros(h.shape[0], h.shape[2])
-        for t in range(int(lengths.max())):
-            total = total + h[:, t] * (t < lengths).unsqueeze(1)
-        return total / lengths.unsqueeze(1)
-
-
-class ReadyMeansOverPadding(_Ready):
-    def _pool(self, h, lengths):
-        mask = torch.arange(h.shape[1]) < lengths.unsqueeze(1)
-        return (h * mask.unsqueeze(2)).sum(1) / h.shape[1]  # divides by T, not the length
-
-
-class ReadyRecompilesPerLength(_Ready):
-    """Builds the positions from a Python range: the length becomes a constant of the graph,
-    so every new sequence length compiles again."""
-
-    def _pool(self, h, lengths):
-        positions = torch.tensor(list(range(h.shape[1])))  # (T,) from Python ints
-        mask = positions < lengths.unsqueeze(1)
-        return (h * mask.unsqueeze(2)).sum(1) / lengths.unsqueeze(1)
-
-
-class ReadyAlwaysClips(_Ready):
-    def _clip(self, pooled):
-        return pooled * (self.model.max_norm / pooled.norm())
-
 
 _HIDDEN = {}  # the model the opaque op runs: one per process is enough for the checks
 
@@ -371,83 +151,121 @@ class ReadyAllowsTheEagerForwardInGraph(nn.Module):
         return _eager_forward(tokens, lengths)
 
 
-class ReadyCopiesTheModel(_Ready):
-    def __init__(self, model):
-        import copy
-
-        super().__init__(copy.deepcopy(model))  # gradients reach the copy, not the model
-
-
 BUGS = {
     "7.1": [
         ("tests the whole gradient, plain or DTensor: under FSDP2 a plain flag plus a DTensor "
-         "fails", edited_solution("07_memory_speed.py", (
-             "p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad", "p.grad",
-         )).DynamicLossScaler),
-        ("a frozen parameter's .grad (None) is tested and unscaled: TypeError",
-         edited_solution("07_memory_speed.py", (
-             "for group in optimizer.param_groups for p in group[\"params\"]\n"
-             "                 if p.grad is not None]",
-             "for group in optimizer.param_groups for p in group[\"params\"]]",
-         )).DynamicLossScaler),
+         "fails", _scaler(("p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad",
+                           "p.grad"))),
+        ("a frozen parameter's .grad (None) is tested and unscaled: TypeError", _scaler((
+            "for group in optimizer.param_groups for p in group[\"params\"]\n"
+            "                 if p.grad is not None]",
+            "for group in optimizer.param_groups for p in group[\"params\"]]"))),
         ("unscales fp16 gradients instead of refusing them as GradScaler does",
-         edited_solution("07_memory_speed.py", (
-             "if any(g.dtype == torch.float16 for g in grads):", "if False:",
-         )).DynamicLossScaler),
+         _scaler(("if any(g.dtype == torch.float16 for g in grads):", "if False:"))),
         ("refuses every gradient that is not fp32: bf16 too",
-         edited_solution("07_memory_speed.py", (
-             "if any(g.dtype == torch.float16 for g in grads):",
-             "if any(g.dtype != torch.float32 for g in grads):",
-         )).DynamicLossScaler),
-        ("no backoff: the scale stays after an overflow", ScalerNoBackoff),
-        ("skipped steps count toward growth", ScalerCountsSkippedSteps),
-        ("each rank decides alone whether to skip", ScalerDecidesAlone),
-        ("NaN gradients are not detected (isinf only)", ScalerMissesNaN),
-        ("step() unscales again after the user's unscale_()", ScalerUnscalesTwice),
+         _scaler(("if any(g.dtype == torch.float16 for g in grads):",
+                  "if any(g.dtype != torch.float32 for g in grads):"))),
+        ("no backoff: the scale stays after an overflow",
+         _scaler(("            self.scale_value *= self.backoff_factor\n", ""))),
+        ("skipped steps count toward growth", _scaler((
+            "            self.growth_tracker = 0\n        else:\n"
+            "            self.growth_tracker += 1\n",
+            "        if True:  # a skipped step counts toward growth too\n"
+            "            self.growth_tracker += 1\n"))),
+        ("each rank decides alone whether to skip", _scaler((
+            "if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:",
+            "if False:"))),
+        ("NaN gradients are not detected (isinf only)",
+         _scaler(("found += (~torch.isfinite(g)).any()", "found += torch.isinf(g).any()"))),
+        ("step() unscales again after the user's unscale_()", _scaler((
+            "        self.unscale_(optimizer)\n",
+            "        self.unscaled = False  # unscales again after the user's unscale_()\n"
+            "        self.unscale_(optimizer)\n"))),
         ("wraps torch.amp.GradScaler", ScalerWrapsGradScaler),
         ("wraps torch's ShardedGradScaler", ScalerWrapsShardedGradScaler),
         ("wraps the deprecated torch.cuda.amp.GradScaler", ScalerWrapsDeprecatedCudaGradScaler),
         ("updates the scale with torch's private _amp_update_scale_ op", ScalerUpdatesWithTorchsOp),
     ],
     "7.2": [
-        ("counts every saved tensor, not every storage", saved_bytes_per_tensor),
-        ("counts parameters", saved_bytes_with_parameters),
-        ("counts the bytes of each view instead of its storage", saved_bytes_of_views),
+        ("counts every saved tensor, not every storage", _saved_bytes(
+            "storages[storage.data_ptr()] = storage.nbytes()",
+            "storages[id(t)] = storage.nbytes()")),
+        ("counts parameters", _saved_bytes(
+            "if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):",
+            "if True:")),
+        ("counts the bytes of each view instead of its storage", _saved_bytes(
+            "storages[storage.data_ptr()] = storage.nbytes()",
+            "storages[storage.data_ptr()] = t.numel() * t.element_size()")),
     ],
     "7.3": [
-        ("RNG state not restored before recomputing", _checkpointing(restore_rng=False)),
-        ("RNG state restored without fork_rng: the generator is left rewound", _checkpointing(fork=False)),
+        ("RNG state not restored before recomputing", _checkpointing(
+            ("            torch.set_rng_state(ctx.rng_state)", "            pass"))),
+        ("RNG state restored without fork_rng: the generator is left rewound", _checkpointing(
+            ("stack.enter_context(torch.random.fork_rng(devices=[]))", "pass"))),
         ("inputs detached without requires_grad: no gradient reaches earlier layers",
-         _checkpointing(grad_inputs=False)),
-        ("inputs not detached: recomputes on the originals", _checkpointing(detach=False)),
-        ("forward runs fn with grad: activations are saved", _checkpointing(no_grad=False)),
+         _checkpointing(("outputs = ctx.fn(*args)",
+                         "outputs = ctx.fn(*[a.detach() if torch.is_tensor(a) else a "
+                         "for a in args])"))),
+        # Recomputing on the originals alone is harmless when backward takes autograd.grad of
+        # the inputs; as in reentrant checkpointing, the parameters are not inputs here either.
+        ("inputs not detached: recomputes on the originals", _checkpointing(
+            ("next(saved).detach().requires_grad_(needs[i])", "next(saved)"), _REENTRANT)),
+        ("forward runs fn with grad: activations are saved", _checkpointing((
+            "        with torch.no_grad():  # nothing inside fn is saved for backward\n"
+            "            return fn(*args)\n",
+            "        with torch.enable_grad():\n"
+            "            return fn(*args).detach()\n"))),
         ("forward runs fn with grad and keeps its output on ctx: every activation stays alive",
-         edited_solution("07_memory_speed.py", (
+         _checkpointing((
              "        with torch.no_grad():  # nothing inside fn is saved for backward\n"
              "            return fn(*args)\n",
              "        with torch.enable_grad():\n"
-             "            ctx.out = fn(*args)  # \"in case backward needs it\": its graph stays alive\n"
-             "        return ctx.out.detach()\n",
-         )).apply_checkpointing),
-        ("checkpoints blocks 0, k, 2k, ... instead of the k-th, 2k-th, ...", _checkpointing(first=True)),
-        ("wraps torch.utils.checkpoint (reentrant)", _checkpointing(torch_checkpoint=True)),
+             "            ctx.out = fn(*args)  # \"in case backward needs it\": its graph stays "
+             "alive\n"
+             "        return ctx.out.detach()\n"))),
+        ("checkpoints blocks 0, k, 2k, ... instead of the k-th, 2k-th, ...",
+         _checkpointing(("if (i + 1) % every == 0:", "if i % every == 0:"))),
+        ("wraps torch.utils.checkpoint (reentrant)", _checkpointing((
+            "        return checkpoint(self.block, *args)",
+            "        from torch.utils.checkpoint import checkpoint as torch_checkpoint\n\n"
+            "        return torch_checkpoint(self.block, *args, use_reentrant=True)"))),
         ("recomputes without the forward's autocast state: a bf16 forward, an fp32 recomputation",
-         edited_solution("07_memory_speed.py", (
-             "            for device, enabled, dtype in ctx.autocast:  # the forward's autocast, as it was\n"
-             "                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,\n"
-             "                                                   cache_enabled=ctx.autocast_cache))\n",
-             "")).apply_checkpointing),
+         _checkpointing((
+             "            for device, enabled, dtype in ctx.autocast:  # the forward's autocast, "
+             "as it was\n"
+             "                stack.enter_context(torch.autocast(device, dtype=dtype, "
+             "enabled=enabled,\n"
+             "                                                   "
+             "cache_enabled=ctx.autocast_cache))\n",
+             ""))),
         ("the block's parameters are not inputs of the Function (reentrant style): a block whose "
-         "input needs no grad silently gets no gradient", _checkpointing()),
+         "input needs no grad silently gets no gradient", _checkpointing(_REENTRANT)),
     ],
     "7.4": [
-        ("a graph break left in: the .item() branch", ReadyKeepsItemBranch),
-        ("a graph break left in: the print", ReadyKeepsPrint),
-        ("a graph break left in: the loop up to the longest length", ReadyKeepsLengthLoop),
-        ("averages over padding (divides by T)", ReadyMeansOverPadding),
-        ("recompiles per sequence length (positions from a Python range)", ReadyRecompilesPerLength),
-        ("always rescales to max_norm", ReadyAlwaysClips),
-        ("copies the model: its parameters get no gradient", ReadyCopiesTheModel),
+        ("a graph break left in: the .item() branch", _ready((
+            "        pooled = torch.where(norm > m.max_norm, pooled * (m.max_norm / norm), "
+            "pooled)\n",
+            "        if norm.item() > m.max_norm:\n"
+            "            pooled = pooled * (m.max_norm / norm)\n"))),
+        ("a graph break left in: the print", _ready((
+            "        mask = torch.arange(",
+            "        print(\"pooling\", tuple(h.shape))\n        mask = torch.arange("))),
+        ("a graph break left in: the loop up to the longest length", _ready((
+            "        pooled = (h * mask.unsqueeze(2)).sum(1) / lengths.unsqueeze(1)  # (B, D)\n",
+            "        pooled = torch.zeros(h.shape[0], h.shape[2])\n"
+            "        for t in range(int(lengths.max())):\n"
+            "            pooled = pooled + h[:, t] * (t < lengths).unsqueeze(1)\n"
+            "        pooled = pooled / lengths.unsqueeze(1)\n"))),
+        ("averages over padding (divides by T)", _ready(
+            (".sum(1) / lengths.unsqueeze(1)  # (B, D)", ".sum(1) / h.shape[1]  # (B, D)"))),
+        ("recompiles per sequence length (positions from a Python range)", _ready(
+            ("torch.arange(h.shape[1], device=h.device)",
+             "torch.tensor(list(range(h.shape[1])))"))),
+        ("always rescales to max_norm", _ready((
+            "torch.where(norm > m.max_norm, pooled * (m.max_norm / norm), pooled)",
+            "pooled * (m.max_norm / norm)"))),
+        ("copies the model: its parameters get no gradient",
+         lambda model: SOLUTION.compile_ready(copy.deepcopy(model))),
         ("returns the model unchanged", lambda model: model),
         ("hides the eager forward in one custom op", ReadyHidesItInACustomOp),
         ("hides the eager forward behind torch.compiler.allow_in_graph",
