@@ -93,6 +93,6 @@ def _pasted_bedroc(scores, labels, alpha=20.0):
 
 
 # The solution's screen_metrics, defined here, beside the paste: as a notebook holds both.
-exec(compile(textwrap.dedent(inspect.getsource(edited_solution("10_molecules.py").screen_metrics)),
+exec(compile(textwrap.dedent(inspect.getsource(edited_solution(10).screen_metrics)),
              __file__, "exec"))
 enrichment_factor, bedroc = _pasted_ef, _pasted_bedroc
