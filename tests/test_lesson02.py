@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lesson_support import check_outputs, printed_text, run_headless
 
 from autograder import lesson02 as checks
 from autograder.loading import load_tasks
@@ -25,6 +26,7 @@ from kit.launcher import run_ranks
 from kit.lessons.debugging import RECORDED, _run_recorded, record_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
+LESSON = 2
 SOURCE = ROOT / "solutions" / "02_torchrun.py"
 
 
@@ -220,11 +222,8 @@ def test_plain_gloo_all_reduce_of_mismatched_sizes_can_abort_a_rank():
 
 @pytest.mark.slow
 def test_lesson02_runs_headless_and_shows_each_failure_it_discusses():
-    from kit.runner import run_notebook
-
-    result = run_notebook(SOURCE, timeout=240)
-    assert result.ok, str(result.failure)
-    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    result = run_headless(LESSON, timeout=240)
+    printed = printed_text(result)
     assert "rank 1: killed at step 3" in printed and "resuming at step 3" in printed
     assert "identical to the uninterrupted run: True" in printed
     assert "two nodes == one process: True" in printed
@@ -236,9 +235,7 @@ def test_lesson02_runs_headless_and_shows_each_failure_it_discusses():
     assert "Detected mismatch between collectives" in printed and "Root Cause" in printed
     results = json.dumps([c.get("outputs", []) for c in result.notebook.cells])
     assert "Mismatch(index=3, ranks=[2]" in results
-    checks_out = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
-                  for o in c.get("outputs", [])]
-    assert checks_out and '"stderr"' not in json.dumps(checks_out)
+    checks_out = check_outputs(result)
     scores = [o["data"]["text/plain"] for o in checks_out if o.get("output_type") == "execute_result"]
     assert scores == ["3.0", "4.0", "3.0"]
 

@@ -8,6 +8,7 @@ small (length, world size), and kit.lessons.data's timing and index streams meas
 from __future__ import annotations
 
 import ast
+import json
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from case_support import failed_cases
 from conftest import ROOT, seeded_bugs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lesson_support import check_outputs, pass_with_spawned_ranks, printed_text, run_headless
 from torch.utils.data import DataLoader, DistributedSampler
 
 from autograder.registry import CheckFailed, get_task, lesson_tasks
@@ -160,17 +162,12 @@ def test_slow_dataset_samples_are_made_from_the_index_and_bad_input_is_named():
 
 @pytest.mark.slow
 def test_lesson03_runs_headless_with_its_solutions_and_shows_the_bugs_it_teaches():
-    import json
-
-    from kit.runner import run_notebook
-
-    result = run_notebook(SOURCE, timeout=180)
-    assert result.ok, str(result.failure)
+    result = run_headless(LESSON, timeout=180)
     text = json.dumps([c.get("outputs", []) for c in result.notebook.cells])
     # The demos print what they claim: duplicated noise, identical ranks, the skewed metric.
     assert "one process: 0.200   4 ranks, all_reduce of counts: 0.333" in text
     assert "one process: 0.200   4 ranks, gather_unpadded: 0.200" in text
-    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    printed = printed_text(result)
     draws = [line.split("=", 1)[1] for line in printed.splitlines() if "numpy draw) =" in line]
     assert len(draws) == 4
     assert draws[0] == draws[1]  # 2 ranks seeded alike draw alike without seed_worker ...
@@ -178,23 +175,13 @@ def test_lesson03_runs_headless_with_its_solutions_and_shows_the_bugs_it_teaches
     noise = [ast.literal_eval(line.split(":", 1)[1]) for line in printed.splitlines() if line.startswith("sample, noise:")]
     assert [n for _, n in noise[0]][0::2] == [n for _, n in noise[0]][1::2]  # workers 0, 1 alike
     assert len({n for _, n in noise[1]}) == 6  # reseeded from the worker's seed: all different
-    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
-              for o in c.get("outputs", [])]
-    assert checks and '"stderr"' not in json.dumps(checks)
+    check_outputs(result)
 
 
 @pytest.mark.slow
 def test_rank_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
-    import kit.launcher
-    from autograder.registry import fresh_runs
-
-    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
-    fresh_runs()  # no run kept from a forked launch: these must spawn
-    for task_id, prefix in [("3.1", "defaults"), ("3.2", "different streams on every rank"),
-                            ("3.3", "accuracy")]:
-        task = get_task(task_id)
-        case = next(c for c in task.cases if c.name.startswith(prefix))
-        case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
+    pass_with_spawned_ranks(monkeypatch, solution, {"3.1": "defaults", "3.2": "different streams on every rank",
+                                                      "3.3": "accuracy"})
 
 
 def test_a_seed_worker_that_requires_rank_fails_the_world_size_1_case_naming_the_regime(bugs):

@@ -17,12 +17,13 @@ from case_support import failed_cases
 from conftest import ROOT, seeded_bugs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lesson_support import check_outputs, pass_with_spawned_ranks, printed_text, run_headless
 from torch.nn import functional as F
 
 from autograder.checking import NOT_IMPLEMENTED, run_checks
 from autograder.lesson04 import MIB
 from autograder.references.lesson04 import bucket_plan
-from autograder.registry import fresh_runs, get_task, lesson_tasks
+from autograder.registry import get_task, lesson_tasks
 from kit.launcher import run_ranks
 from kit.lessons.models import AwkwardNet, TinyTransformer, token_batch
 
@@ -160,14 +161,8 @@ def test_no_sync_accumulation_equals_one_step_on_the_combined_batch(solution, mi
 
 @pytest.mark.slow
 def test_lesson04_runs_headless_with_its_solutions_and_shows_what_it_claims():
-    import json
-
-    from kit.runner import run_notebook
-
-    result = run_notebook(SOURCE, timeout=180)
-    assert result.ok, str(result.failure)
-    assert result.seconds < 240, result.slowest()
-    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    result = run_headless(LESSON, timeout=180, budget=240)
+    printed = printed_text(result)
     assert "same gradients: True" in printed
     counts = {line.split()[0]: int(line.split()[1]) for line in printed.splitlines()
               if line.endswith("all-reduces in one step")}
@@ -181,21 +176,12 @@ def test_lesson04_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert "find_unused_parameters=True: ['two steps done', 'two steps done']" in printed
     assert "static_graph=True:           ['two steps done', 'two steps done']" in printed
     assert "DDP: You can enable unused parameter detection" in printed  # and without: the error
-    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
-              for o in c.get("outputs", [])]
-    assert checks and '"stderr"' not in json.dumps(checks)
+    check_outputs(result)
 
 
 @pytest.mark.slow
 def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
-    import kit.launcher
-
-    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
-    fresh_runs()  # no run kept from a forked launch: these must spawn
-    for task_id in TASK_IDS:
-        task = get_task(task_id)
-        case = task.cases[-1]
-        case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
+    pass_with_spawned_ranks(monkeypatch, solution, dict.fromkeys(TASK_IDS, -1))
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lesson_support import check_outputs, pass_with_spawned_ranks, printed_text, run_headless
 from torch import nn
 from torch.nn import functional as F
 
@@ -30,7 +31,7 @@ from autograder import lesson05
 from autograder.checking import run_checks
 from autograder.loading import load_tasks
 from autograder.references import lesson05 as references
-from autograder.registry import fresh_runs, get_task, lesson_tasks
+from autograder.registry import get_task, lesson_tasks
 from kit.failures import LaunchError
 from kit.launcher import preload_modules, run_ranks
 from kit.lessons.models import TinyTransformer, token_batch
@@ -362,14 +363,8 @@ def test_ownership_is_balanced_for_random_parameter_sizes(solution):
 
 @pytest.mark.slow
 def test_lesson05_runs_headless_with_its_solutions_and_shows_what_it_claims():
-    import json
-
-    from kit.runner import run_notebook
-
-    result = run_notebook(SOURCE, timeout=240)
-    assert result.ok, str(result.failure)
-    assert result.seconds < 240, result.slowest()
-    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    result = run_headless(LESSON, timeout=240, budget=240)
+    printed = printed_text(result)
     # with the solutions in place no launch may fail (a caught LaunchError prints and goes on)
     assert " first:" not in printed and "not yet (" not in printed, result.slowest(8)
     rows = [line.split() for line in printed.splitlines()
@@ -390,19 +385,9 @@ def test_lesson05_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert "'all_reduce': 1" in step and "'reduce_scatter_single': 5" in step  # 4 blocks + root
     full, mine = re.search(r"the model: (\d+) MiB .* rank 0 holds (\d+) MiB", printed).groups()
     assert int(mine) == pytest.approx(int(full) / 4, rel=0.05)  # meta-device init: 1/4 per rank
-    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
-              for o in c.get("outputs", [])]
-    assert checks and '"stderr"' not in json.dumps(checks)
+    check_outputs(result)
 
 
 @pytest.mark.slow
 def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
-    import kit.launcher
-    from autograder.registry import get_task
-
-    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
-    fresh_runs()  # the shared runs forked earlier are not reused
-    for task_id in ("5.1", "5.2", "5.3", "5.4", "5.5"):
-        task = get_task(task_id)
-        case = task.cases[-1]
-        case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
+    pass_with_spawned_ranks(monkeypatch, solution, dict.fromkeys(("5.1", "5.2", "5.3", "5.4", "5.5"), -1))

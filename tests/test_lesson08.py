@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lesson_support import check_outputs, pass_with_spawned_ranks, printed_text, run_headless
 from torch import nn
 from torch.nn import functional as F
 
 from autograder.checking import run_checks
 from autograder.loading import load_tasks
-from autograder.registry import fresh_runs, get_task, lesson_tasks
+from autograder.registry import get_task, lesson_tasks
 from kit.launcher import run_ranks
 from kit.lessons import costmodel
 from kit.lessons.parallelism import Model, Network, layout_costs, layout_table, simulate_schedule
@@ -374,14 +375,8 @@ def test_layout_costs_follow_the_formulas_they_cite():
 
 @pytest.mark.slow
 def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
-    import json
-
-    from kit.runner import run_notebook
-
-    result = run_notebook(SOURCE, timeout=600)
-    assert result.ok, str(result.failure)
-    assert result.seconds < 240, result.slowest()
-    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    result = run_headless(LESSON, timeout=600, budget=240)
+    printed = printed_text(result)
     assert "sum of the 4 partial results + bias equals the MLP: True" in printed
     assert printed.count("rank 0: all_reduce of 262 kB") == 2  # one forward, one backward
     assert "head-parallel attention equals the unsharded one: True | forward collectives: ['all_reduce']" in printed
@@ -404,22 +399,12 @@ def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
     under_torchrun = re.findall(r"\]:step (\d): loss ([0-9.]+)", printed)
     one_process = re.findall(r"one process, step (\d): loss ([0-9.]+)", printed)
     assert len(under_torchrun) == 3 and under_torchrun == one_process  # TP x DP = one process
-    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
-              for o in c.get("outputs", [])]
-    assert checks and '"stderr"' not in json.dumps(checks)
+    check_outputs(result)
 
 
 @pytest.mark.slow
 def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
-    import kit.launcher
-
-    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
-    fresh_runs()  # launches made with forked ranks must not answer for spawned ones
-    for task_id in ("8.1", "8.2", "8.3", "8.4"):
-        task = get_task(task_id)
-        case = task.cases[-1]
-        case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
-    fresh_runs()
+    pass_with_spawned_ranks(monkeypatch, solution, dict.fromkeys(("8.1", "8.2", "8.3", "8.4"), -1))
 
 
 # --------------------------------------------------------------------------- the meter's bounds

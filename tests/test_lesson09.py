@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lesson_support import check_outputs, printed_text, run_headless
 from torch.nn import functional as F
 
 from autograder.checking import run_checks
@@ -262,18 +263,10 @@ def test_a_mistake_that_keeps_what_the_technique_frees_fails_only_its_bound(bugs
 # --------------------------------------------------------------------------- the lesson
 
 
-def _printed(result) -> str:
-    return "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
-
-
 @pytest.mark.slow
 def test_lesson09_runs_headless_with_its_solutions_and_shows_what_it_claims():
-    from kit.runner import run_notebook
-
-    result = run_notebook(SOURCE, timeout=600)
-    assert result.ok, str(result.failure)
-    assert result.seconds < 360, result.slowest()  # the lesson's budget on 2 quiet cores
-    printed = _printed(result)
+    result = run_headless(LESSON, timeout=600, budget=360)  # the lesson's budget on 2 quiet cores
+    printed = printed_text(result)
     loss = re.search(r"MLM loss ([\d.]+) \(first 10\) -> ([\d.]+) \(last 10\); perplexity ([\d.]+)", printed)
     assert loss and float(loss[2]) < float(loss[1]) and float(loss[3]) < 20  # better than uniform
     pads = dict(re.findall(r"^(random, fixed size|token budget)\s+(\d+) padding tokens", printed, re.M))
@@ -291,9 +284,7 @@ def test_lesson09_runs_headless_with_its_solutions_and_shows_what_it_claims():
     from kit.lessons.precision import cpu_has_native_bf16
 
     assert re.search(r"^bf16 autocast: (on|off)\b", printed, re.M)[1] == ("on" if cpu_has_native_bf16() else "off")
-    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
-              for o in c.get("outputs", [])]
-    assert checks and '"stderr"' not in json.dumps(checks)
+    check_outputs(result)
 
 
 # --------------------------------------------------------------------------- the edges (issue 44)

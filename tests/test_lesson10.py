@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lesson_support import check_outputs, printed_text, run_headless
 
 from autograder.loading import load_tasks
 from autograder.references.lesson10 import (
@@ -28,6 +29,7 @@ from autograder.registry import lesson_tasks
 from kit.launcher import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
+LESSON = 10
 SOURCE = ROOT / "solutions" / "10_molecules.py"
 
 
@@ -226,18 +228,10 @@ def test_data_files_ship_in_the_wheels():
 
 @pytest.mark.slow
 def test_lesson10_runs_headless_with_its_solutions_and_shows_what_it_claims():
-    import json
-
-    from kit.runner import run_notebook
-
-    result = run_notebook(SOURCE, timeout=600)
-    assert result.ok, str(result.failure)
-    assert result.seconds < 300, result.slowest()  # the lesson's budget on 2 cores
-    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    result = run_headless(LESSON, timeout=600, budget=300)  # the lesson's budget on 2 cores
+    printed = printed_text(result)
     assert "scaffold   sizes" in printed and " 0.0% of test molecules have a scaffold seen" in printed
     assert "same on every rank: True" in printed
     for n in (1, 2, 4):
         assert f"{n} rank(s):" in printed
-    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
-              for o in c.get("outputs", [])]
-    assert checks and '"stderr"' not in json.dumps(checks)
+    check_outputs(result)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from conftest import ROOT, seeded_bugs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lesson_support import check_outputs, pass_with_spawned_ranks, printed_text, run_headless
 
 from autograder.checking import run_checks
 from autograder.lesson11 import (
@@ -319,15 +320,10 @@ def test_doctor_says_whether_pyg_lib_is_there_and_what_it_changes(monkeypatch):
 
 @pytest.mark.slow
 def test_lesson11_runs_headless_with_its_solutions_and_shows_what_it_claims():
-    import json
     import re
 
-    from kit.runner import run_notebook
-
-    result = run_notebook(SOURCE, timeout=300)
-    assert result.ok, str(result.failure)
-    assert result.seconds < 300, result.slowest()
-    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    result = run_headless(LESSON, timeout=300, budget=300)
+    printed = printed_text(result)
     diffs = re.search(r"max \|HaloGCNConv - GCNConv\| per rank: \[(.*)\]", printed).group(1)
     assert max(float(d) for d in diffs.split(",")) < 1e-5
     # equal step counts on every rank, for every world size
@@ -336,23 +332,12 @@ def test_lesson11_runs_headless_with_its_solutions_and_shows_what_it_claims():
     ratios = re.findall(r"METIS cuts (.*) fewer edges than a random split", printed)
     assert len(ratios) == 2 and all(float(r.rstrip("x")) > 2.5 for line in ratios
                                     for r in line.split(", ")), ratios
-    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
-              for o in c.get("outputs", [])]
-    assert checks and '"stderr"' not in json.dumps(checks)
+    check_outputs(result)
 
 
 @pytest.mark.slow
 def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
-    import kit.launcher
-    from autograder.registry import fresh_runs, get_task
-
-    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
-    fresh_runs()
-    for task_id in ("11.2", "11.3"):
-        task = get_task(task_id)
-        case = task.cases[-1]
-        case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
-    fresh_runs()
+    pass_with_spawned_ranks(monkeypatch, solution, {"11.2": -1, "11.3": -1})
 
 
 def test_a_sampler_that_stops_at_an_empty_frontier_fails_the_edges_case_naming_the_regime(bugs):

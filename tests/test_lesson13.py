@@ -12,7 +12,6 @@ catches which cheat; and the lesson's own claims, run headless.
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -23,6 +22,7 @@ from case_support import failed_cases
 from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lesson_support import check_outputs, pass_with_spawned_ranks, printed_text, run_headless
 
 from autograder import gates
 from autograder.lesson13 import ALL_GATHERS, MOE_RUNS, param_bytes
@@ -332,12 +332,8 @@ def test_what_only_the_recorder_or_the_meter_can_see(bugs, bug, caught_by):
 
 @pytest.mark.slow
 def test_lesson13_runs_headless_and_shows_what_it_claims():
-    from kit.runner import run_notebook
-
-    result = run_notebook(SOURCE, timeout=300)
-    assert result.ok, str(result.failure)
-    assert result.seconds < 300, result.slowest()
-    printed = "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+    result = run_headless(LESSON, timeout=300, budget=300)
+    printed = printed_text(result)
     assert "a stable descending sort:            [[0, 1]]" in printed
     assert "every rank equals the single-process layer: True" in printed
     for k in (2, 3, 4):
@@ -348,22 +344,12 @@ def test_lesson13_runs_headless_and_shows_what_it_claims():
     assert "divided by the world size: router as one process: True, experts as one process: True" in printed
     assert "(their gradients 2.00x one process's)" in printed
     assert "grouped_mm equals the loop over experts: True" in printed
-    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
-              for o in c.get("outputs", [])]
-    assert checks and '"stderr"' not in json.dumps(checks)
+    check_outputs(result)
 
 
 @pytest.mark.slow
 def test_13_3_passes_with_spawned_ranks_as_on_macos(solution, monkeypatch):
-    import kit.launcher
-    from autograder.registry import fresh_runs
-
-    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
-    fresh_runs()
-    task = get_task("13.3")
-    case = task.cases[0]
-    case.compare(case.run(solution.ExpertParallelMoE, 0), task.expected(case, 0))
-    fresh_runs()
+    pass_with_spawned_ranks(monkeypatch, solution, {"13.3": 0})
 
 
 def test_a_nan_loss_on_no_tokens_loses_only_the_empty_case_with_feedback_naming_it(bugs):

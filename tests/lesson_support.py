@@ -1,0 +1,54 @@
+"""Shared by the tests/test_lessonNN.py files: a lesson's headless run, what it printed, its check
+cells' outputs, and its checks under spawned ranks (as on macOS)."""
+
+from __future__ import annotations
+
+import json
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from autograder import course
+from autograder.registry import fresh_runs, get_task
+
+
+def run_headless(lesson: int, timeout: float, budget: float | None = None) -> Any:
+    """The lesson's source run headless (kit.runner.run_notebook); asserts it ran through and,
+    given ``budget``, in fewer seconds than that."""
+    from kit.runner import run_notebook
+
+    result = run_notebook(course.lesson(lesson).source, timeout=timeout)
+    assert result.ok, str(result.failure)
+    if budget is not None:
+        assert result.seconds < budget, result.slowest()
+    return result
+
+
+def printed_text(result: Any) -> str:
+    """Everything the executed notebook's cells printed, in order."""
+    return "".join(o.get("text", "") for c in result.notebook.cells for o in c.get("outputs", []))
+
+
+def check_outputs(result: Any) -> list[dict]:
+    """The outputs of the notebook's check cells; asserts there are some and none is on stderr."""
+    checks = [o for c in result.notebook.cells if "check" in str(c.get("metadata", {}).get("tags"))
+              for o in c.get("outputs", [])]
+    assert checks and '"stderr"' not in json.dumps(checks)
+    return checks
+
+
+def pass_with_spawned_ranks(monkeypatch: pytest.MonkeyPatch, solution: ModuleType,
+                            cases: dict[str, int | str]) -> None:
+    """Each task's case (``{task id: index in task.cases, or the start of the case's name}``)
+    passes with the solution when every launch spawns its ranks, as on macOS."""
+    import kit.launcher
+
+    monkeypatch.setattr(kit.launcher, "default_start_method", lambda backend: "spawn")
+    fresh_runs()  # no run kept from a forked launch: these must spawn
+    for task_id, which in cases.items():
+        task = get_task(task_id)
+        case = (task.cases[which] if isinstance(which, int)
+                else next(c for c in task.cases if c.name.startswith(which)))
+        case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
+    fresh_runs()
