@@ -751,7 +751,7 @@ BUGS = {
         ("wraps parallelize_module (ColwiseParallel, RowwiseParallel)", ColumnDTensor),
         ("keeps the whole weights and multiplies by them on every rank", ColumnFullWeight),
         ("splits features that do not divide by the group size unevenly (no ValueError)",
-         edited_solution("08_model_parallel.py", (
+         edited_solution(8, (
              "        if linear.out_features % t:\n            raise ValueError(",
              "        if False:\n            raise ValueError(",
          )).ColumnParallelLinear),
@@ -766,7 +766,7 @@ BUGS = {
         ("wraps parallelize_module (SequenceParallel)", SPDTensor),
         ("keeps the whole weights and runs the full-width MLP on every rank", SPFullWidth),
         ("one rank: skips the collectives, and linear2's bias with them",
-         edited_solution("08_model_parallel.py", (
+         edited_solution(8, (
              "        ### BEGIN SOLUTION\n        weight = SumGradOverTP.apply(self.norm.weight",
              "        ### BEGIN SOLUTION\n        if dist.get_world_size(self.group) == 1:\n"
              "            return F.linear(F.gelu(self.linear1(self.norm(x))), self.linear2.weight)\n"
@@ -774,7 +774,7 @@ BUGS = {
          )).SequenceParallelMLP),
         ("the LayerNorm gradients summed by hooks each forward registers (a no_grad forward leaves "
          "one behind)",
-         edited_solution("08_model_parallel.py", (
+         edited_solution(8, (
              "        weight = SumGradOverTP.apply(self.norm.weight, self.group)\n"
              "        bias = SumGradOverTP.apply(self.norm.bias, self.group)\n",
              "        for q in (self.norm.weight, self.norm.bias):\n"
@@ -794,17 +794,17 @@ BUGS = {
         ("wraps torch.distributed.pipelining (ScheduleGPipe)", gpipe_with_torch_pipelining),
         ("sends through a load-time copy of torch's private schedules._batch_p2p", _with_copied_p2p()),
         ("first and last stage taken as exclusive: one stage never computes the loss",
-         edited_solution("08_model_parallel.py", (
+         edited_solution(8, (
              "        if last:\n            loss = loss_fn",
              "        if last and not first:\n            loss = loss_fn",
          )).gpipe),
         ("the receive buffer shaped by microbatches[rank] (this stage's index, not the micro-batch's)",
-         edited_solution("08_model_parallel.py", (
+         edited_solution(8, (
              "            x = torch.empty_like(microbatches[i])\n",
              "            x = torch.empty_like(microbatches[rank])\n",
          )).gpipe),
         ("micro-batches of different sizes: no ValueError",
-         edited_solution("08_model_parallel.py", (
+         edited_solution(8, (
              "    if len(sizes) > 1:\n        raise ValueError(f\"the micro-batches",
              "    if False:\n        raise ValueError(f\"the micro-batches",
          )).gpipe),
@@ -833,12 +833,12 @@ BUGS = {
         ("takes torch's order from ScheduleInterleaved1F1B's private rank ops",
          interleaved_from_torchs_schedule),
         ("rounds of p micro-batches when m is not a multiple of p (Megatron-LM's rule only)",
-         edited_solution("08_model_parallel.py", (
+         edited_solution(8, (
              "    r = m // rounds  # micro-batches per round\n",
              "    r = p  # micro-batches per round\n",
          )).interleaved_one_f_one_b),
         ("m not a multiple of the rounds: no ValueError",
-         edited_solution("08_model_parallel.py", (
+         edited_solution(8, (
              "    if m % rounds:\n        raise ValueError(",
              "    if False:\n        raise ValueError(",
          )).interleaved_one_f_one_b),

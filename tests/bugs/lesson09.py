@@ -424,7 +424,7 @@ BUGS = {
         ("one draw per sequence: whole sequences selected", one_draw_per_sequence),
         ("labels only where <mask> went (not at the random or unchanged 20%)", labels_only_where_masked),
         ("forces one target in every sequence that has a residue (even at mask_prob = 0)",
-         edited_solution("09_proteins.py", (
+         edited_solution(9, (
              "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n",
              "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n"
              "    draw = torch.rand(tokens.shape, generator=generator) * ~special\n"
@@ -432,7 +432,7 @@ BUGS = {
              "    selected[lonely, draw[lonely].argmax(1)] = True\n",
          )).mask_tokens),
         ("forces one target in every sequence, a special token where it has no residue",
-         edited_solution("09_proteins.py", (
+         edited_solution(9, (
              "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n",
              "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n"
              "    if mask_prob > 0:  # every sequence gets at least one target\n"
@@ -441,7 +441,7 @@ BUGS = {
              "        selected[lonely, draw[lonely].argmax(1)] = True\n",
          )).mask_tokens),
         ("mask_prob outside [0, 1]: no ValueError",
-         edited_solution("09_proteins.py", (
+         edited_solution(9, (
              "    if not 0 <= mask_prob <= 1:\n        raise ValueError(f\"mask_prob",
              "    if False:\n        raise ValueError(f\"mask_prob",
          )).mask_tokens),
@@ -466,7 +466,7 @@ BUGS = {
         ("sends its block straight to every rank", ring_by_direct_sends),
         ("keeps every block it received (right values and traffic)", keeps_every_block_it_received),
         ("divides by a running sum of 0 where a sequence is all padding (nan, not SDPA's 0)",
-         edited_solution("09_proteins.py", (
+         edited_solution(9, (
              "    return o / torch.where(s == 0, torch.ones_like(s), s)\n", "    return o / s\n",
          )).ring_attention),
     ],
@@ -481,7 +481,7 @@ BUGS = {
         ("calls the module's own forward and pair_bias", calls_the_module),
         ("runs a load-time copy of the module's forward", _with_copied_forward()),
         ("chunk_size below 1: no ValueError",
-         edited_solution("09_proteins.py", (
+         edited_solution(9, (
              "    if chunk_size < 1:\n        raise ValueError(",
              "    if False:\n        raise ValueError(",
          )).chunked),

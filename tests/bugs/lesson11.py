@@ -495,11 +495,11 @@ class LocalGCNConv(nn.Module):
 
 BUGS = {
     "11.1": [
-        ("stops at a hop with an empty frontier: fewer hops counted", edited_solution(
-            "11_big_graphs.py", ("    for fanout in fanouts:\n        start = rowptr[n_id[frontier]]\n",
-                                 "    for fanout in fanouts:\n        if frontier.numel() == 0:\n"
-                                 "            break\n        start = rowptr[n_id[frontier]]\n"),
-        ).sample_neighbors),
+        ("stops at a hop with an empty frontier: fewer hops counted", edited_solution(11, (
+            "    for fanout in fanouts:\n        start = rowptr[n_id[frontier]]\n",
+            "    for fanout in fanouts:\n        if frontier.numel() == 0:\n"
+            "            break\n        start = rowptr[n_id[frontier]]\n",
+        )).sample_neighbors),
         ("samples with replacement", WithReplacement()),
         ("draws out-neighbours instead of in-neighbours", OutNeighbours()),
         ("global ids in edge_index", GlobalIds()),
