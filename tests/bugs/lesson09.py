@@ -8,7 +8,6 @@ replaced, written as a student would write it.
 from __future__ import annotations
 
 import math
-import random
 import types
 
 import torch
@@ -21,151 +20,56 @@ CANONICAL = "ACDEFGHIKLMNPQRSTVWY"
 
 # --------------------------------------------------------------------------- task 9.1
 
-
-def _mask(tokens, alphabet, generator, mask_prob=0.15, *, specials=True, vocabulary=None,
-          rand=None, random_share=0.1, labels_everywhere=False, fixed_count=False, prob=None,
-          labels_where_masked=False, per_sequence=False):
-    if not 0 <= mask_prob <= 1:  # each bug keeps the edge's check: one defect each
-        raise ValueError(f"mask_prob must be a probability in [0, 1], got {mask_prob}")
-    rand = rand or (lambda shape: torch.rand(shape, generator=generator))
-    p = mask_prob if prob is None else prob
-    special = (tokens == alphabet.cls_idx) | (tokens == alphabet.eos_idx) | (tokens == alphabet.padding_idx)
-    if fixed_count:  # exactly round(p * n) positions of every sequence
-        scores = rand(tokens.shape).masked_fill(special, 2.0)
-        n = (~special).sum(1, keepdim=True)
-        rank = scores.argsort(1).argsort(1)
-        selected = rank < (n * p).round()
-    elif per_sequence:  # one draw per sequence, broadcast along it: whole sequences selected
-        selected = (rand((tokens.shape[0], 1)) < p).expand(tokens.shape).clone()
-    else:
-        selected = rand(tokens.shape) < p
-    if specials:
-        selected &= ~special
-    split = rand(tokens.shape)
-    pool = torch.tensor(vocabulary if vocabulary is not None else [alphabet.get_idx(a) for a in CANONICAL])
-    draws = pool[(rand(tokens.shape) * len(pool)).long().clamp(max=len(pool) - 1)]
-    inputs = tokens.clone()
-    inputs[selected & (split < 0.8)] = alphabet.mask_idx
-    replace = selected & (split >= 0.8) & (split < 0.8 + random_share)
-    inputs[replace] = draws[replace]
-    labels = tokens.clone() if labels_everywhere else torch.where(selected, tokens, torch.full_like(tokens, -100))
-    if labels_where_masked:  # the label set from inputs == <mask>, after the 80/10/10 split
-        labels = torch.where(inputs == alphabet.mask_idx, tokens, torch.full_like(tokens, -100))
-    return inputs, labels
+_SELECT = "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n"
+_LABELS = "labels = torch.where(selected, tokens, torch.full_like(tokens, -100))"
 
 
-def mask_special_tokens(tokens, alphabet, generator, mask_prob=0.15):
-    return _mask(tokens, alphabet, generator, mask_prob, specials=False)
+def _masking(*edits):
+    return edited_solution(9, *edits).mask_tokens
 
 
-def random_from_all_tokens(tokens, alphabet, generator, mask_prob=0.15):
-    return _mask(tokens, alphabet, generator, mask_prob, vocabulary=list(range(len(alphabet.all_toks))))
-
-
-def random_from_10_percent_of_the_rest(tokens, alphabet, generator, mask_prob=0.15):
-    return _mask(tokens, alphabet, generator, mask_prob, random_share=0.02)
-
-
-def global_random_state(tokens, alphabet, generator, mask_prob=0.15):
-    return _mask(tokens, alphabet, generator, mask_prob, rand=lambda shape: torch.rand(shape))
-
-
-def fixed_fraction_per_sequence(tokens, alphabet, generator, mask_prob=0.15):
-    return _mask(tokens, alphabet, generator, mask_prob, fixed_count=True)
-
-
-def ignores_mask_prob(tokens, alphabet, generator, mask_prob=0.15):
-    return _mask(tokens, alphabet, generator, mask_prob, prob=0.15)
-
-
-def labels_everywhere(tokens, alphabet, generator, mask_prob=0.15):
-    return _mask(tokens, alphabet, generator, mask_prob, labels_everywhere=True)
-
-
-def one_draw_per_sequence(tokens, alphabet, generator, mask_prob=0.15):
-    return _mask(tokens, alphabet, generator, mask_prob, per_sequence=True)
-
-
-def labels_only_where_masked(tokens, alphabet, generator, mask_prob=0.15):
-    return _mask(tokens, alphabet, generator, mask_prob, labels_where_masked=True)
+mask_special_tokens = _masking((_SELECT, _SELECT.replace(" & ~special", "")))
 
 
 # --------------------------------------------------------------------------- task 9.2
 
-
-def _build(lengths, indices, max_tokens):
-    batches, current, longest = [], [], 0
-    for i in sorted(indices, key=lambda i: (lengths[i], i)):
-        if current and max(longest, lengths[i]) * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, lengths[i])
-    return batches + [current] if current else batches
+_SORTED = "    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):\n"
+_SHUFFLE = ("    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed + "
+            "epoch)).tolist()\n")
+_PAD = "    order = (order * math.ceil(total / len(order)))[:total]  # pad with the start of the order\n"
+_BUILT = "    if current:\n        batches.append(current)\n"
 
 
-def _deal(batches, rank, world_size, seed, epoch, *, pad=True, shuffle=True, drop_last=False):
-    if not batches:
-        return []
-    order = list(range(len(batches)))
-    if shuffle:
-        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    if drop_last:
-        order = order[: len(order) // world_size * world_size]
-    elif pad:
-        total = math.ceil(len(order) / world_size) * world_size
-        order = (order * math.ceil(total / len(order)))[:total]
-    return [batches[b] for b in order[rank::world_size]]
+def _batching(*edits):
+    return edited_solution(9, *edits).token_budget_batches
 
 
-def batches_built_per_rank(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
-    """Deals the sequences first (as DistributedSampler would), then batches each rank's share:
-    ranks end with different numbers of batches."""
-    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    return _build(lengths, order[rank::world_size], max_tokens)
+def _dealt(make):
+    """The solution's dealing of the batches ``make(batches, lengths, max_tokens, seed)`` gives
+    instead of its own."""
+    solution = edited_solution(9, (_BUILT, _BUILT + "    batches = _BATCHES(batches, lengths, "
+                                   "max_tokens, seed)\n"))
+    solution._BATCHES = make
+    return solution.token_budget_batches
 
 
-def no_padding(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
-    return _deal(_build(lengths, range(len(lengths)), max_tokens), rank, world_size, seed, epoch, pad=False)
-
-
-def drops_the_remainder(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
-    return _deal(_build(lengths, range(len(lengths)), max_tokens), rank, world_size, seed, epoch,
-                 drop_last=True)
-
-
-def not_shuffled(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
-    return _deal(_build(lengths, range(len(lengths)), max_tokens), rank, world_size, seed, epoch,
-                 shuffle=False)
-
-
-def shuffled_with_global_random(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
-    batches = _build(lengths, range(len(lengths)), max_tokens)
-    random.shuffle(batches)
-    return _deal(batches, rank, world_size, seed, epoch, shuffle=False)
-
-
-def fixed_size_sorted_batches(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
-    """Sorted by length but a fixed 16 sequences per batch, whatever the budget."""
+def _sixteen_by_length(batches, lengths, max_tokens, seed):
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches = [order[i:i + 16] for i in range(0, len(order), 16)]
-    return _deal(batches, rank, world_size, seed, epoch)
+    return [order[i:i + 16] for i in range(0, len(order), 16)]
 
 
-def fixed_size_random_batches(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
-    """The padding-heavy baseline: random batches of the same mean size as fair-esm's."""
-    n_batches = len(_build(lengths, range(len(lengths)), max_tokens))
-    size = max(1, round(len(lengths) / max(1, n_batches)))
+def _random_of_the_same_mean_size(batches, lengths, max_tokens, seed):
+    size = max(1, round(len(lengths) / max(1, len(batches))))
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
-    return _deal([order[i:i + size] for i in range(0, len(order), size)], rank, world_size, seed, epoch)
+    return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def batches_from_fair_esm(lengths, max_tokens, rank, world_size, seed=0, epoch=0):
-    """fair-esm's own FastaBatchedDataset.get_batch_indices builds the batches, then dealt."""
+def _from_fair_esm(batches, lengths, max_tokens, seed):
+    """fair-esm's own FastaBatchedDataset.get_batch_indices builds the batches."""
     from esm.data import FastaBatchedDataset
 
     data = FastaBatchedDataset([str(i) for i in range(len(lengths))], ["A" * n for n in lengths])
-    return _deal(data.get_batch_indices(max_tokens), rank, world_size, seed, epoch)
+    return data.get_batch_indices(max_tokens)
 
 
 # --------------------------------------------------------------------------- task 9.3
@@ -415,14 +319,32 @@ def _with_copied_forward() -> types.FunctionType:
 BUGS = {
     "9.1": [
         ("special tokens (cls, eos, pad) can be masked", mask_special_tokens),
-        ("the 10% random replacement is drawn from all 33 tokens", random_from_all_tokens),
-        ("random replacement on 10% of the remaining 20% (2% instead of 10%)", random_from_10_percent_of_the_rest),
-        ("uses the global random state, not the generator", global_random_state),
-        ("masks exactly 15% of every sequence", fixed_fraction_per_sequence),
-        ("ignores mask_prob", ignores_mask_prob),
-        ("labels hold the original token everywhere", labels_everywhere),
-        ("one draw per sequence: whole sequences selected", one_draw_per_sequence),
-        ("labels only where <mask> went (not at the random or unchanged 20%)", labels_only_where_masked),
+        ("the 10% random replacement is drawn from all 33 tokens", _masking((
+            "canonical = torch.tensor([alphabet.get_idx(a) for a in CANONICAL])",
+            "canonical = torch.arange(len(alphabet.all_toks))"))),
+        ("random replacement on 10% of the remaining 20% (2% instead of 10%)", _masking((
+            "replace = selected & (split >= 0.8) & (split < 0.9)",
+            "replace = selected & (split >= 0.8) & (split < 0.82)"))),
+        ("uses the global random state, not the generator", _masking(
+            (_SELECT, _SELECT.replace(", generator=generator", "")),
+            ("split = torch.rand(tokens.shape, generator=generator)",
+             "split = torch.rand(tokens.shape)"),
+            ("torch.randint(len(canonical), tokens.shape, generator=generator)",
+             "torch.randint(len(canonical), tokens.shape)"))),
+        ("masks exactly 15% of every sequence", _masking((_SELECT, (
+            "    scores = torch.rand(tokens.shape, generator=generator).masked_fill(special, 2.0)\n"
+            "    n = (~special).sum(1, keepdim=True)\n"
+            "    selected = scores.argsort(1).argsort(1) < (n * mask_prob).round()\n")))),
+        ("ignores mask_prob", _masking((_SELECT, _SELECT.replace("< mask_prob", "< 0.15")))),
+        ("labels hold the original token everywhere",
+         _masking((_LABELS, "labels = tokens.clone()"))),
+        ("one draw per sequence: whole sequences selected", _masking((_SELECT, (
+            "    selected = (torch.rand((tokens.shape[0], 1), generator=generator) < mask_prob)\n"
+            "    selected = selected.expand(tokens.shape) & ~special\n")))),
+        ("labels only where <mask> went (not at the random or unchanged 20%)", _masking((
+            _LABELS,
+            "labels = torch.where(inputs == alphabet.mask_idx, tokens, torch.full_like(tokens, -100))"
+        ))),
         ("forces one target in every sequence that has a residue (even at mask_prob = 0)",
          edited_solution(9, (
              "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n",
@@ -447,14 +369,23 @@ BUGS = {
          )).mask_tokens),
     ],
     "9.2": [
-        ("batches built per rank before dealing: ranks get different counts", batches_built_per_rank),
-        ("no padding: the last ranks get one batch fewer", no_padding),
-        ("drops the batches that do not divide evenly", drops_the_remainder),
-        ("deals in length order, never shuffled", not_shuffled),
-        ("shuffled with Python's global random state", shuffled_with_global_random),
-        ("fixed 16 sequences per batch, sorted by length", fixed_size_sorted_batches),
-        ("random fixed-size batches of the same mean size", fixed_size_random_batches),
-        ("fair-esm's get_batch_indices builds the batches", batches_from_fair_esm),
+        ("batches built per rank before dealing: ranks get different counts", _batching(
+            (_SORTED, "    order = torch.randperm(len(lengths), generator=torch.Generator()"
+                      ".manual_seed(seed + epoch)).tolist()\n"
+                      "    for i in sorted(order[rank::world_size], key=lambda i: (lengths[i], i)):\n"),
+            ("    return [batches[b] for b in order[rank::world_size]]",
+             "    return batches  # each rank batched its own share"))),
+        ("no padding: the last ranks get one batch fewer", _batching((_PAD, ""))),
+        ("drops the batches that do not divide evenly", _batching((_PAD, (
+            "    order = order[:len(order) // world_size * world_size]  # drop the remainder\n")))),
+        ("deals in length order, never shuffled",
+         _batching((_SHUFFLE, "    order = list(range(len(batches)))\n"))),
+        ("shuffled with Python's global random state", _batching((_SHUFFLE, (
+            "    order = list(range(len(batches)))\n    random.shuffle(order)\n")),
+            ("import math\n", "import math\nimport random\n"))),
+        ("fixed 16 sequences per batch, sorted by length", _dealt(_sixteen_by_length)),
+        ("random fixed-size batches of the same mean size", _dealt(_random_of_the_same_mean_size)),
+        ("fair-esm's get_batch_indices builds the batches", _dealt(_from_fair_esm)),
     ],
     "9.3": [
         ("the softmax merged without rescaling by exp(m_old - m_new)", merged_without_rescaling),
