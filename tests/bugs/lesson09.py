@@ -75,87 +75,25 @@ def _from_fair_esm(batches, lengths, max_tokens, seed):
 # --------------------------------------------------------------------------- task 9.3
 
 
-def _ring(q, k, v, key_padding_mask=None, group=None, *, rescale=True, mask_direction=1,
-          use_mask=True, steps=None, keep_blocks=False, hoard=False):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    mask_to, mask_from = (right, left) if mask_direction == 1 else (left, right)
-    batch, heads, chunk, dim = q.shape
-    m = torch.full((batch, heads, chunk, 1), -math.inf, dtype=q.dtype)
-    s = torch.zeros((batch, heads, chunk, 1), dtype=q.dtype)
-    o = torch.zeros_like(q)
-    kv, mask = [k, v], key_padding_mask
-    kept_k, kept_v, kept_mask = [k], [v], [mask]
-    steps = world_size - 1 if steps is None else steps
-    for step in range(steps + 1):
-        if step < steps:
-            incoming = [torch.empty_like(t) for t in kv]
-            ops = [dist.P2POp(dist.isend, t, right) for t in kv] + [dist.P2POp(dist.irecv, t, left) for t in incoming]
-            if mask is not None:
-                next_mask = torch.empty_like(mask)
-                ops += [dist.P2POp(dist.isend, mask, mask_to), dist.P2POp(dist.irecv, next_mask, mask_from)]
-            works = dist.batch_isend_irecv(ops)
-        if not keep_blocks:
-            scores = q @ kv[0].transpose(-1, -2) / math.sqrt(dim)
-            if mask is not None and use_mask:
-                scores = scores.masked_fill(mask[:, None, None, :], -math.inf)
-            m_block = scores.amax(dim=-1, keepdim=True)
-            m_new = torch.maximum(m, m_block) if rescale else m_block
-            shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(scores - shift)
-            factor = torch.exp(m - shift) if rescale else torch.ones_like(m)
-            s = s * factor + p.sum(dim=-1, keepdim=True)
-            o = o * factor + p @ kv[1]
-            m = m_new
-        if step < steps:
-            for w in works:
-                w.wait()
-            kv = incoming
-            if mask is not None:
-                mask = next_mask
-            if keep_blocks or hoard:  # hoard: kept, though the online softmax never looks again
-                kept_k.append(kv[0])
-                kept_v.append(kv[1])
-                kept_mask.append(mask)
-    if keep_blocks:  # every block arrived: attend over the concatenation
-        # blocks arrived from ranks rank, rank-1, ...: put them back in sequence order
-        order = sorted(range(world_size), key=lambda i: (rank - i) % world_size)
-        k_all = torch.cat([kept_k[i] for i in order], dim=2)
-        v_all = torch.cat([kept_v[i] for i in order], dim=2)
-        attn_mask = None if mask is None else ~torch.cat([kept_mask[i] for i in order], dim=1)[:, None, None, :]
-        scores = q @ k_all.transpose(-1, -2) / math.sqrt(dim)
-        if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, -math.inf)
-        return scores.softmax(-1).nan_to_num(0.0) @ v_all  # a query with no real key: 0, as SDPA
-    return o / torch.where(s == 0, torch.ones_like(s), s)  # a query with no real key: 0, as SDPA
+def _ring(*edits):
+    return edited_solution(9, *edits).ring_attention
 
 
-def merged_without_rescaling(q, k, v, key_padding_mask=None, group=None):
-    return _ring(q, k, v, key_padding_mask, group, rescale=False)
-
-
-def mask_travels_the_wrong_way(q, k, v, key_padding_mask=None, group=None):
-    return _ring(q, k, v, key_padding_mask, group, mask_direction=-1)
-
-
-def ignores_the_padding_mask(q, k, v, key_padding_mask=None, group=None):
-    return _ring(q, k, v, key_padding_mask, group, use_mask=False)
-
-
-def one_step_too_many(q, k, v, key_padding_mask=None, group=None):
-    """W steps: the last one sends the block back to where it started and counts it twice."""
-    return _ring(q, k, v, key_padding_mask, group, steps=dist.get_world_size())
-
-
-def keeps_every_block_then_concatenates(q, k, v, key_padding_mask=None, group=None):
-    """Right values and the right traffic, but all of K and V end up on every rank."""
-    return _ring(q, k, v, key_padding_mask, group, keep_blocks=True)
-
-
-def keeps_every_block_it_received(q, k, v, key_padding_mask=None, group=None):
-    """The right ring and the right online softmax, but every block received stays in a list:
-    right values and traffic, and memory that grows with the whole sequence."""
-    return _ring(q, k, v, key_padding_mask, group, hoard=True)
+_RETURN = "    return o / torch.where(s == 0, torch.ones_like(s), s)\n"
+_HOARD = (("    block = [t.contiguous() for t in block]  # gloo sends contiguous tensors only\n",
+           "    block = [t.contiguous() for t in block]  # gloo sends contiguous tensors only\n"
+           "    kept = [block]\n"),
+          ("            block = incoming\n",
+           "            block = incoming\n"
+           "            kept.append(block)  # kept, though the online softmax never looks again\n"))
+_CONCATENATED = (  # attends over every block kept, put back in sequence order
+    "    order = sorted(range(world_size), key=lambda i: (rank - i) % world_size)\n"
+    "    k_all, v_all = (torch.cat([kept[i][j] for i in order], 2) for j in (0, 1))\n"
+    "    scores = q @ k_all.transpose(-1, -2) / math.sqrt(dim)\n"
+    "    if key_padding_mask is not None:\n"
+    "        pad = torch.cat([kept[i][2] for i in order], 1)\n"
+    "        scores = scores.masked_fill(pad[:, None, None, :], -math.inf)\n"
+    "    return scores.softmax(-1).nan_to_num(0.0) @ v_all  # no real key: 0, as SDPA\n")
 
 
 def all_gather_then_sdpa(q, k, v, key_padding_mask=None, group=None):
@@ -388,18 +326,33 @@ BUGS = {
         ("fair-esm's get_batch_indices builds the batches", _dealt(_from_fair_esm)),
     ],
     "9.3": [
-        ("the softmax merged without rescaling by exp(m_old - m_new)", merged_without_rescaling),
-        ("the mask travels the ring the wrong way", mask_travels_the_wrong_way),
-        ("ignores the padding mask", ignores_the_padding_mask),
-        ("W steps instead of W - 1", one_step_too_many),
-        ("keeps every block and attends over their concatenation", keeps_every_block_then_concatenates),
-        ("all-gathers K/V and calls scaled_dot_product_attention (the forbidden route)", all_gather_then_sdpa),
+        ("the softmax merged without rescaling by exp(m_old - m_new)", _ring(
+            ("m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))",
+             "m_new = scores.amax(dim=-1, keepdim=True)"),
+            ("rescale = torch.exp(m - shift)", "rescale = torch.ones_like(m)"))),
+        ("the mask travels the ring the wrong way", _ring((
+            "                [dist.P2POp(dist.isend, t, right, group) for t in block]\n"
+            "                + [dist.P2POp(dist.irecv, t, left, group) for t in incoming])",
+            "                [dist.P2POp(dist.isend, t, right if i < 2 else left, group)\n"
+            "                 for i, t in enumerate(block)]\n"
+            "                + [dist.P2POp(dist.irecv, t, left if i < 2 else right, group)\n"
+            "                   for i, t in enumerate(incoming)])"))),
+        ("ignores the padding mask", _ring((
+            "        if key_padding_mask is not None:\n            scores.masked_fill_(",
+            "        if False:\n            scores.masked_fill_("))),
+        ("W steps instead of W - 1", _ring(
+            ("    for step in range(world_size):\n", "    for step in range(world_size + 1):\n"),
+            ("        if step < world_size - 1:  # pass", "        if step < world_size:  # pass"),
+            ("        if step < world_size - 1:\n            for w",
+             "        if step < world_size:\n            for w"))),
+        ("keeps every block and attends over their concatenation",
+         _ring(*_HOARD, (_RETURN, _CONCATENATED))),
+        ("all-gathers K/V and calls scaled_dot_product_attention (the forbidden route)",
+         all_gather_then_sdpa),
         ("sends its block straight to every rank", ring_by_direct_sends),
-        ("keeps every block it received (right values and traffic)", keeps_every_block_it_received),
+        ("keeps every block it received (right values and traffic)", _ring(*_HOARD)),
         ("divides by a running sum of 0 where a sequence is all padding (nan, not SDPA's 0)",
-         edited_solution(9, (
-             "    return o / torch.where(s == 0, torch.ones_like(s), s)\n", "    return o / s\n",
-         )).ring_attention),
+         _ring((_RETURN, "    return o / s\n"))),
     ],
     "9.4": [
         ("chunks along the wrong axis (columns)", chunks_along_the_wrong_axis),
