@@ -135,96 +135,12 @@ def ring_by_direct_sends(q, k, v, key_padding_mask=None, group=None):
 # --------------------------------------------------------------------------- task 9.4
 
 
-def _positive(chunk_size):
-    """The edge's check each 9.4 bug keeps, so that it has one defect."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
+def _chunked(*edits):
+    return edited_solution(9, *edits).chunked
 
 
-def _attend(module, z, chunk_size, *, axis=0, with_bias=True, softmax_dim=-1, transpose_bias=False,
-            whole_logits=False):
-    """The chunked triangle attention with one step replaceable, as a student writes it."""
-    _positive(chunk_size)
-    length = z.shape[0]
-    bias = module.bias(module.norm(z)).permute(2, 0, 1)  # (h, L_j, L_k)
-    if transpose_bias:
-        bias = bias.transpose(1, 2)
-    if not with_bias:
-        bias = torch.zeros_like(bias)
-    if axis == 1:  # blocks of columns: each block attends only among its own columns
-        blocks = []
-        for a in range(0, length, chunk_size):
-            part = z[:, a:a + chunk_size]
-            blocks.append(_block(module, part, bias[:, a:a + chunk_size, a:a + chunk_size],
-                                 softmax_dim))
-        return torch.cat(blocks, dim=1)
-    step = length if whole_logits else chunk_size
-    return torch.cat([_block(module, z[a:a + step], bias, softmax_dim)
-                      for a in range(0, length, step)])
-
-
-def _block(module, z_rows, bias, softmax_dim=-1):
-    rows, length, _ = z_rows.shape
-    h, c = module.heads, module.c
-    x = module.norm(z_rows)
-    q, k, v = module.qkv(x).view(rows, length, 3, h, c).permute(2, 0, 3, 1, 4)
-    logits = q @ k.transpose(-1, -2) / math.sqrt(c) + bias
-    o = logits.softmax(dim=softmax_dim) @ v
-    g = torch.sigmoid(module.gate(x)).view(rows, length, h, c).transpose(1, 2)
-    return module.out((g * o).transpose(1, 2).reshape(rows, length, h * c))
-
-
-def chunks_along_the_wrong_axis(module, z, chunk_size):
-    """Blocks of columns z[:, a:b] (with the matching block of the bias): attention then only
-    sees the edges inside each block."""
-    return _attend(module, z, chunk_size, axis=1)
-
-
-def bias_left_out(module, z, chunk_size):
-    """The triangle bias b_jk^h dropped: plain attention along each row."""
-    return _attend(module, z, chunk_size, with_bias=False)
-
-
-def bias_transposed(module, z, chunk_size):
-    """b_kj in place of b_jk: the bias indexed by (key, query)."""
-    return _attend(module, z, chunk_size, transpose_bias=True)
-
-
-def softmax_over_the_queries(module, z, chunk_size):
-    """The softmax over the queries j instead of the keys k."""
-    return _attend(module, z, chunk_size, softmax_dim=-2)
-
-
-def whole_logits_at_once(module, z, chunk_size):
-    """Right values, but every row's logits at once: heads·L³ values alive."""
-    return _attend(module, z, chunk_size, whole_logits=True)
-
-
-def one_row_too_many(module, z, chunk_size):
-    """Overlapping blocks of chunk_size + 1 rows, the extra row dropped afterwards."""
-    _positive(chunk_size)
-    bias = module.bias(module.norm(z)).permute(2, 0, 1)
-    return torch.cat([_block(module, z[a:a + chunk_size + 1], bias)[:chunk_size]
-                      for a in range(0, z.shape[0], chunk_size)])
-
-
-def broadcast_logits(module, z, chunk_size):
-    """The logits as a broadcast product summed over c: right values, a (rows, h, L, L, c)
-    tensor per block."""
-    _positive(chunk_size)
-    length = z.shape[0]
-    h, c = module.heads, module.c
-    bias = module.bias(module.norm(z)).permute(2, 0, 1)
-    blocks = []
-    for a in range(0, length, chunk_size):
-        x = module.norm(z[a:a + chunk_size])
-        rows = x.shape[0]
-        q, k, v = module.qkv(x).view(rows, length, 3, h, c).permute(2, 0, 3, 1, 4)
-        logits = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) / math.sqrt(c) + bias
-        o = logits.softmax(dim=-1) @ v
-        g = torch.sigmoid(module.gate(x)).view(rows, length, h, c).transpose(1, 2)
-        blocks.append(module.out((g * o).transpose(1, 2).reshape(rows, length, h * c)))
-    return torch.cat(blocks)
+_LOGITS = "logits = q @ k.transpose(-1, -2) / math.sqrt(c) + bias"
+_LOOP = "        out[a:a + chunk_size] = attend(z[a:a + chunk_size])\n"
 
 
 def calls_the_module(module, z, chunk_size):
@@ -355,19 +271,28 @@ BUGS = {
          _ring((_RETURN, "    return o / s\n"))),
     ],
     "9.4": [
-        ("chunks along the wrong axis (columns)", chunks_along_the_wrong_axis),
-        ("the triangle bias dropped", bias_left_out),
-        ("the bias transposed (b_kj for b_jk)", bias_transposed),
-        ("the softmax over the queries, not the keys", softmax_over_the_queries),
-        ("blocks of chunk_size + 1 rows", one_row_too_many),
-        ("every row's logits at once", whole_logits_at_once),
-        ("the logits as a broadcast product summed over c", broadcast_logits),
+        ("chunks along the wrong axis (columns)", _chunked(  # each block of columns alone
+            ("    def attend(z_rows):", "    def attend(z_rows, bias):"),
+            ("        rows = z_rows.shape[0]\n", "        rows, length = z_rows.shape[:2]\n"),
+            (_LOOP, "        s = slice(a, a + chunk_size)\n"
+                    "        out[:, s] = attend(z[:, s], bias[:, s, s])\n"))),
+        ("the triangle bias dropped", _chunked((_LOGITS, _LOGITS.replace(" + bias", "")))),
+        ("the bias transposed (b_kj for b_jk)",
+         _chunked((_LOGITS, _LOGITS.replace("+ bias", "+ bias.transpose(1, 2)")))),
+        ("the softmax over the queries, not the keys",
+         _chunked(("o = logits.softmax(dim=-1) @ v", "o = logits.softmax(dim=-2) @ v"))),
+        ("blocks of chunk_size + 1 rows", _chunked((
+            _LOOP, "        out[a:a + chunk_size] = attend(z[a:a + chunk_size + 1])[:chunk_size]\n"))),
+        ("every row's logits at once", _chunked((
+            "    for a in range(0, length, chunk_size):\n" + _LOOP,
+            "    out[:] = attend(z)  # every row at once\n"))),
+        ("the logits as a broadcast product summed over c", _chunked((_LOGITS, (
+            "logits = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) / math.sqrt(c) "
+            "+ bias")))),
         ("calls the module's own forward and pair_bias", calls_the_module),
         ("runs a load-time copy of the module's forward", _with_copied_forward()),
         ("chunk_size below 1: no ValueError",
-         edited_solution(9, (
-             "    if chunk_size < 1:\n        raise ValueError(",
-             "    if False:\n        raise ValueError(",
-         )).chunked),
+         _chunked(("    if chunk_size < 1:\n        raise ValueError(",
+                   "    if False:\n        raise ValueError("))),
     ],
 }
