@@ -17,148 +17,23 @@ from kit.lessons.graphs import HaloPlan, SampledSubgraph
 # --------------------------------------------------------------------------- task 11.1
 
 
-class _Sampler:
-    """A correct loop sampler; each bug overrides one step."""
-
-    def draws(self, deg, take, generator):
-        return sorted(torch.randperm(deg, generator=generator)[:take].tolist())
-
-    def graph(self, rowptr, col):
-        return rowptr, col
-
-    def expand(self, new, seen_here):
-        return new
-
-    def edge(self, u_local, v_local, u, v):
-        return u_local, v_local
-
-    def finish(self, n_id, rows, cols, nodes, edges):
-        return SampledSubgraph(torch.tensor(n_id, dtype=torch.long),
-                               torch.tensor([rows, cols], dtype=torch.long).view(2, -1), nodes, edges)
-
-    def __call__(self, rowptr, col, seeds, fanouts, generator):
-        rowptr, col = self.graph(rowptr, col)
-        local = {int(v): i for i, v in enumerate(seeds.tolist())}
-        n_id = [int(v) for v in seeds.tolist()]
-        frontier = list(n_id)
-        rows, cols, nodes, edges = [], [], [len(n_id)], []
-        for fanout in fanouts:
-            new, count = [], 0
-            for v in frontier:
-                start, deg = int(rowptr[v]), int(rowptr[v + 1] - rowptr[v])
-                for p in self.draws(deg, min(fanout, deg), generator):
-                    u = int(col[start + p])
-                    if u not in local:
-                        local[u] = len(n_id)
-                        n_id.append(u)
-                        new.append(u)
-                    a, b = self.edge(local[u], local[v], u, v)
-                    rows.append(a)
-                    cols.append(b)
-                    count += 1
-            nodes.append(len(new))
-            edges.append(count)
-            frontier = self.expand(new, frontier)
-        return self.finish(n_id, rows, cols, nodes, edges)
+def _sampler(*edits):
+    return edited_solution(11, *edits).sample_neighbors
 
 
-class WithReplacement(_Sampler):
-    def draws(self, deg, take, generator):
-        return sorted(torch.randint(0, deg, (take,), generator=generator).tolist()) if deg else []
+_UPPER = "            upper = deg - take + j\n"
+_DISTINCT = "            t = torch.where((picked == t[:, None]).any(1), upper, t)\n"
+_EDGES = "        rows.append(local[nbr])\n        cols.append(frontier[owner])\n"
 
 
-class OutNeighbours(_Sampler):
-    def graph(self, rowptr, col):  # the transposed CSR: v's list holds the nodes v points to
-        n = rowptr.numel() - 1
-        dst = torch.arange(n).repeat_interleave(rowptr[1:] - rowptr[:-1])
-        order = torch.argsort(col, stable=True)
-        out_ptr = torch.zeros(n + 1, dtype=torch.long)
-        out_ptr[1:] = torch.cumsum(torch.bincount(col, minlength=n), 0)
-        return out_ptr, dst[order]
-
-
-class GlobalIds(_Sampler):
-    def edge(self, u_local, v_local, u, v):
-        return u, v
-
-
-class RowsSwapped(_Sampler):
-    def edge(self, u_local, v_local, u, v):
-        return v_local, u_local
-
-
-class FirstNeighbours(_Sampler):
-    def draws(self, deg, take, generator):
-        return list(range(take))
-
-
-class RandomWindow(_Sampler):
-    """A random start, then the next neighbours: every neighbour is equally likely, every
-    subset is not."""
-
-    def draws(self, deg, take, generator):
-        if not deg:
-            return []
-        start = int(torch.randint(0, deg, (1,), generator=generator))
-        return sorted((start + i) % deg for i in range(take))
-
-
-class GlobalRng(_Sampler):
-    def draws(self, deg, take, generator):
-        return sorted(torch.randperm(deg)[:take].tolist())
-
-
-class ReExpands(_Sampler):
-    """Expands every node drawn at a hop, including ones seen before."""
-
-    def __call__(self, rowptr, col, seeds, fanouts, generator):
-        local = {int(v): i for i, v in enumerate(seeds.tolist())}
-        n_id = [int(v) for v in seeds.tolist()]
-        frontier = list(n_id)
-        rows, cols, nodes, edges = [], [], [len(n_id)], []
-        for fanout in fanouts:
-            drawn, count, new = [], 0, 0
-            for v in frontier:
-                start, deg = int(rowptr[v]), int(rowptr[v + 1] - rowptr[v])
-                for p in self.draws(deg, min(fanout, deg), generator):
-                    u = int(col[start + p])
-                    if u not in local:
-                        local[u] = len(n_id)
-                        n_id.append(u)
-                        new += 1
-                    if u not in drawn:
-                        drawn.append(u)
-                    rows.append(local[u])
-                    cols.append(local[v])
-                    count += 1
-            nodes.append(new)
-            edges.append(count)
-            frontier = drawn
-        return self.finish(n_id, rows, cols, nodes, edges)
-
-
-class NoSeedCount(_Sampler):
-    def finish(self, n_id, rows, cols, nodes, edges):
-        return super().finish(n_id, rows, cols, nodes[1:], edges)
-
-
-class SortedNodes(_Sampler):
-    """n_id with the seeds first, then the new nodes sorted by id (edges remapped to match)."""
-
-    def finish(self, n_id, rows, cols, nodes, edges):
-        b = nodes[0]
-        rest = sorted(n_id[b:])
-        new_local = {u: i for i, u in enumerate(n_id[:b] + rest)}
-        remap = [new_local[u] for u in n_id]
-        return super().finish(n_id[:b] + rest, [remap[r] for r in rows], [remap[c] for c in cols],
-                              nodes, edges)
-
-
-class DrawOrder(_Sampler):
-    """Each node's draws in the order drawn, not in col order."""
-
-    def draws(self, deg, take, generator):
-        return torch.randperm(deg, generator=generator)[:take].tolist()
+def _out_neighbours(rowptr, col, seeds, fanouts, generator):
+    """The solution on the transposed CSR: v's list holds the nodes v points to."""
+    n = rowptr.numel() - 1
+    dst = torch.arange(n).repeat_interleave(rowptr[1:] - rowptr[:-1])
+    out_ptr = torch.zeros(n + 1, dtype=torch.long)
+    out_ptr[1:] = torch.cumsum(torch.bincount(col, minlength=n), 0)
+    out_col = dst[torch.argsort(col, stable=True)]
+    return edited_solution(11).sample_neighbors(out_ptr, out_col, seeds, fanouts, generator)
 
 
 def pyg_neighbor_sampler(rowptr, col, seeds, fanouts, generator):
@@ -500,17 +375,34 @@ BUGS = {
             "    for fanout in fanouts:\n        if frontier.numel() == 0:\n"
             "            break\n        start = rowptr[n_id[frontier]]\n",
         )).sample_neighbors),
-        ("samples with replacement", WithReplacement()),
-        ("draws out-neighbours instead of in-neighbours", OutNeighbours()),
-        ("global ids in edge_index", GlobalIds()),
-        ("edge_index rows swapped: (node, neighbour)", RowsSwapped()),
-        ("takes the first min(fanout, degree) neighbours", FirstNeighbours()),
-        ("a random window of consecutive neighbours", RandomWindow()),
-        ("draws from torch's global RNG, not the generator", GlobalRng()),
-        ("expands nodes seen before again", ReExpands()),
-        ("num_sampled_nodes without the seeds' entry", NoSeedCount()),
-        ("new nodes sorted by id, not in draw order", SortedNodes()),
-        ("each node's draws in draw order, not col order", DrawOrder()),
+        ("samples with replacement", _sampler(
+            (_UPPER, "            upper = deg - 1  # every draw from all the neighbours\n"),
+            (_DISTINCT, ""))),
+        ("draws out-neighbours instead of in-neighbours", _out_neighbours),
+        ("global ids in edge_index", _sampler((
+            _EDGES, "        rows.append(nbr)\n        cols.append(n_id[frontier[owner]])\n"))),
+        ("edge_index rows swapped: (node, neighbour)", _sampler((
+            _EDGES, "        rows.append(frontier[owner])\n        cols.append(local[nbr])\n"))),
+        ("takes the first min(fanout, degree) neighbours", _sampler((
+            "picked[:, j] = torch.where(j < take, t, -1)",
+            "picked[:, j] = torch.where(j < take, j, -1)"))),
+        ("a random window of consecutive neighbours", _sampler(  # a random start, then the next
+            (_UPPER, "            upper = deg - 1\n"),
+            (_DISTINCT, "            t = t if j == 0 else (picked[:, 0] + j) % deg.clamp(min=1)\n"))),
+        ("draws from torch's global RNG, not the generator", _sampler((
+            "torch.rand(frontier.numel(), generator=generator, dtype=torch.float64)",
+            "torch.rand(frontier.numel(), dtype=torch.float64)"))),
+        ("expands nodes seen before again", _sampler((
+            "        frontier = local[new]\n",
+            "        frontier = local[torch.unique(nbr)]  # every node drawn, seen before or not\n"))),
+        ("num_sampled_nodes without the seeds' entry", _sampler((
+            "num_sampled_nodes, num_sampled_edges = [n_id.numel()], []",
+            "num_sampled_nodes, num_sampled_edges = [], []"))),
+        ("new nodes sorted by id, not in draw order", _sampler((
+            "        new = uniq[torch.argsort(first)]\n", "        new = uniq  # sorted by id\n"))),
+        ("each node's draws in draw order, not col order", _sampler((
+            "picked = picked.masked_fill(picked < 0, torch.iinfo(torch.long).max).sort(dim=1).values",
+            "picked = picked  # in draw order"))),
         ("uses PyG's NeighborSampler", pyg_neighbor_sampler),
     ],
     "11.2": [
