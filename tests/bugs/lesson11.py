@@ -52,59 +52,18 @@ def pyg_neighbor_sampler(rowptr, col, seeds, fanouts, generator):
 # --------------------------------------------------------------------------- task 11.2
 
 
-def _exchange(recv, world_size):
-    """Ask every rank for the ids in recv: counts, then ids (two all_to_all_single)."""
-    asking = torch.tensor([len(t) for t in recv])
-    asked = torch.empty_like(asking)
-    dist.all_to_all_single(asked, asking)
-    wanted = torch.empty(int(asked.sum()), dtype=torch.long)
-    flat = torch.cat(recv) if recv else torch.empty(0, dtype=torch.long)
-    dist.all_to_all_single(wanted, flat, output_split_sizes=asked.tolist(),
-                           input_split_sizes=asking.tolist())
-    return list(wanted.split(asked.tolist()))
+def _plan(*edits):
+    return edited_solution(11, *edits).halo_plan
 
 
-def _grouped(ids, part, world_size):
-    return [ids[part[ids] == s].sort().values for s in range(world_size)]
-
-
-def halo_of_boundary_nodes(part, edge_index, rank):
-    """The halo is the boundary nodes themselves, not their remote neighbours."""
-    world_size = dist.get_world_size()
-    src, dst = edge_index
-    boundary = torch.unique(dst[part[src] != rank])
-    recv = [boundary[part[boundary] == s] if s != rank else boundary[:0] for s in range(world_size)]
-    return HaloPlan(recv, _exchange(recv, world_size))
-
-
-def first_remote_neighbour_only(part, edge_index, rank):
-    """Keeps one remote neighbour per boundary node (the first edge into it)."""
-    world_size = dist.get_world_size()
-    src, dst = edge_index
-    remote = part[src] != rank
-    chosen = {}
-    for s, t in zip(src[remote].tolist(), dst[remote].tolist()):
-        chosen.setdefault(t, s)
-    ids = torch.tensor(sorted(set(chosen.values())), dtype=torch.long)
-    recv = _grouped(ids, part, world_size)
-    return HaloPlan(recv, _exchange(recv, world_size))
-
-
-def send_and_recv_swapped(part, edge_index, rank):
-    world_size = dist.get_world_size()
-    src = edge_index[0]
-    recv = _grouped(torch.unique(src[part[src] != rank]), part, world_size)
-    return HaloPlan(_exchange(recv, world_size), recv)
-
-
-def infers_send_from_own_edges(part, edge_index, rank):
-    """Asks nothing: assumes every edge has its reverse, so rank s needs the own targets of
-    edges from s (wrong on a directed graph, and no rank learns what the others need)."""
-    world_size = dist.get_world_size()
-    src, dst = edge_index
-    recv = _grouped(torch.unique(src[part[src] != rank]), part, world_size)
-    send = [torch.unique(dst[part[src] == s]) if s != rank else dst[:0] for s in range(world_size)]
-    return HaloPlan(recv, send)
+_REMOTE = "    remote = torch.unique(src[part[src] != rank])  # sorted and distinct\n"
+_PLAN = ("    return HaloPlan(list(remote.split(asking.tolist())), "
+         "list(wanted.split(asked.tolist())))\n")
+_ASKED = ("    asked = torch.empty_like(asking)\n"
+          "    dist.all_to_all_single(asked, asking)  # ids each rank wants from me\n"
+          "    wanted = torch.empty(int(asked.sum()), dtype=torch.long)\n"
+          "    dist.all_to_all_single(wanted, remote, output_split_sizes=asked.tolist(),\n"
+          "                           input_split_sizes=asking.tolist())\n")
 
 
 def gathers_every_rank_edges(part, edge_index, rank):
@@ -140,19 +99,6 @@ def sends_edges_through_all_to_all(part, edge_index, rank):
 
     return HaloPlan([needs(rank, s) for s in range(world_size)],
                     [needs(s, rank) for s in range(world_size)])
-
-
-def ids_in_edge_order(part, edge_index, rank):
-    """Distinct remote sources in the order the edges list them, not sorted."""
-    world_size = dist.get_world_size()
-    src = edge_index[0]
-    seen = []
-    for u in src[part[src] != rank].tolist():
-        if u not in seen:
-            seen.append(u)
-    ids = torch.tensor(seen, dtype=torch.long)
-    recv = [ids[part[ids] == s] for s in range(world_size)]
-    return HaloPlan(recv, _exchange(recv, world_size))
 
 
 # --------------------------------------------------------------------------- task 11.3
@@ -406,12 +352,26 @@ BUGS = {
         ("uses PyG's NeighborSampler", pyg_neighbor_sampler),
     ],
     "11.2": [
-        ("the halo holds the boundary nodes, not their remote neighbours", halo_of_boundary_nodes),
-        ("only the first remote neighbour of each boundary node", first_remote_neighbour_only),
-        ("send and recv swapped", send_and_recv_swapped),
-        ("infers send from its own edges, asks nothing", infers_send_from_own_edges),
+        ("the halo holds the boundary nodes, not their remote neighbours", _plan((
+            _REMOTE, "    remote = torch.unique(edge_index[1][part[src] != rank])  # boundary\n"))),
+        ("only the first remote neighbour of each boundary node", _plan((
+            "    src = edge_index[0]\n",
+            "    first = {}\n"
+            "    for s, t in edge_index[:, part[edge_index[0]] != rank].t().tolist():\n"
+            "        first.setdefault(t, s)  # one remote neighbour per boundary node\n"
+            "    src = torch.tensor(sorted(set(first.values())), dtype=torch.long)\n"))),
+        ("send and recv swapped", _plan((_PLAN, (
+            "    return HaloPlan(list(wanted.split(asked.tolist())), "
+            "list(remote.split(asking.tolist())))\n")))),
+        ("infers send from its own edges, asks nothing", _plan((_ASKED + _PLAN, (
+            "    dst = edge_index[1]  # asks nothing: every edge taken to have its reverse\n"
+            "    send = [torch.unique(dst[part[src] == s]) if s != rank else dst[:0]\n"
+            "            for s in range(world_size)]\n"
+            "    return HaloPlan(list(remote.split(asking.tolist())), send)\n")))),
         ("all_gather_object of every rank's edges", gathers_every_rank_edges),
-        ("ids in edge order, not sorted", ids_in_edge_order),
+        ("ids in edge order, not sorted", _plan((_REMOTE, (
+            "    remote = torch.tensor(list(dict.fromkeys(src[part[src] != rank].tolist())),\n"
+            "                          dtype=torch.long)  # distinct, in edge order\n")))),
         ("every rank's edges sent to every rank through all_to_all_single",
          sends_edges_through_all_to_all),
     ],
