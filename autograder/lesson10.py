@@ -516,7 +516,19 @@ def _compare_split(got: Any, expected: dict[str, Any]) -> None:
 # What a split that differs from DeepChem's shows, read from its sizes: a train (or valid) set
 # smaller than DeepChem's took small sets first; a larger one put a set past its cutoff; equal
 # sizes with other indices hand equal-sized sets out in another order (the case's own hint).
-LARGEST_FIRST, CUTOFF, SET_ORDER = "not the largest sets first", "the cutoffs", "the order of the sets"
+LARGEST_FIRST, CUTOFF, SET_ORDER = ("not the largest sets first", "the cutoffs",
+                                   "the order of the sets")
+
+# What a split that breaks the cumulative cutoffs, or the largest-first order, is told.
+_CUTOFF_FEEDBACK = (
+    "The cutoffs are cumulative: a set joins train while train stays within "
+    "frac_train of all molecules, else valid while train and valid together stay "
+    "within frac_train + frac_valid, else test.",
+    "For each set in order: train if train and the set together stay within "
+    "frac_train times the number of molecules; else valid if train, valid and the "
+    "set together stay within frac_train + frac_valid times it; else test.", CUTOFF)
+_LARGEST_FIRST_RECIPE = ("Order the scaffold sets by size, largest first (ties by first index, "
+                         "descending), before handing them out.", LARGEST_FIRST)
 
 
 def _diagnose_split(have: list[list[int]], want: list[list[int]]) -> tuple[str, str, str, str]:
@@ -525,30 +537,18 @@ def _diagnose_split(have: list[list[int]], want: list[list[int]]) -> tuple[str, 
         return ("; train is smaller, so it did not take the largest scaffold sets first",
                 "Train takes the biggest scaffold sets first, so it fills its share with few, "
                 "large sets and leaves the rare scaffolds to valid and test.",
-                "Order the scaffold sets by size, largest first (ties by first index, "
-                "descending), before handing them out.", LARGEST_FIRST)
+                *_LARGEST_FIRST_RECIPE)
     if sizes != expected and sizes[0] > expected[0]:
         return ("; train is larger, so a set went past its cutoff",
-                "The cutoffs are cumulative: a set joins train while train stays within "
-                "frac_train of all molecules, else valid while train and valid together stay "
-                "within frac_train + frac_valid, else test.",
-                "For each set in order: train if train and the set together stay within "
-                "frac_train times the number of molecules; else valid if train, valid and the "
-                "set together stay within frac_train + frac_valid times it; else test.", CUTOFF)
+                *_CUTOFF_FEEDBACK)
     if sizes != expected and sizes[1] < expected[1]:
         return ("; valid is smaller, so the sets did not come largest first",
                 "Train takes the biggest scaffold sets first, then valid the next ones, and test "
                 "what is left: the rare scaffolds.",
-                "Order the scaffold sets by size, largest first (ties by first index, "
-                "descending), before handing them out.", LARGEST_FIRST)
+                *_LARGEST_FIRST_RECIPE)
     if sizes != expected:
         return ("; valid is larger, so a set went past its cutoff",
-                "The cutoffs are cumulative: a set joins train while train stays within "
-                "frac_train of all molecules, else valid while train and valid together stay "
-                "within frac_train + frac_valid, else test.",
-                "For each set in order: train if train and the set together stay within "
-                "frac_train times the number of molecules; else valid if train, valid and the "
-                "set together stay within frac_train + frac_valid times it; else test.", CUTOFF)
+                *_CUTOFF_FEEDBACK)
     return "", "", "", SET_ORDER
 
 

@@ -56,18 +56,22 @@ def per_rank_top_fraction(local_scores, local_labels, local_ids):
     return out
 
 
-def _rdkit_ef(scores, labels, fraction=0.01):
+def _rdkit_ranked(scores, labels):
+    """RDKit's Scoring module and the (score, label) rows it ranks, best score first."""
     from rdkit.ML.Scoring import Scoring
 
     order = torch.sort(scores, descending=True, stable=True).indices
-    return Scoring.CalcEnrichment([[0, int(labels[i])] for i in order], 1, [fraction])[0]
+    return Scoring, [[0, int(labels[i])] for i in order]
+
+
+def _rdkit_ef(scores, labels, fraction=0.01):
+    scoring, ranked = _rdkit_ranked(scores, labels)
+    return scoring.CalcEnrichment(ranked, 1, [fraction])[0]
 
 
 def _rdkit_bedroc(scores, labels, alpha=20.0):
-    from rdkit.ML.Scoring import Scoring
-
-    order = torch.sort(scores, descending=True, stable=True).indices
-    return Scoring.CalcBEDROC([[0, int(labels[i])] for i in order], 1, alpha)
+    scoring, ranked = _rdkit_ranked(scores, labels)
+    return scoring.CalcBEDROC(ranked, 1, alpha)
 
 
 BUGS = {

@@ -66,19 +66,23 @@ _ASKED = ("    asked = torch.empty_like(asking)\n"
           "                           input_split_sizes=asking.tolist())\n")
 
 
-def gathers_every_rank_edges(part, edge_index, rank):
-    """all_gather_object of every rank's edges, then the plan read off the whole graph."""
-    world_size = dist.get_world_size()
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, edge_index)
-    full = torch.cat(everyone, 1)
-
+def _read_off(full, part, rank, world_size):
+    """The plan read off the whole graph's edges ``full``: what each rank needs from each."""
     def needs(r, s):
         into = (part[full[1]] == r) & (part[full[0]] == s)
         return torch.unique(full[0][into]) if r != s else full[0][:0]
 
     return HaloPlan([needs(rank, s) for s in range(world_size)],
                     [needs(s, rank) for s in range(world_size)])
+
+
+def gathers_every_rank_edges(part, edge_index, rank):
+    """all_gather_object of every rank's edges, then the plan read off the whole graph."""
+    world_size = dist.get_world_size()
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, edge_index)
+    full = torch.cat(everyone, 1)
+    return _read_off(full, part, rank, world_size)
 
 
 def sends_edges_through_all_to_all(part, edge_index, rank):
@@ -92,13 +96,7 @@ def sends_edges_through_all_to_all(part, edge_index, rank):
     dist.all_to_all_single(everyone, edge_index.reshape(-1).repeat(world_size), theirs.tolist(),
                            counts.tolist())
     full = torch.cat([block.view(2, -1) for block in everyone.split(theirs.tolist())], 1)
-
-    def needs(r, s):
-        into = (part[full[1]] == r) & (part[full[0]] == s)
-        return torch.unique(full[0][into]) if r != s else full[0][:0]
-
-    return HaloPlan([needs(rank, s) for s in range(world_size)],
-                    [needs(s, rank) for s in range(world_size)])
+    return _read_off(full, part, rank, world_size)
 
 
 # --------------------------------------------------------------------------- task 11.3
@@ -353,7 +351,8 @@ BUGS = {
     ],
     "11.2": [
         ("the halo holds the boundary nodes, not their remote neighbours", _plan((
-            _REMOTE, "    remote = torch.unique(edge_index[1][part[src] != rank])  # boundary\n"))),
+            _REMOTE, "    remote = torch.unique(edge_index[1][part[src] != rank])  # boundary\n"
+                     "    remote = remote[part[remote] != rank]  # asked of their owners: none\n"))),
         ("only the first remote neighbour of each boundary node", _plan((
             "    src = edge_index[0]\n",
             "    first = {}\n"
