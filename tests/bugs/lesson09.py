@@ -34,9 +34,11 @@ mask_special_tokens = _masking((_SELECT, _SELECT.replace(" & ~special", "")))
 # --------------------------------------------------------------------------- task 9.2
 
 _SORTED = "    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):\n"
-_SHUFFLE = ("    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed + "
+_SHUFFLE = ("    order = torch.randperm(len(batches), "
+            "generator=torch.Generator().manual_seed(seed + "
             "epoch)).tolist()\n")
-_PAD = "    order = (order * math.ceil(total / len(order)))[:total]  # pad with the start of the order\n"
+_PAD = ("    order = (order * math.ceil(total / len(order)))[:total]  # pad with the start of "
+        "the order\n")
 _BUILT = "    if current:\n        batches.append(current)\n"
 
 
@@ -99,7 +101,8 @@ _CONCATENATED = (  # attends over every block kept, put back in sequence order
 def all_gather_then_sdpa(q, k, v, key_padding_mask=None, group=None):
     """Wraps what the task re-implements: gathers K, V and the mask and calls torch's SDPA."""
     world_size = dist.get_world_size(group)
-    ks, vs = [torch.empty_like(k) for _ in range(world_size)], [torch.empty_like(v) for _ in range(world_size)]
+    ks = [torch.empty_like(k) for _ in range(world_size)]
+    vs = [torch.empty_like(v) for _ in range(world_size)]
     dist.all_gather(ks, k.contiguous(), group=group)
     dist.all_gather(vs, v.contiguous(), group=group)
     attn_mask = None
@@ -107,7 +110,8 @@ def all_gather_then_sdpa(q, k, v, key_padding_mask=None, group=None):
         masks = [torch.empty_like(key_padding_mask) for _ in range(world_size)]
         dist.all_gather(masks, key_padding_mask.contiguous(), group=group)
         attn_mask = ~torch.cat(masks, dim=1)[:, None, None, :]
-    return F.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=attn_mask)
+    return F.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2),
+                                          attn_mask=attn_mask)
 
 
 def ring_by_direct_sends(q, k, v, key_padding_mask=None, group=None):
@@ -197,20 +201,25 @@ BUGS = {
             "    selected = selected.expand(tokens.shape) & ~special\n")))),
         ("labels only where <mask> went (not at the random or unchanged 20%)", _masking((
             _LABELS,
-            "labels = torch.where(inputs == alphabet.mask_idx, tokens, torch.full_like(tokens, -100))"
+            "labels = torch.where(inputs == alphabet.mask_idx, tokens, torch.full_like(tokens, "
+            "-100))"
         ))),
         ("forces one target in every sequence that has a residue (even at mask_prob = 0)",
          edited_solution(9, (
-             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n",
-             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n"
+             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & "
+             "~special\n",
+             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & "
+             "~special\n"
              "    draw = torch.rand(tokens.shape, generator=generator) * ~special\n"
              "    lonely = ~selected.any(1) & (~special).any(1)  # residues, but no target\n"
              "    selected[lonely, draw[lonely].argmax(1)] = True\n",
          )).mask_tokens),
         ("forces one target in every sequence, a special token where it has no residue",
          edited_solution(9, (
-             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n",
-             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special\n"
+             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & "
+             "~special\n",
+             "    selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & "
+             "~special\n"
              "    if mask_prob > 0:  # every sequence gets at least one target\n"
              "        lonely = ~selected.any(1)\n"
              "        draw = torch.rand(tokens.shape, generator=generator) * ~special\n"
@@ -226,7 +235,8 @@ BUGS = {
         ("batches built per rank before dealing: ranks get different counts", _batching(
             (_SORTED, "    order = torch.randperm(len(lengths), generator=torch.Generator()"
                       ".manual_seed(seed + epoch)).tolist()\n"
-                      "    for i in sorted(order[rank::world_size], key=lambda i: (lengths[i], i)):\n"),
+                      "    for i in sorted(order[rank::world_size], key=lambda i: (lengths[i], "
+                      "i)):\n"),
             ("    return [batches[b] for b in order[rank::world_size]]",
              "    return batches  # each rank batched its own share"))),
         ("no padding: the last ranks get one batch fewer", _batching((_PAD, ""))),
@@ -282,7 +292,8 @@ BUGS = {
         ("the softmax over the queries, not the keys",
          _chunked(("o = logits.softmax(dim=-1) @ v", "o = logits.softmax(dim=-2) @ v"))),
         ("blocks of chunk_size + 1 rows", _chunked((
-            _LOOP, "        out[a:a + chunk_size] = attend(z[a:a + chunk_size + 1])[:chunk_size]\n"))),
+            _LOOP, "        out[a:a + chunk_size] = attend(z[a:a + chunk_size + "
+                   "1])[:chunk_size]\n"))),
         ("every row's logits at once", _chunked((
             "    for a in range(0, length, chunk_size):\n" + _LOOP,
             "    out[:] = attend(z)  # every row at once\n"))),

@@ -136,7 +136,8 @@ class _Conv(nn.Module):
         """(features, inverse sqrt degrees) of the halo rows, in plan.recv order."""
         send_rows = torch.searchsorted(own, torch.cat(plan.send))
         payload = torch.cat([h[send_rows], dinv[send_rows, None]], dim=1)
-        received = _Exchange.apply(payload, [len(t) for t in plan.recv], [len(t) for t in plan.send])
+        received = _Exchange.apply(payload, [len(t) for t in plan.recv],
+                                   [len(t) for t in plan.send])
         return received[:, :-1], received[:, -1].detach()
 
     def transform_first(self, x):
@@ -149,7 +150,8 @@ class _Conv(nn.Module):
         rows_src = torch.cat([src_row, loops])
         rows_dst = torch.cat([dst_row, torch.arange(n_own)[:loops.numel()]])
         norm = norm_src[rows_src] * dinv[rows_dst]
-        return table.new_zeros(n_own, table.shape[1]).index_add(0, rows_dst, table[rows_src] * norm[:, None])
+        return table.new_zeros(n_own, table.shape[1]).index_add(0, rows_dst,
+                                                                table[rows_src] * norm[:, None])
 
     def add_bias(self, out):
         return out + self.bias
@@ -238,7 +240,8 @@ class GlobalTable(_Conv):
         srcs = torch.cat([src, own_ids])
         rows_dst = torch.cat([dst_row, torch.arange(n_own)])
         norm = full_norm[srcs] * dinv[rows_dst]
-        return table.new_zeros(n_own, table.shape[1]).index_add(0, rows_dst, full[srcs] * norm[:, None])
+        return table.new_zeros(n_own, table.shape[1]).index_add(0, rows_dst,
+                                                                full[srcs] * norm[:, None])
 
 
 class DetachedHalo(_Conv):
@@ -262,7 +265,8 @@ class EveryRowToEveryRank(_Conv):
         counts = torch.tensor([own.numel()] * world_size)
         theirs = torch.empty_like(counts)
         dist.all_to_all_single(theirs, counts)
-        payload = torch.cat([torch.cat([h, dinv[:, None], own[:, None].to(h.dtype)], 1)] * world_size)
+        row = torch.cat([h, dinv[:, None], own[:, None].to(h.dtype)], 1)
+        payload = torch.cat([row] * world_size)
         rows = _Exchange.apply(payload, theirs.tolist(), counts.tolist())
         gids = rows[:, -1].detach().long()
         where = torch.argsort(gids)[torch.searchsorted(gids.sort().values, torch.cat(plan.recv))]
@@ -332,27 +336,31 @@ BUGS = {
             "picked[:, j] = torch.where(j < take, j, -1)"))),
         ("a random window of consecutive neighbours", _sampler(  # a random start, then the next
             (_UPPER, "            upper = deg - 1\n"),
-            (_DISTINCT, "            t = t if j == 0 else (picked[:, 0] + j) % deg.clamp(min=1)\n"))),
+            (_DISTINCT, "            t = t if j == 0 else (picked[:, 0] + j) % "
+                        "deg.clamp(min=1)\n"))),
         ("draws from torch's global RNG, not the generator", _sampler((
             "torch.rand(frontier.numel(), generator=generator, dtype=torch.float64)",
             "torch.rand(frontier.numel(), dtype=torch.float64)"))),
         ("expands nodes seen before again", _sampler((
             "        frontier = local[new]\n",
-            "        frontier = local[torch.unique(nbr)]  # every node drawn, seen before or not\n"))),
+            "        frontier = local[torch.unique(nbr)]  # every node drawn, seen before or "
+            "not\n"))),
         ("num_sampled_nodes without the seeds' entry", _sampler((
             "num_sampled_nodes, num_sampled_edges = [n_id.numel()], []",
             "num_sampled_nodes, num_sampled_edges = [], []"))),
         ("new nodes sorted by id, not in draw order", _sampler((
             "        new = uniq[torch.argsort(first)]\n", "        new = uniq  # sorted by id\n"))),
         ("each node's draws in draw order, not col order", _sampler((
-            "picked = picked.masked_fill(picked < 0, torch.iinfo(torch.long).max).sort(dim=1).values",
+            "picked = picked.masked_fill(picked < 0, "
+            "torch.iinfo(torch.long).max).sort(dim=1).values",
             "picked = picked  # in draw order"))),
         ("uses PyG's NeighborSampler", pyg_neighbor_sampler),
     ],
     "11.2": [
         ("the halo holds the boundary nodes, not their remote neighbours", _plan((
             _REMOTE, "    remote = torch.unique(edge_index[1][part[src] != rank])  # boundary\n"
-                     "    remote = remote[part[remote] != rank]  # asked of their owners: none\n"))),
+                     "    remote = remote[part[remote] != rank]  # asked of their owners: "
+                     "none\n"))),
         ("only the first remote neighbour of each boundary node", _plan((
             "    src = edge_index[0]\n",
             "    first = {}\n"
