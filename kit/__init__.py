@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["launch", "check", "progress", "LaunchError", "LaunchTimeout", "LaunchResult", "load_ipython_extension"]
+__all__ = ["launch", "check", "progress", "LaunchError", "LaunchTimeout", "LaunchResult",
+           "load_ipython_extension"]
 
 
 def __getattr__(name: str) -> Any:

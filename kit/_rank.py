@@ -166,7 +166,8 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
             message = RankMessage(EXIT, repr(code), time.perf_counter() - started)
     except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))  # skip ours
-        message = RankMessage(ERROR, (type(e).__qualname__, str(e), tb), time.perf_counter() - started)
+        message = RankMessage(ERROR, (type(e).__qualname__, str(e), tb),
+                              time.perf_counter() - started)
     sys.stdout.flush()
     sys.stderr.flush()
     # CLOCK_MONOTONIC is system-wide: the parent orders failures by when they happened.

@@ -14,16 +14,19 @@ from __future__ import annotations
 import importlib
 import sys
 
-# name -> (module, function, one-line help). The function takes argv (list[str]) and returns an exit code.
+# name -> (module, function, one-line help). The function takes argv (list[str]) and returns an exit
+# code.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "lab": ("kit.lab", "main", "open the course in JupyterLab"),
     # The doctor's table includes the grader's isolation row, so it starts from autograder.
     "doctor": ("autograder.grade.doctor", "main", "check this machine can run the course"),
-    "build": ("autograder.build", "main_build", "build lessons/ from solutions/ (--check: fail if stale)"),
+    "build": ("autograder.build", "main_build",
+              "build lessons/ from solutions/ (--check: fail if stale)"),
     "course": ("autograder.build", "main_course", "write a ready nbgrader course directory"),
     "run": ("kit.runner", "main", "execute a lesson notebook headless"),
     "grade": ("autograder.grade.notebook", "main", "grade notebooks or submission folders"),
-    "progress": ("autograder.progress", "main", "where you stand in every lesson, and what to do next"),
+    "progress": ("autograder.progress", "main",
+                 "where you stand in every lesson, and what to do next"),
 }
 
 

@@ -45,7 +45,8 @@ def check_torch() -> Finding:
     try:
         import torch
     except ImportError:
-        return Finding("PyTorch", FAIL, "not installed", "run `make lab` (it installs torch==2.13.0 first)")
+        return Finding("PyTorch", FAIL, "not installed",
+                       "run `make lab` (it installs torch==2.13.0 first)")
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
     return Finding("PyTorch", OK, f"{torch.__version__} ({build})")
 
@@ -55,7 +56,8 @@ def check_backends() -> list[Finding]:
     import torch.distributed as dist
 
     if not dist.is_available():
-        return [Finding("torch.distributed", FAIL, "not compiled in", "install an official torch wheel")]
+        return [Finding("torch.distributed", FAIL, "not compiled in",
+                        "install an official torch wheel")]
     gloo = Finding("gloo backend", OK if dist.is_gloo_available() else FAIL,
                    "available" if dist.is_gloo_available() else "missing",
                    "" if dist.is_gloo_available() else "install an official torch wheel")
@@ -77,7 +79,8 @@ def check_fork() -> Finding:
     method = default_start_method("gloo")
     if method == "fork":
         return Finding("start method", OK, "fork (fast launches)")
-    return Finding("start method", WARN, f"{method} (each launch re-imports torch: seconds, not ms)",
+    return Finding("start method", WARN,
+                   f"{method} (each launch re-imports torch: seconds, not ms)",
                    "expected on macOS/Windows or after CUDA init; launches still work")
 
 
@@ -98,7 +101,8 @@ def check_loopback() -> Finding:
 def check_shm() -> Finding:
     if not os.path.isdir("/dev/shm"):
         if sys.platform.startswith("linux"):
-            return Finding("/dev/shm", WARN, "missing", "DataLoader workers need shared memory: mount /dev/shm")
+            return Finding("/dev/shm", WARN, "missing",
+                           "DataLoader workers need shared memory: mount /dev/shm")
         return Finding("/dev/shm", OK, "not used on this platform")
     free = shutil.disk_usage("/dev/shm").free / 2**20
     if free < 256:
@@ -113,11 +117,13 @@ def check_cores(world_size: int) -> Finding:
         return Finding("CPU cores", WARN, f"{cores} core for {world_size} ranks",
                        "lessons still run, slower; close other programs")
     return Finding("CPU cores", OK, f"{cores} cores for {world_size} ranks"
-                   + (" (ranks share cores: fine for learning, not for timing)" if cores < world_size else ""))
+                   + (" (ranks share cores: fine for learning, not for timing)"
+                      if cores < world_size else ""))
 
 
 def check_widgets() -> Finding:
-    lab, widgets, labw = _version("jupyterlab"), _version("ipywidgets"), _version("jupyterlab_widgets")
+    lab, widgets = _version("jupyterlab"), _version("ipywidgets")
+    labw = _version("jupyterlab_widgets")
     if not lab:
         return Finding("JupyterLab + widgets", FAIL, "jupyterlab not installed", "run `make lab`")
     problems = []
@@ -149,7 +155,8 @@ def check_launch(world_size: int) -> Finding:
         got = run_ranks(_smoke, (world_size,), world_size=world_size, timeout=60, echo=False)
     except (LaunchError, ValueError, RuntimeError) as e:
         first = str(e).splitlines()[0]
-        return Finding("launch + all_reduce", FAIL, first, "see the message above; `kit doctor` rows show the cause")
+        return Finding("launch + all_reduce", FAIL, first,
+                       "see the message above; `kit doctor` rows show the cause")
     if list(got) != [float(world_size)] * world_size:
         return Finding("launch + all_reduce", FAIL, f"wrong all_reduce result {list(got)}",
                        "reinstall torch; report this machine")
@@ -168,7 +175,8 @@ def check_mpi() -> Finding:
         except (OSError, IndexError, subprocess.SubprocessError):
             first = mpirun
         return Finding("MPI (optional)", OK, f"{first}, mpi4py {mpi4py}")
-    missing = " and ".join(name for name, found in (("mpirun", mpirun), ("mpi4py", mpi4py)) if not found)
+    missing = " and ".join(name for name, found in (("mpirun", mpirun), ("mpi4py", mpi4py))
+                           if not found)
     return Finding("MPI (optional)", WARN, f"{missing} not found: Lesson 01's MPI cells will skip",
                    "apt-get install openmpi-bin libopenmpi-dev (macOS: brew install open-mpi), "
                    "then pip install -e '.[mpi]'")
@@ -193,10 +201,11 @@ def check_pyg_lib() -> Finding:
         import pyg_lib
     except (ImportError, OSError) as e:  # a wheel built for another torch fails to load
         return Finding("pyg-lib (optional)", WARN, f"installed but does not load: {e}",
-                       f"reinstall pyg-lib for this torch: pip install --force-reinstall pyg-lib -f {index}")
+                       "reinstall pyg-lib for this torch: pip install --force-reinstall pyg-lib "
+                       f"-f {index}")
     return Finding("pyg-lib (optional)", OK,
-                   f"{getattr(pyg_lib, '__version__', 'installed')}: NeighborLoader samples in C++; "
-                   "Lesson 11's neighbor_loader is NeighborLoader and its tests compare your "
+                   f"{getattr(pyg_lib, '__version__', 'installed')}: NeighborLoader samples in "
+                   "C++; Lesson 11's neighbor_loader is NeighborLoader and its tests compare your "
                    "sampler with it")
 
 
@@ -206,7 +215,8 @@ def run_checks(world_size: int = 4, extra: Sequence[Callable[[], Finding]] = ())
     if findings[-1].status == FAIL:
         return findings
     findings += check_backends()
-    findings += [check_fork(), check_loopback(), check_shm(), check_cores(world_size), check_widgets()]
+    findings += [check_fork(), check_loopback(), check_shm(), check_cores(world_size),
+                 check_widgets()]
     extras = [check() for check in extra]
     # a failing extra row (grading as root without a sandbox) does not stop ranks from launching
     launchable = not any(f.status == FAIL for f in findings)
@@ -235,5 +245,6 @@ def main(argv: list[str] | None = None, *, extra: Sequence[Callable[[], Finding]
     print(format_table(findings))
     blocking = [f for f in findings if f.status == FAIL]
     print()
-    print(f"{len(blocking)} blocking problem(s)." if blocking else "Ready: this machine can run the course.")
+    print(f"{len(blocking)} blocking problem(s)." if blocking
+          else "Ready: this machine can run the course.")
     return 1 if blocking else 0

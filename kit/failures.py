@@ -83,12 +83,13 @@ def failure_message(failures: list[RankFailure], world_size: int, returned: list
         if f.details:
             lines.append(_indent(f.details.rstrip()))
     if echoes:
-        lines += ["", f"{hang.name_ranks([f.rank for f in echoes])} then failed because a peer was gone "
-                  f"(a consequence, not a cause): {_first_line(echoes[0].summary)}"]
+        lines += ["", f"{hang.name_ranks([f.rank for f in echoes])} then failed because a peer was "
+                  f"gone (a consequence, not a cause): {_first_line(echoes[0].summary)}"]
     if returned:
         lines += ["", f"{hang.name_ranks(returned)} had returned normally."]
     if stopped:
-        lines += ["", f"{hang.name_ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped "
+        lines += ["",
+                  f"{hang.name_ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped "
                   "by the launcher."]
     return "\n".join(lines).rstrip()
 

@@ -20,7 +20,8 @@ from kit.recorder import PUBLIC_OPS
 
 # The torch.distributed entry points a rank can block in, by the name of their Python frame:
 # every operation the recorder knows (one list, kit.recorder), and the group set-up calls.
-COLLECTIVES = PUBLIC_OPS | {"init_process_group", "new_group", "new_subgroups", "_store_based_barrier"}
+COLLECTIVES = PUBLIC_OPS | {"init_process_group", "new_group", "new_subgroups",
+                            "_store_based_barrier"}
 
 _THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME_RE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')

@@ -34,7 +34,8 @@ REQUIRED_EXTENSIONS = {
 }
 
 
-# nbgrader's lab plugins a student's Lab leaves out (validate-assignment stays: the Validate button).
+# nbgrader's lab plugins a student's Lab leaves out (validate-assignment stays: the Validate
+# button).
 INSTRUCTOR_PLUGINS = (
     "@jupyter/nbgrader:create-assignment", "@jupyter/nbgrader:formgrader",
     "@jupyter/nbgrader:course-list", "@jupyter/nbgrader:assignment-list", "@jupyter/nbgrader:menu",
@@ -147,7 +148,8 @@ def session_config_dir(instructor: bool = False) -> Path:
     the quiet-log server config. Rewritten at every start, so it never goes stale."""
     from jupyter_core.paths import jupyter_runtime_dir
 
-    folder = Path(jupyter_runtime_dir()) / ("kit-lab-instructor" if instructor else "kit-lab-student")
+    folder = Path(jupyter_runtime_dir()) / ("kit-lab-instructor" if instructor
+                                            else "kit-lab-student")
     (folder / "labconfig").mkdir(parents=True, exist_ok=True)
     disabled = {} if instructor else dict.fromkeys(INSTRUCTOR_PLUGINS, True)
     (folder / "labconfig" / "page_config.json").write_text(
@@ -156,12 +158,13 @@ def session_config_dir(instructor: bool = False) -> Path:
     return folder
 
 
-def lab_environment(env: dict[str, str] | None = None, *, instructor: bool = False) -> dict[str, str]:
+def lab_environment(env: dict[str, str] | None = None, *,
+                    instructor: bool = False) -> dict[str, str]:
     """``env`` (default: this process's) with the session's config folder first on
     ``JUPYTER_CONFIG_PATH``, below the user's own ``JUPYTER_CONFIG_DIR``, which still wins."""
     env = dict(os.environ if env is None else env)
-    paths = [str(session_config_dir(instructor))] + [p for p in env.get("JUPYTER_CONFIG_PATH", "").split(
-        os.pathsep) if p]
+    paths = [str(session_config_dir(instructor))] + [
+        p for p in env.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep) if p]
     env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(paths)
     return env
 

@@ -3,9 +3,9 @@
 Every lesson uses it. Each rank is a process with the environment ``torchrun`` sets and an
 initialised default process group, so code written for ``torchrun`` runs unchanged. The kernel
 opens the rendezvous port (the OS picks it) and hands it to rank 0's ``TCPStore``, starts the
-ranks (fork where safe, spawn with cloudpickle otherwise), shows their output live, stops every rank as soon as one
-fails, and explains hangs at the timeout. Nothing of the kernel (environment, signal handlers)
-is changed, and no process outlives the call.
+ranks (fork where safe, spawn with cloudpickle otherwise), shows their output live, stops every rank
+as soon as one fails, and explains hangs at the timeout. Nothing of the kernel (environment, signal
+handlers) is changed, and no process outlives the call.
 """
 
 from __future__ import annotations
@@ -136,8 +136,9 @@ def _validate(fn: Any, args: tuple, kwargs: dict, world_size: Any, backend: Any,
     import torch.distributed as dist
 
     if not callable(fn):
-        raise TypeError(f"kit.launch needs a function to run on every rank, got {type(fn).__name__} "
-                        f"{fn!r}. Pass the function itself: kit.launch(train, world_size=4).")
+        raise TypeError("kit.launch needs a function to run on every rank, got "
+                        f"{type(fn).__name__} {fn!r}. Pass the function itself: kit.launch(train, "
+                        "world_size=4).")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}.")
     if not isinstance(timeout, (int, float)) or not timeout > 0 or math.isinf(timeout):
@@ -169,9 +170,9 @@ def _validate(fn: Any, args: tuple, kwargs: dict, world_size: Any, backend: Any,
                          "CUDA once the kernel has touched it. Leave start_method unset (NCCL "
                          "ranks are spawned) or pass start_method='spawn'.")
     if start_method == "fork" and torch.cuda.is_initialized():
-        raise RuntimeError("CUDA is already initialised in this kernel, and forked ranks cannot use "
-                           "it. Use start_method='spawn', or restart the kernel and launch before "
-                           "touching CUDA.")
+        raise RuntimeError("CUDA is already initialised in this kernel, and forked ranks cannot "
+                           "use it. Use start_method='spawn', or restart the kernel and launch "
+                           "before touching CUDA.")
     if start_method != "fork":
         _check_picklable(fn, args, kwargs)
     return start_method
@@ -340,19 +341,24 @@ def run_ranks(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = No
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.monotonic() - started
     outputs = [output.text(r) for r in range(world_size)]
-    returned = {r.rank: r.message.seconds for r in ranks if r.message and r.message.kind == _rank.OK}
+    returned = {r.rank: r.message.seconds for r in ranks if r.message
+                and r.message.kind == _rank.OK}
     if stacks is not None:
         hung_for = None if stacks.get("timeout", True) else wall
         stacks = {k: v for k, v in stacks.items() if k != "timeout"}
-        raise LaunchTimeout(timeout_message(stacks, returned, timeout, world_size, deadlock=hung_for),
+        raise LaunchTimeout(timeout_message(stacks, returned, timeout, world_size,
+                                            deadlock=hung_for),
                             {k: v.raw for k, v in stacks.items()}, outputs)
     if failures:
         for f in failures:  # a signal or a bare exit: the rank's last stderr lines say most
             if not f.details and f.exception_type is None:
-                f.details = crash_reports.get(f.rank) or "\n".join(output.stderr_tails[f.rank][-15:])
+                f.details = (crash_reports.get(f.rank)
+                             or "\n".join(output.stderr_tails[f.rank][-15:]))
         failed = {f.rank for f in failures}
-        stopped = [r.rank for r in ranks if r.killed and r.rank not in failed and r.rank not in returned]
-        raise LaunchError(failure_message(failures, world_size, [r for r in returned if r not in failed],
+        stopped = [r.rank for r in ranks if r.killed and r.rank not in failed
+                   and r.rank not in returned]
+        raise LaunchError(failure_message(failures, world_size,
+                                          [r for r in returned if r not in failed],
                                           stopped), failures, outputs)
     values = [cloudpickle.loads(r.message.body) for r in ranks]
     durations = [float(r.message.seconds) for r in ranks]
@@ -427,7 +433,8 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
                 r.exitcode = r.process.exitcode
                 _receive(r, sel)
             # A rank that reported an error counts at once: it may block on its way out.
-            if not r.noted and (r.exitcode is not None or (r.message and r.message.kind != _rank.OK)):
+            if not r.noted and (r.exitcode is not None
+                                or (r.message and r.message.kind != _rank.OK)):
                 r.noted = True
                 failure = None if r.killed else _describe_exit(r)
                 if failure is not None:
@@ -474,7 +481,8 @@ def _receive(r: _Rank, sel: selectors.BaseSelector) -> None:
 
 
 def _working(ranks: list[_Rank]) -> list[_Rank]:
-    return [r for r in ranks if r.exitcode is None and not (r.message and r.message.kind == _rank.OK)]
+    return [r for r in ranks if r.exitcode is None
+            and not (r.message and r.message.kind == _rank.OK)]
 
 
 def _dump_stacks(waiting: list[_Rank]) -> dict[int, hang.RankStack]:

@@ -72,7 +72,8 @@ class DistributedMagics(Magics):
     @argument("-n", "--nproc", type=int, default=4, help="number of ranks (default 4)")
     @argument("--timeout", type=float, default=60.0, help="seconds before a hang is reported")
     @argument("--backend", default="gloo", help="gloo (CPU) or nccl (one GPU per rank)")
-    @argument("--start-method", default=None, choices=["fork", "spawn"], help="default: fork where safe")
+    @argument("--start-method", default=None, choices=["fork", "spawn"],
+              help="default: fork where safe")
     @argument("--out", default=None, help="store the LaunchResult in this variable")
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
@@ -81,7 +82,8 @@ class DistributedMagics(Magics):
         try:
             ast.parse(cell)
         except SyntaxError as e:
-            raise SyntaxError(f"%%distributed runs plain Python (no %magics or !shell lines): {e.msg}",
+            raise SyntaxError("%%distributed runs plain Python (no %magics or !shell lines): "
+                              f"{e.msg}",
                               (e.filename, e.lineno, e.offset, e.text)) from None
         filename = register_source(cell)
         user_ns = self.shell.user_ns

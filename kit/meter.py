@@ -79,7 +79,8 @@ class Usage:
         self._next_window: Callable[[], Any] | None = None  # set while the block runs
 
     def mark(self, name: str) -> None:
-        """Record ``marks[name]`` (bytes alive now) and ``peaks[name]`` (peak since the last mark)."""
+        """Record ``marks[name]`` (bytes alive now) and ``peaks[name]`` (peak since the last
+        mark)."""
         if self._next_window is None:
             raise RuntimeError(f"usage.mark({name!r}) was called outside its `with meter.track()` "
                                "block: take marks while the block runs")
@@ -124,8 +125,8 @@ def track() -> Iterator[Usage]:
         RuntimeError: a profiler is already running in this thread (tracks do not nest).
     """
     if _profiler_enabled():
-        raise RuntimeError("meter.track() cannot start: a torch profiler is already running in this "
-                           "thread (a meter.track() inside another one, or inside "
+        raise RuntimeError("meter.track() cannot start: a torch profiler is already running in "
+                           "this thread (a meter.track() inside another one, or inside "
                            "torch.profiler.profile). Tracks do not nest: split one track into "
                            "parts with usage.mark(name) instead.")
     usage = Usage()
@@ -140,7 +141,8 @@ def track() -> Iterator[Usage]:
 
 
 def _start_window() -> None:
-    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False,
+                            _ExperimentalConfig())
     _prepare_profiler(config, _ACTIVITIES)
     _enable_profiler(config, _ACTIVITIES, _SCOPES)
 
@@ -160,7 +162,8 @@ def _switch_window() -> Any:
 
 
 def _memory_events(result: Any) -> list[tuple[int, int]]:
-    """``(address, +bytes | -bytes)`` of every CPU allocation and free in a result, in time order."""
+    """``(address, +bytes | -bytes)`` of every CPU allocation and free in a result, in time
+    order."""
     events = []
     pending = list(result.experimental_event_tree())
     while pending:  # allocations nest under user annotations (record_function) when there are any
@@ -174,7 +177,8 @@ def _memory_events(result: Any) -> list[tuple[int, int]]:
 
 
 def _quiet(spool: BinaryIO, call: Callable[[], Any]) -> Any:
-    """``call()`` with fd 2 sent to ``spool``; afterwards what others wrote there goes back to fd 2."""
+    """``call()`` with fd 2 sent to ``spool``; afterwards what others wrote there goes back to fd
+    2."""
     saved = os.dup(2)
     os.dup2(spool.fileno(), 2)
     try:
@@ -217,7 +221,8 @@ def _c10_log_level() -> ctypes.c_int | None:
     for name in ("libc10.so", "libc10.dylib", "c10.dll"):
         if (lib_dir / name).exists():
             try:
-                return ctypes.c_int.in_dll(ctypes.CDLL(str(lib_dir / name)), "FLAGS_caffe2_log_level")
+                return ctypes.c_int.in_dll(ctypes.CDLL(str(lib_dir / name)),
+                                           "FLAGS_caffe2_log_level")
             except (OSError, ValueError):
                 return None
     return None
@@ -249,5 +254,6 @@ def count_flops() -> Iterator[Flops]:
         with mode:
             yield flops
     finally:
-        flops.by_op = {str(op): int(n) for op, n in mode.get_flop_counts().get("Global", {}).items()}
+        flops.by_op = {str(op): int(n) for op,
+                       n in mode.get_flop_counts().get("Global", {}).items()}
         flops.total = int(mode.get_total_flops())

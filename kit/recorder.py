@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["COLLECTIVE_OPS", "NAME", "P2P_OPS", "PUBLIC_OPS", "RecordingProcessGroup", "Record", "install",
+__all__ = ["COLLECTIVE_OPS", "NAME", "P2P_OPS", "PUBLIC_OPS", "RecordingProcessGroup", "Record",
+           "install",
            "installed", "observers"]
 
 NAME = "kitgloo"  # the registered backend name; code asking for the backend still sees "gloo"
@@ -344,7 +345,8 @@ def install() -> None:
             return
         _register()
         helper = c10d._new_process_group_helper
-        signature = _HELPER_SIGNATURE if helper.__code__ is _HELPER_CODE else inspect.signature(helper)
+        signature = (_HELPER_SIGNATURE if helper.__code__ is _HELPER_CODE
+                     else inspect.signature(helper))
 
         def new_process_group(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)

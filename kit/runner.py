@@ -149,7 +149,8 @@ def run_notebook(path: str | Path, *, timeout: float = 300, progress: Any = None
         if bar:
             bar.close()
     ran = sum(1 for i in code_cells if i + 1 in cell_seconds)
-    return RunResult(path, time.perf_counter() - start, ran, len(code_cells), failure, cell_seconds, nb)
+    return RunResult(path, time.perf_counter() - start, ran, len(code_cells), failure, cell_seconds,
+                     nb)
 
 
 def _failure(cell: NotebookNode, index: int, e: Exception, timeout: float) -> CellFailure:
@@ -171,7 +172,8 @@ def _failure(cell: NotebookNode, index: int, e: Exception, timeout: float) -> Ce
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kit run", description="Execute a lesson notebook headless.")
+    parser = argparse.ArgumentParser(prog="kit run",
+                                     description="Execute a lesson notebook headless.")
     parser.add_argument("notebook", help="a lesson .ipynb, or a solutions/NN_slug.py source")
     parser.add_argument("-o", "--output", help="also write the executed notebook here")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per cell (default 300)")
@@ -182,7 +184,8 @@ def main(argv: list[str]) -> int:
         print(f"kit run: --output would overwrite {path}; choose another file", file=sys.stderr)
         return 2
     try:
-        result = run_notebook(path, timeout=args.timeout, progress=None if args.quiet else sys.stderr)
+        result = run_notebook(path, timeout=args.timeout, progress=None if args.quiet
+                              else sys.stderr)
     except NotebookError as e:
         print(f"kit run: {e}", file=sys.stderr)
         return 2
@@ -192,8 +195,8 @@ def main(argv: list[str]) -> int:
         nbformat.write(result.notebook, args.output)
     if result.failure:
         print(f"kit run: {path}: {result.failure}", file=sys.stderr)
-        print(f"kit run: {path}: FAILED at cell {result.failure.index} after {result.seconds:.1f} s "
-              f"({result.cells_run} of {result.cells_total} code cells ran)", file=sys.stderr)
+        print(f"kit run: {path}: FAILED at cell {result.failure.index} after {result.seconds:.1f} "
+              f"s ({result.cells_run} of {result.cells_total} code cells ran)", file=sys.stderr)
         return 1
     print(f"kit run: {path}: all {result.cells_total} code cells ran in {result.seconds:.1f} s")
     return 0

@@ -37,7 +37,8 @@ from typing import Any, TextIO
 import psutil
 
 __all__ = ["TorchrunError", "TorchrunResult", "TorchrunTimeout", "free_port",
-           "elastic_run", "init_process_group_per_attempt", "torchrun", "torchrun_command", "torchrun_nodes", "write_script"]
+           "elastic_run", "init_process_group_per_attempt", "torchrun", "torchrun_command",
+           "torchrun_nodes", "write_script"]
 
 _SUMMARY_RE = re.compile(r"ChildFailedError:?\s*\n(=+\n.*?\n=+)", re.S)
 
@@ -119,7 +120,8 @@ def _source_of(obj: Any) -> str:
             if isinstance(node, ast.ClassDef) and node.name == obj.__name__:
                 first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
                 return "".join(text.splitlines(keepends=True)[first - 1:node.end_lineno])
-    raise OSError(f"write_script: cannot find the source of class {obj.__name__}; pass it as a string")
+    raise OSError(f"write_script: cannot find the source of class {obj.__name__}; pass it as a "
+                  "string")
 
 
 def init_process_group_per_attempt(backend: str = "gloo") -> None:
@@ -167,8 +169,8 @@ def torchrun_command(script: str | os.PathLike[str], *args: Any, nproc_per_node:
         cmd.append("--standalone")
     else:
         if rdzv_endpoint is None:
-            raise ValueError(f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT' where the agents meet "
-                             "(use torchrun_nodes to run several nodes on this machine)")
+            raise ValueError(f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT' where the agents "
+                             "meet (use torchrun_nodes to run several nodes on this machine)")
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}"]
         if node_rank is not None:
@@ -287,7 +289,8 @@ def _run(commands: list[list[str]], labels: list[str], env: Mapping[str, str] | 
 
 
 def _failure_summary(output: str) -> str:
-    """The ChildFailedError block torchrun prints (``==== script FAILED ... Root Cause ... ====``)."""
+    """The ChildFailedError block torchrun prints (``==== script FAILED ... Root Cause ...
+    ====``)."""
     # Agents of several nodes each print one; labels ("[node 1] ") are stripped to match.
     plain = re.sub(r"^\[node \d+\] ", "", output, flags=re.M)
     blocks = _SUMMARY_RE.findall(plain)
@@ -445,10 +448,12 @@ def _agent(fn: Any, args: tuple, nproc_per_node: int, max_restarts: int, log_dir
     # torch's own formatter imports torch._dynamo (about 1.8 s) the first time it formats an
     # exception, which the agent logs for every failed worker: a plain formatter of the same
     # layout keeps a restart as quick as torchrun's second one.
-    plain = logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(pathname)s:%(lineno)d] %(message)s")
+    plain = logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(pathname)s:%(lineno)d] "
+                              "%(message)s")
     for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
         for handler in getattr(logger, "handlers", []):
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            if (isinstance(handler, logging.StreamHandler)
+                    and not isinstance(handler, logging.FileHandler)):
                 handler.setStream(sys.stderr)
                 if type(handler.formatter).__module__.startswith("torch._logging"):
                     handler.setFormatter(plain)
@@ -461,7 +466,8 @@ def _agent(fn: Any, args: tuple, nproc_per_node: int, max_restarts: int, log_dir
         with contextlib.suppress(ValueError):
             threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()), role="default",
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=str(uuid.uuid4()),
+        role="default",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"rank": 0},
         max_restarts=max_restarts, monitor_interval=0.1, start_method="fork",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL))

@@ -2,7 +2,8 @@
 
 Lesson 01 uses it to show collectives happen and the checks use it to grade communication
 patterns; Lessons 04, 05, 08 and 10 draw its timeline (DDP's bucketed all-reduces overlapping the
-backward pass, torch DDP's own Reducer among them; FSDP's all-gathers; pipeline stages). Inside a rank::
+backward pass, torch DDP's own Reducer among them; FSDP's all-gathers; pipeline stages). Inside a
+rank::
 
     with trace() as t:            # every operation in the block is recorded
         dist.all_reduce(x)
@@ -357,7 +358,8 @@ def plot_timeline(events: list[list[Event]] | list[Event], ax: Any = None, *, ti
                 hatch="//" if e.kind == "region" else None)
     if arrows:
         for s, r in match_messages(events if isinstance(events[0], list) else [flat]):  # type: ignore[index]
-            ax.annotate("", xy=((r.end - t0) * scale, r.rank), xytext=((s.start - t0) * scale, s.rank),
+            ax.annotate("", xy=((r.end - t0) * scale, r.rank),
+                        xytext=((s.start - t0) * scale, s.rank),
                         arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.6, "alpha": 0.6})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)

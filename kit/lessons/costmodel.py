@@ -23,7 +23,8 @@ __all__ = [
 # Bus bandwidth = algorithm bandwidth * factor(p): the factor turns "bytes of the buffer per
 # second" into "bytes each link carried per second", so that every op on a given network reports
 # the same number, the link speed (nccl-tests' PERFORMANCE.md). A ring all-reduce sends each byte
-# of the buffer 2(p-1)/p times over each rank's link: (p-1)/p in reduce-scatter, again in all-gather.
+# of the buffer 2(p-1)/p times over each rank's link: (p-1)/p in reduce-scatter, again in
+# all-gather.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda p: 2 * (p - 1) / p,
     "all_gather": lambda p: (p - 1) / p,

@@ -37,7 +37,8 @@ class SlowDataset(Dataset):
 
     def __init__(self, n: int, delay_s: float = 0.01, *, busy: bool = False, features: int = 8):
         if n < 0 or delay_s < 0:
-            raise ValueError(f"SlowDataset needs n >= 0 and delay_s >= 0, got n={n}, delay_s={delay_s}.")
+            raise ValueError(f"SlowDataset needs n >= 0 and delay_s >= 0, got n={n}, "
+                             f"delay_s={delay_s}.")
         self.n, self.delay_s, self.busy, self.features = n, delay_s, busy, features
 
     def __len__(self) -> int:

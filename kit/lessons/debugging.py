@@ -43,7 +43,8 @@ def _recorder(name: str, calls: list[tuple[str, tuple[int, ...]]]) -> Callable[.
     return record
 
 
-def _run_recorded(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[str, tuple[int, ...]]]:
+def _run_recorded(fn: Callable[..., Any], args: tuple,
+                  kwargs: dict) -> list[tuple[str, tuple[int, ...]]]:
     calls: list[tuple[str, tuple[int, ...]]] = []
     saved = {name: getattr(dist, name) for name in RECORDED}
     try:
@@ -56,7 +57,8 @@ def _run_recorded(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tup
     return calls
 
 
-def record_collectives(fn: Callable[..., Any], *args: Any, world_size: int = 4, timeout: float = 30.0,
+def record_collectives(fn: Callable[..., Any], *args: Any, world_size: int = 4,
+                       timeout: float = 30.0,
                        **kwargs: Any) -> dict[int, list[tuple[str, tuple[int, ...]]]]:
     """``{rank: [(collective, shape), ...]}``: the collectives ``fn`` calls on each of
     ``world_size`` ranks, in call order, recorded instead of run.
@@ -65,5 +67,6 @@ def record_collectives(fn: Callable[..., Any], *args: Any, world_size: int = 4, 
     Because nothing is communicated, results of collectives are not computed: code whose
     control flow depends on them may take a different path than in a real run.
     """
-    result = run_ranks(_run_recorded, (fn, args, kwargs), {}, world_size=world_size, timeout=timeout)
+    result = run_ranks(_run_recorded, (fn, args, kwargs), {}, world_size=world_size,
+                       timeout=timeout)
     return {rank: [(op, tuple(shape)) for op, shape in calls] for rank, calls in enumerate(result)}

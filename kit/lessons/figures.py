@@ -96,7 +96,8 @@ def sequence_parallel_mlp(t: int = 2) -> Any:
     _box(ax, 8.9, lanes[-1] - 0.35, 0.6, span, "ḡ", _G, fontsize=12)
     for r, y in enumerate(lanes):
         color = _RANKS[r % len(_RANKS)]
-        ax.text(0.0, y + 0.36, f"rank {r}: tokens {r}·s/t..{r + 1}·s/t", fontsize=6.5, color="dimgray")
+        ax.text(0.0, y + 0.36, f"rank {r}: tokens {r}·s/t..{r + 1}·s/t", fontsize=6.5,
+                color="dimgray")
         _box(ax, 0.0, y - 0.25, 1.9, 0.5, "LayerNorm\n(b, s/t, h)", color)
         _box(ax, 3.3, y - 0.25, 1.5, 0.5, f"X A$_{r}$ (b, s, 4h/t)", color)
         _box(ax, 5.1, y - 0.25, 0.8, 0.5, "GELU", color)
@@ -123,7 +124,8 @@ def sequence_parallel_mlp(t: int = 2) -> Any:
 
 def piece_overlaps(saved: list[tuple[int, int]], loaded: list[tuple[int, int]]
                    ) -> list[tuple[int, int, int, int]]:
-    """Every (loading rank, saved piece, start, stop) whose rows overlap; pieces are (offset, size)."""
+    """Every (loading rank, saved piece, start, stop) whose rows overlap; pieces are (offset,
+    size)."""
     out = []
     for r, (lo, n) in enumerate(loaded):
         for p, (so, sn) in enumerate(saved):
@@ -146,7 +148,8 @@ def dcp_flow(saved: list[tuple[int, int]], loaded: list[tuple[int, int]], rows: 
     flow.axis("off")
     w = len(saved)
     steps = [("every rank:\nlocal plan\n(what I hold)", "white"),
-             ("rank 0: global plan\ngathers the plans, keeps one\ncopy of replicated items,\nsends each rank its own", _F),
+             ("rank 0: global plan\ngathers the plans, keeps one\ncopy of replicated items,\nsends "
+              "each rank its own", _F),
              ("every rank:\nwrites its pieces\n__{rank}_0.distcp", "white"),
              ("rank 0: writes\n.metadata last\n(piece → file, bytes)", _G)]
     for i, (text, color) in enumerate(steps):
@@ -165,7 +168,8 @@ def dcp_flow(saved: list[tuple[int, int]], loaded: list[tuple[int, int]], rows: 
     flow.text(0.0, 1.15, f"load on {len(loaded)} ranks", fontsize=9, weight="bold")
 
     for p, (so, sn) in enumerate(saved):
-        rows_ax.add_patch(Rectangle((so, 1.1), sn, 0.8, fc=_RANKS[p % len(_RANKS)], ec="black", lw=0.6))
+        rows_ax.add_patch(Rectangle((so, 1.1), sn, 0.8, fc=_RANKS[p % len(_RANKS)], ec="black",
+                                    lw=0.6))
         rows_ax.text(so + sn / 2, 1.5, f"__{p}_0.distcp", ha="center", va="center", fontsize=7)
     overlaps = piece_overlaps(saved, loaded)
     for r, p, a, b in overlaps:
@@ -187,8 +191,10 @@ def dcp_flow(saved: list[tuple[int, int]], loaded: list[tuple[int, int]], rows: 
 
 
 def ring_blocks(world_size: int) -> list[list[int]]:
-    """``held[step][rank]``: the K/V block a rank computes with at each step when blocks move right."""
-    return [[(rank - step) % world_size for rank in range(world_size)] for step in range(world_size)]
+    """``held[step][rank]``: the K/V block a rank computes with at each step when blocks move
+    right."""
+    return [[(rank - step) % world_size for rank in range(world_size)]
+            for step in range(world_size)]
 
 
 def ring_rotation(world_size: int = 4) -> Any:
@@ -201,19 +207,24 @@ def ring_rotation(world_size: int = 4) -> Any:
     for step, held in enumerate(ring_blocks(w)):
         for rank, block in enumerate(held):
             y = w - 1 - rank
-            ring.add_patch(Rectangle((step + 0.1, y + 0.15), 0.8, 0.7, fc=_RANKS[block % len(_RANKS)],
+            ring.add_patch(Rectangle((step + 0.1, y + 0.15), 0.8, 0.7,
+                                     fc=_RANKS[block % len(_RANKS)],
                                      ec="black", lw=0.6))
-            ring.text(step + 0.5, y + 0.5, f"K$_{block}$V$_{block}$", ha="center", va="center", fontsize=8)
+            ring.text(step + 0.5, y + 0.5, f"K$_{block}$V$_{block}$", ha="center", va="center",
+                      fontsize=8)
             if step < w - 1:
                 dst = (rank + 1) % w
                 if dst:  # to the right neighbour, one row down
-                    _arrow(ring, (step + 0.9, y + 0.5), (step + 1.1, w - 1 - dst + 0.5), color="gray")
+                    _arrow(ring, (step + 0.9, y + 0.5), (step + 1.1, w - 1 - dst + 0.5),
+                           color="gray")
                 else:  # the last rank wraps around to rank 0
                     ring.annotate("", xy=(step + 1.1, w - 0.5), xytext=(step + 0.9, 0.5),
-                                  arrowprops=dict(arrowstyle="-|>", color="tab:red", lw=0.7, ls="--",
+                                  arrowprops=dict(arrowstyle="-|>", color="tab:red", lw=0.7,
+                                                  ls="--",
                                                   connectionstyle="arc3,rad=-0.25"))
     ring.set(xlim=(0, w), ylim=(0, w), xticks=[s + 0.5 for s in range(w)],
-             xticklabels=[f"step {s}" for s in range(w)], yticks=[w - 1 - r + 0.5 for r in range(w)],
+             xticklabels=[f"step {s}" for s in range(w)],
+             yticks=[w - 1 - r + 0.5 for r in range(w)],
              yticklabels=[f"rank {r}: Q$_{r}$" for r in range(w)],
              title=f"ring: {w - 1} sends to the right; one K/V block in use per rank")
     ring.tick_params(length=0)
@@ -221,7 +232,8 @@ def ring_rotation(world_size: int = 4) -> Any:
     for rank in range(w):
         y = w - 1 - rank
         for block in range(w):
-            gather.add_patch(Rectangle((block * 0.4, y + 0.15), 0.36, 0.7, fc=_RANKS[block % len(_RANKS)],
+            gather.add_patch(Rectangle((block * 0.4, y + 0.15), 0.36, 0.7,
+                                       fc=_RANKS[block % len(_RANKS)],
                                        ec="black", lw=0.5))
     gather.set(xlim=(0, 0.4 * w), ylim=(0, w), xticks=[], yticks=[],
                title="all-gather: every block\non every rank at once")
@@ -273,7 +285,8 @@ def triangle_geometry(length: int = 8, i: int = 1, j: int = 5, k: int = 3) -> An
     grid.add_patch(Rectangle((k, n - 1 - j), 1, 1, fill=False, ec="black", lw=1.2, ls="--"))
     grid.set(xlim=(0, n), ylim=(0, n), aspect="equal", xticks=[c + 0.5 for c in range(n)],
              xticklabels=[str(c) for c in range(n)], yticks=[n - 1 - r + 0.5 for r in range(n)],
-             yticklabels=[str(r) for r in range(n)], xlabel="second residue", ylabel="first residue",
+             yticklabels=[str(r) for r in range(n)], xlabel="second residue",
+             ylabel="first residue",
              title=f"the pair matrix: output row i = {i} needs row i of z,\n"
                    f"the bias from all of z (row j = {j}; k = {k} dashed)")
     grid.tick_params(length=0, labelsize=7)

@@ -122,7 +122,8 @@ def _symmetric_simple(edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
     return torch.stack([key % num_nodes, key // num_nodes])
 
 
-def metis_partition(edge_index: torch.Tensor, num_nodes: int, parts: int, seed: int = 0) -> torch.Tensor:
+def metis_partition(edge_index: torch.Tensor, num_nodes: int, parts: int,
+                    seed: int = 0) -> torch.Tensor:
     """(num_nodes,) the owning part of each node, from METIS (``pymetis.part_graph``) run on
     the graph made undirected. Deterministic for a given seed."""
     if parts == 1:
@@ -173,7 +174,8 @@ def _peptide_graph(k: int, kmer: int) -> Any:
     table = torch.full((128,), -1, dtype=torch.long)  # ASCII -> amino-acid code, -1 elsewhere
     table[torch.tensor([ord(a) for a in CANONICAL])] = torch.arange(len(CANONICAL))
     codes = table[torch.tensor(list("".join(sequences).encode()), dtype=torch.long)]
-    owner = torch.arange(len(sequences)).repeat_interleave(torch.tensor([len(s) for s in sequences]))
+    lengths = torch.tensor([len(s) for s in sequences])
+    owner = torch.arange(len(sequences)).repeat_interleave(lengths)
     # k-mer j of position i: codes i .. i + kmer - 1 read as base-20 digits, within one peptide
     span = codes.numel() - kmer + 1
     index, valid = torch.zeros(span, dtype=torch.long), owner[:span] == owner[kmer - 1:]
@@ -235,7 +237,8 @@ def power_law_graph(num_nodes: int = 100_000, avg_degree: float = 10.0, *, expon
     ends = cum[torch.cumsum(torch.bincount(y, minlength=classes), 0) - 1]
     starts = torch.cat([torch.zeros(1, dtype=torch.float64), ends[:-1]])
     c = y[src[same]]
-    u = starts[c] + torch.rand(int(same.sum()), generator=g, dtype=torch.float64) * (ends[c] - starts[c])
+    u = starts[c] + (torch.rand(int(same.sum()), generator=g, dtype=torch.float64)
+                     * (ends[c] - starts[c]))
     dst[same] = order[torch.searchsorted(cum, u).clamp_max(num_nodes - 1)]
     edge_index = _symmetric_simple(torch.stack([src, dst]), num_nodes)
     means = torch.randn(classes, features, generator=g)
@@ -278,7 +281,8 @@ def ogbn_products(root: str | Path) -> Any:
     try:
         from ogb.nodeproppred import PygNodePropPredDataset
     except ModuleNotFoundError as e:
-        raise ModuleNotFoundError("ogbn-products loads through OGB's own loader: pip install ogb") from e
+        raise ModuleNotFoundError("ogbn-products loads through OGB's own loader: "
+                                  "pip install ogb") from e
     return PygNodePropPredDataset("ogbn-products", root=str(root))[0]
 
 

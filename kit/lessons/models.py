@@ -109,7 +109,8 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln(h))  # (B, T, vocab)
 
 
-def token_batch(batch: int, length: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(batch: int, length: int, vocab: int,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-token targets, both ``(batch, length)`` int64, from a seeded generator."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch, length + 1), generator=g)

@@ -62,7 +62,8 @@ def freesolv() -> tuple[list[str], torch.Tensor]:
 
 @functools.cache
 def egfr_actives() -> tuple:
-    """The 365 EGFR ligands of DUD as RDKit molecules with their 3-D coordinates (hydrogens removed)."""
+    """The 365 EGFR ligands of DUD as RDKit molecules with their 3-D coordinates (hydrogens
+    removed)."""
     from rdkit import Chem
 
     path = _data_file("rdkit", "Contrib", "PBF", "testData", "egfr.sdf")
@@ -84,7 +85,8 @@ def decoy_pool() -> tuple[str, ...]:
 
 
 def angle_triplets(edge_index: torch.Tensor) -> torch.Tensor:
-    """(3, T) atom triplets (i, j, k), i != k, with bonds i-j and j-k: every bond angle, both ways."""
+    """(3, T) atom triplets (i, j, k), i != k, with bonds i-j and j-k: every bond angle, both
+    ways."""
     src, dst = edge_index  # (E,), (E,)
     # Pair every edge i->j with every edge j->k: edges whose source is the first one's target.
     first, second = torch.nonzero(dst[:, None] == src[None, :], as_tuple=True)
@@ -147,7 +149,8 @@ class MessagePassingNet(nn.Module):
         super().__init__()
         self.encoder = AtomBondEncoder(dim)
         self.mlps = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim)) for _ in range(layers))
+            nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+            for _ in range(layers))
         self.head = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, 1))
 
     def forward(self, batch) -> torch.Tensor:
@@ -157,7 +160,8 @@ class MessagePassingNet(nn.Module):
         for mlp in self.mlps:
             messages = torch.relu(h[src] + e)  # (E, dim), from source j to target i
             h = h + mlp(h + torch.zeros_like(h).index_add_(0, dst, messages))
-        pooled = torch.zeros(batch.num_graphs, h.shape[1], device=h.device).index_add_(0, batch.batch, h)
+        pooled = torch.zeros(batch.num_graphs, h.shape[1],
+                             device=h.device).index_add_(0, batch.batch, h)
         counts = torch.bincount(batch.batch, minlength=batch.num_graphs).clamp(min=1)
         return self.head(pooled / counts[:, None]).squeeze(-1)  # (B,) one value per graph
 

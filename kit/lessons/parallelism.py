@@ -34,7 +34,8 @@ Op = tuple  # ("F", i) or ("B", i): micro-batch i's forward or backward on one s
 
 @dataclass
 class ScheduleRun:
-    """What :func:`simulate_schedule` found: ``steps[stage]`` is ``[(op, i, chunk, start, end)]``."""
+    """What :func:`simulate_schedule` found: ``steps[stage]`` is ``[(op, i, chunk, start,
+    end)]``."""
 
     steps: list[list[tuple[str, int, int, float, float]]]
     makespan: float
@@ -158,7 +159,8 @@ def plot_pipeline_run(events: list[list[Any]], ax: Any = None, *, title: str = "
         ax.text(1e3 * (e.start + e.end - 2 * t0) / 2, e.rank, name[1], ha="center", va="center",
                 color="white", fontsize=7)
     for send, recv in match_messages(events):
-        ax.annotate("", xy=(1e3 * (recv.end - t0), recv.rank), xytext=(1e3 * (send.start - t0), send.rank),
+        ax.annotate("", xy=(1e3 * (recv.end - t0), recv.rank),
+                    xytext=(1e3 * (send.start - t0), send.rank),
                     arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.5, "alpha": 0.4})
     ranks = sorted({e.rank for e in flat})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
@@ -252,7 +254,8 @@ def layout_costs(model: Model, world_size: int, dp: int, tp: int, pp: int,
         "dp": costmodel.BUS_FACTOR["all_reduce"](dp) * bytes_per_value * model.params / (tp * pp),
         # per layer and micro-batch: all-gather + reduce-scatter forward and backward, twice
         # (attention and MLP): the volume of 4 all-reduces
-        "tp": 4 * layers * m * costmodel.BUS_FACTOR["all_reduce"](tp) * act_values * bytes_per_value,
+        "tp": (4 * layers * m * costmodel.BUS_FACTOR["all_reduce"](tp) * act_values
+               * bytes_per_value),
         # each micro-batch's activation forward and its gradient backward, at one boundary
         "pp": (2 * m * act_values * bytes_per_value) if pp > 1 else 0.0,
     }
@@ -305,8 +308,9 @@ def _html_table(rows: list[LayoutCost], memory_limit_gb: float) -> str:
         body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells)
                     + "</tr>")
     legend = (f"<div style='font-size:0.9em;margin-top:2px'><span style='color:#999'>grey rows"
-              f"</span>: do not fit in {memory_limit_gb:g} GB per GPU (weights, gradients, optimizer "
-              "state and activations); sorted by communication time, fastest first.</div>")
+              f"</span>: do not fit in {memory_limit_gb:g} GB per GPU (weights, gradients, "
+              "optimizer state and activations); sorted by communication time, fastest first."
+              "</div>")
     return f"<table>{head}{''.join(body)}</table>{legend}"
 
 

@@ -94,7 +94,8 @@ class GraphBreakNet(nn.Module):
         return self.head(pooled)  # (B, classes)
 
 
-def padded_batch(batch: int, length: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_batch(batch: int, length: int, vocab: int,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids ``(batch, length)`` and lengths ``(batch,)`` in ``[1, length]``, seeded; the
     first sequence is full length. Positions past a sequence's length hold padding (id 0)."""
     g = torch.Generator().manual_seed(seed)

@@ -77,7 +77,8 @@ def _rank() -> int:
 def profiled(folder: str | os.PathLike | None = None, *, shapes: bool = False,
              memory: bool = False, stack: bool = False) -> Iterator[Any]:
     """Profile the block on this rank (CPU activities); write ``folder/rank<r>.json`` after it
-    (without ``folder``, the trace is written to a private temporary folder and removed once parsed).
+    (without ``folder``, the trace is written to a private temporary folder and removed once
+    parsed).
 
     ``shapes``, ``memory`` and ``stack`` are ``record_shapes``, ``profile_memory`` and
     ``with_stack`` (each makes the trace bigger and slower to write). Yields the

@@ -115,21 +115,24 @@ def read_fasta(path: str | Path) -> tuple[list[str], list[str]]:
 def tokenize(sequences: list[str], alphabet: Any) -> torch.Tensor:
     """``(batch, 2 + longest)`` int64: <cls> sequence <eos>, padded with <pad> on the right."""
     if not all(s.isalpha() for s in sequences):  # "<mask>" and friends: fair-esm's own parser
-        _, _, tokens = alphabet.get_batch_converter()([(str(i), s) for i, s in enumerate(sequences)])
+        _, _, tokens = alphabet.get_batch_converter()([(str(i), s) for i, s in
+                                                       enumerate(sequences)])
         return tokens
     # Plain residues: one token per letter, as fair-esm's converter gives, 30x faster.
     longest = max((len(s) for s in sequences), default=0)
     tokens = torch.full((len(sequences), longest + 2), alphabet.padding_idx, dtype=torch.int64)
     tokens[:, 0] = alphabet.cls_idx
     for row, s in enumerate(sequences):
-        tokens[row, 1:len(s) + 1] = torch.tensor([alphabet.get_idx(c) for c in s], dtype=torch.int64)
+        tokens[row, 1:len(s) + 1] = torch.tensor([alphabet.get_idx(c) for c in s],
+                                                 dtype=torch.int64)
         tokens[row, len(s) + 1] = alphabet.eos_idx
     return tokens
 
 
 def padded_tokens(lengths: list[int], batches: list[list[int]]) -> int:
     """How many padding tokens ``batches`` hold when each is padded to its longest sequence."""
-    return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches if b)
+    return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches
+               if b)
 
 
 # --------------------------------------------------------------------------- models
@@ -189,7 +192,8 @@ def load_pretrained_esm2(name: str, path: str | Path | None = None) -> tuple[nn.
     """``(model, alphabet)`` of a published ESM-2 from a checkpoint file you already have."""
     if name not in ESM2_FAMILY:
         raise ValueError(f"unknown ESM-2 model {name!r}: choose one of {', '.join(ESM2_FAMILY)}")
-    path = Path(path) if path is not None else Path(torch.hub.get_dir()) / "checkpoints" / f"{name}.pt"
+    path = (Path(path) if path is not None
+            else Path(torch.hub.get_dir()) / "checkpoints" / f"{name}.pt")
     if not path.exists():
         raise FileNotFoundError(
             f"no weights for {name} at {path}. This course never downloads weights: lessons "
@@ -240,12 +244,14 @@ class TriangleAttentionStartingNode(nn.Module):
         self.peak_logits = 0
 
     def pair_bias(self, z: torch.Tensor) -> torch.Tensor:
-        """``(heads, L, L)``: the bias ``b_jk^h`` from the whole pair representation ``(L, L, c_z)``."""
+        """``(heads, L, L)``: the bias ``b_jk^h`` from the whole pair representation ``(L, L,
+        c_z)``."""
         return self.bias(self.norm(z)).permute(2, 0, 1)
 
     def forward(self, z: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``(rows, L, c_z)``: the output rows for the rows ``z`` ``(rows, L, c_z)`` of the pair
-        representation; ``bias`` from :meth:`pair_bias` of the whole ``z`` (default: ``z`` is whole)."""
+        representation; ``bias`` from :meth:`pair_bias` of the whole ``z`` (default: ``z`` is
+        whole)."""
         if z.dim() != 3 or z.shape[-1] != self.c_z:
             raise ValueError(f"z must be (rows, L, c_z={self.c_z}), got {tuple(z.shape)}")
         rows, length, _ = z.shape
@@ -322,7 +328,8 @@ def alphafold_memory_widget() -> Any:
         "chunk": w.IntSlider(64, min=0, max=1024, step=16, description="chunk rows (0 = unchunked)",
                              **label),
         "precision": w.ToggleButtons(options=["fp32", "bf16"], value="bf16",
-                                     description="precision", style={"description_width": "initial"},
+                                     description="precision",
+                                     style={"description_width": "initial"},
                                      tooltips=["4 bytes per value", "2 bytes per value"]),
     }
     out = w.HTML()
@@ -359,7 +366,8 @@ class LiveBytes(TorchDispatchMode):
         self.live = self.peak = self.largest = 0
         self._refs: dict[int, list[int]] = {}  # storage address -> [python refs, nbytes]
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         before = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor)}

@@ -24,7 +24,8 @@ from torch.utils.data import DistributedSampler
 
 from kit.lessons.models import TinyTransformer
 
-__all__ = ["DropoutTransformer", "ResumableSampler", "full_parameters", "make_model", "make_optimizer",
+__all__ = ["DropoutTransformer", "ResumableSampler", "full_parameters", "make_model",
+           "make_optimizer",
            "make_sampler", "seed_everything", "shard_model", "token_dataset", "train_step"]
 
 VOCAB, LENGTH, CROP = 32, 20, 16  # tokens per stored sequence; the model sees a random crop
@@ -32,7 +33,8 @@ BATCH = 4  # sequences per rank per step
 
 
 class DropoutTransformer(TinyTransformer):
-    """:class:`kit.lessons.models.TinyTransformer` with dropout after the embeddings and each block."""
+    """:class:`kit.lessons.models.TinyTransformer` with dropout after the embeddings and each
+    block."""
 
     def __init__(self, *args: Any, dropout: float = 0.1, **kwargs: Any):
         super().__init__(*args, **kwargs)

@@ -49,8 +49,8 @@ def ring_all_reduce_steps(data: list[list[Any]]) -> list[RingStep]:
     """
     p = len(data)
     if p == 0 or any(len(row) != p for row in data):
-        raise ValueError(f"data must be p lists of p chunks (one row per rank, one chunk per rank), "
-                         f"got row lengths {[len(row) for row in data]}")
+        raise ValueError("data must be p lists of p chunks (one row per rank, one chunk per "
+                         f"rank), got row lengths {[len(row) for row in data]}")
     values = [list(row) for row in data]
     parts = [[frozenset({r}) for _ in range(p)] for r in range(p)]
     steps = [RingStep("start", 0, [list(v) for v in values], [list(q) for q in parts], [])]
@@ -107,7 +107,8 @@ def render_step(step: RingStep) -> str:
                          f"{html.escape(_label(step.parts[r][c], c))}<br>"
                          f"<small>{html.escape(_format(step.values[r][c]))}</small></td>")
         rows.append(f"<tr><th style='padding:2px 8px'>rank {r}</th>{''.join(cells)}</tr>")
-    moves = ", ".join(f"rank {s}&rarr;{d}: chunk {c}" for s, d, c in step.sends) or "no messages yet"
+    moves = ", ".join(f"rank {s}&rarr;{d}: chunk {c}" for s, d, c in step.sends) or ("no messages "
+                                                                                     "yet")
     return (f"<div><b>{html.escape(step.title)}</b><table style='border-collapse:collapse;"
             f"margin:4px 0'><tr><th></th>{head}</tr>{''.join(rows)}</table>"
             f"<small>{moves}. Dashed orange: sent this step; blue: just received. The letters say "
