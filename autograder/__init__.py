@@ -15,4 +15,5 @@ from autograder.registry import (
     task,
 )
 
-__all__ = ["TASKS", "Case", "CheckFailed", "Task", "assert_same", "get_task", "lesson_tasks", "task"]
+__all__ = ["TASKS", "Case", "CheckFailed", "Task", "assert_same", "get_task", "lesson_tasks",
+           "task"]

@@ -83,7 +83,8 @@ def stub_message(task_id: str | None, source: str, line: int | None = None) -> s
     except SyntaxError:
         defs = []
     if line is not None:
-        around = [n for n in defs if n.lineno <= line <= (n.end_lineno or n.lineno) and _first_doc_line(n)]
+        around = [n for n in defs if n.lineno <= line <= (n.end_lineno or n.lineno)
+                  and _first_doc_line(n)]
         if around:
             doc = _first_doc_line(max(around, key=lambda n: n.lineno))
     if not doc:
@@ -97,19 +98,22 @@ class TaskStubs(NbGraderPreprocessor):
     def preprocess_cell(self, cell: NotebookNode, resources: dict[str, Any],
                         cell_index: int) -> tuple[NotebookNode, dict[str, Any]]:
         if cell.cell_type == "code" and STUB_MARK in cell.source:
-            role, task_id = cell_role(Cell(cell_index + 1, cell.cell_type, cell.source, cell.metadata))
+            role, task_id = cell_role(Cell(cell_index + 1, cell.cell_type, cell.source,
+                                           cell.metadata))
             task_id = task_id if role == "task" else None
             lines = cell.source.split("\n")
             for i, text in enumerate(lines):
                 if f'"{STUB_MARK}"' in text:
                     message = stub_message(task_id, cell.source, i + 1)
-                    lines[i] = text.replace(f'"{STUB_MARK}"', json.dumps(message, ensure_ascii=False))
+                    lines[i] = text.replace(f'"{STUB_MARK}"',
+                                            json.dumps(message, ensure_ascii=False))
             cell.source = "\n".join(lines)
         return cell, resources
 
 
 def release_preprocessors() -> list[type]:
-    """nbgrader's ``GenerateAssignment`` preprocessors with :class:`TaskStubs` after ClearSolutions."""
+    """nbgrader's ``GenerateAssignment`` preprocessors with :class:`TaskStubs` after
+    ClearSolutions."""
     from nbgrader.converters import GenerateAssignment
     from nbgrader.preprocessors import ClearSolutions
 
@@ -240,7 +244,8 @@ def _defines(source: str, name: str) -> bool:
         tree = ast.parse(source)
     except SyntaxError:
         return False
-    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+               and n.name == name
                for n in tree.body)
 
 
@@ -250,7 +255,8 @@ def _calls_check(source: str, task_id: str, name: str) -> bool:
     except SyntaxError:
         return False
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "check"
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "check"
                 and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant)
                 and node.args[0].value == task_id
                 and isinstance(node.args[1], ast.Name) and node.args[1].id == name):
@@ -304,15 +310,17 @@ def source_notebook(path: Path) -> NotebookNode:
             if task is None:
                 raise BuildError(
                     f"{where}: tag {role}-{task_id} names no task of lesson {lesson:02d} (known: "
-                    f"{', '.join(tasks) or 'none'}); register it in autograder/lesson{lesson:02d}.py "
-                    f"with task({task_id!r}, ...)")
+                    f"{', '.join(tasks) or 'none'}); register it in "
+                    f"autograder/lesson{lesson:02d}.py with task({task_id!r}, ...)")
             if role == "task" and not _defines(cell.source, task.name):
                 raise BuildError(f"{where}: the cell tagged task-{task_id} must define {task.name}")
-            if role == "task" and not ("BEGIN SOLUTION" in cell.source and "END SOLUTION" in cell.source):
+            if role == "task" and not ("BEGIN SOLUTION" in cell.source
+                                       and "END SOLUTION" in cell.source):
                 raise BuildError(f"{where}: put the solution of task {task_id} between "
                                  "### BEGIN SOLUTION and ### END SOLUTION")
             if role == "check" and not _calls_check(cell.source, task_id, task.name):
-                raise BuildError(f'{where}: the check cell must call check("{task_id}", {task.name})')
+                raise BuildError(f'{where}: the check cell must call check("{task_id}", '
+                                 f'{task.name})')
         if role != "demo" and cell.cell_type != "code":
             raise BuildError(f"{where}: a cell tagged {tags} must be a code cell")
         # Stable ids: tagged cells by role, others by content, so an edit moves no other id.
@@ -336,7 +344,8 @@ def source_notebook(path: Path) -> NotebookNode:
                 raise BuildError(f'{path}: task {task_id} ({task.name}) has no cell tagged '
                                  f'{role}-{task_id}; add # %% tags=["{role}-{task_id}"]')
         if positions["check", task_id] < positions["task", task_id]:
-            raise BuildError(f"{path}: the check-{task_id} cell must come after the task-{task_id} cell")
+            raise BuildError(f"{path}: the check-{task_id} cell must come after the task-{task_id} "
+                             "cell")
     nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": {"name": "python"}}
     nb.nbformat, nb.nbformat_minor = 4, 5
     nbformat.validate(nb)
@@ -465,7 +474,8 @@ def write_course(dest: Path, root: Path, *, lessons: list[int] | None = None,
     files = {dest / "nbgrader_config.py": _CONFIG}
     for src in sources:
         files[dest / "source" / src.stem / f"{src.stem}.ipynb"] = render(source_notebook(src))
-    clashes = [p for p, text in files.items() if p.exists() and p.read_text(encoding="utf-8") != text]
+    clashes = [p for p, text in files.items() if p.exists()
+               and p.read_text(encoding="utf-8") != text]
     if clashes and not force:
         raise BuildError("these files exist with other content: "
                          + ", ".join(str(p) for p in clashes)
@@ -487,7 +497,8 @@ def _root(arg: str | None) -> Path:
 
 
 def main_build(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kit build", description="Build lessons/ from solutions/.")
+    parser = argparse.ArgumentParser(prog="kit build",
+                                     description="Build lessons/ from solutions/.")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if lessons/ is stale (for CI)")
     parser.add_argument("--root", help="course repository root (default: the current directory)")
@@ -508,7 +519,8 @@ def main_course(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kit course",
                                      description="Write a ready nbgrader course directory.")
     parser.add_argument("dir", help="the course directory to write (created if missing)")
-    parser.add_argument("--lessons", type=lessons_arg, help="only these lessons, e.g. 00,01 (default: all)")
+    parser.add_argument("--lessons", type=lessons_arg,
+                        help="only these lessons, e.g. 00,01 (default: all)")
     parser.add_argument("--force", action="store_true", help="overwrite files that differ")
     parser.add_argument("--root", help="course repository root (default: the current directory)")
     args = parser.parse_args(argv)

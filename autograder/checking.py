@@ -40,7 +40,8 @@ from autograder.results import (
     settle,
 )
 
-__all__ = ["ERROR", "FAILED", "HINT_LEVELS", "NOT_IMPLEMENTED", "PASSED", "CaseResult", "TaskReport",
+__all__ = ["ERROR", "FAILED", "HINT_LEVELS", "NOT_IMPLEMENTED", "PASSED", "CaseResult",
+           "TaskReport",
            "check", "hint_level", "run_case", "run_checks", "stderr_to_stdout"]
 
 HINT_LEVELS = ("concept", "recipe")
@@ -62,7 +63,8 @@ def run_case(task: Task, case: Case, impl: Any, seed: int = 0) -> CaseResult:
     return judge(task, case, got, task.expected(case, seed), time.perf_counter() - start)
 
 
-def run_checks(task_id: str, impl: Any, *, seed: int = 0, stop_at_failure: bool = False) -> TaskReport:
+def run_checks(task_id: str, impl: Any, *, seed: int = 0,
+               stop_at_failure: bool = False) -> TaskReport:
     """Run every case of ``task_id`` on ``impl``; no output beyond what ``impl`` prints.
 
     Once a case finds the task not implemented, the remaining cases are marked the same
@@ -81,13 +83,15 @@ def run_checks(task_id: str, impl: Any, *, seed: int = 0, stop_at_failure: bool 
         message = (f"check({task_id!r}, ...) needs your {task.name} itself, got "
                    f"{type(impl).__name__}; run the cell that defines {task.name} first.")
         status = MISSING if impl is None else ERROR
-        report.cases = [CaseResult(c.name, status, 0.0, task.case_points(c), message) for c in task.cases]
+        report.cases = [CaseResult(c.name, status, 0.0, task.case_points(c), message)
+                        for c in task.cases]
         return report
     todo = False
     with gates.watching():  # the task's trampolines are swapped in once, not once per case
         for case in task.cases:
             if todo:
-                report.cases.append(CaseResult(case.name, NOT_IMPLEMENTED, 0.0, task.case_points(case)))
+                report.cases.append(CaseResult(case.name, NOT_IMPLEMENTED, 0.0,
+                                               task.case_points(case)))
                 continue
             result = run_case(task, case, impl, seed)
             todo = result.status == NOT_IMPLEMENTED

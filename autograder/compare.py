@@ -163,7 +163,8 @@ def within_bound(measured: Sequence[float] | Mapping[int, float],
                       hint=hint, recipe=recipe, cause=cause)
 
 
-def assert_same(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-6, path: str = "") -> None:
+def assert_same(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-6,
+                path: str = "") -> None:
     """Default comparison: same structure, same types, tensors equal up to tolerance.
 
     Only plain data is accepted on either side (the batch grader guarantees it for ``got``),
@@ -175,7 +176,8 @@ def assert_same(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e
             raise CheckFailed(f"{where}: expected a tensor, got {type(got).__name__}",
                               expected=describe(expected), got=describe(got))
         if got.shape != expected.shape:
-            raise CheckFailed(f"{where}: wrong shape {tuple(got.shape)}, expected {tuple(expected.shape)}",
+            raise CheckFailed(f"{where}: wrong shape {tuple(got.shape)}, expected "
+                              f"{tuple(expected.shape)}",
                               expected=tuple(expected.shape), got=tuple(got.shape))
         if got.dtype != expected.dtype:
             raise CheckFailed(f"{where}: wrong dtype {got.dtype}, expected {expected.dtype}",
@@ -186,17 +188,20 @@ def assert_same(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e
             ok = torch.equal(got, expected)
         if not ok:
             diff = (got.double() - expected.double()).abs()
-            raise CheckFailed(f"{where}: values differ (max abs difference {diff.max().item():.3g})",
+            raise CheckFailed(f"{where}: values differ "
+                              f"(max abs difference {diff.max().item():.3g})",
                               expected=describe(expected), got=describe(got))
         return
     if isinstance(expected, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
         if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol) and not (
             math.isnan(got) and math.isnan(expected)
         ):
-            raise CheckFailed(f"{where}: expected {expected!r}, got {got!r}", expected=expected, got=got)
+            raise CheckFailed(f"{where}: expected {expected!r}, got {got!r}", expected=expected,
+                              got=got)
         return
     if type(got) is not type(expected):
-        raise CheckFailed(f"{where}: expected a {type(expected).__name__}, got {type(got).__name__}",
+        raise CheckFailed(f"{where}: expected a {type(expected).__name__}, "
+                          f"got {type(got).__name__}",
                           expected=describe(expected), got=describe(got))
     if isinstance(expected, (list, tuple)):
         if len(got) != len(expected):
@@ -207,7 +212,8 @@ def assert_same(got: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e
         return
     if isinstance(expected, dict):
         if set(got) != set(expected):
-            raise CheckFailed(f"{where}: expected keys {sorted(map(str, expected))}, got {sorted(map(str, got))}",
+            raise CheckFailed(f"{where}: expected keys {sorted(map(str, expected))}, got "
+                              f"{sorted(map(str, got))}",
                               expected=sorted(map(str, expected)), got=sorted(map(str, got)))
         for k in expected:
             assert_same(got[k], expected[k], rtol=rtol, atol=atol, path=f"{where}[{k!r}]")

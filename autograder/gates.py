@@ -177,7 +177,8 @@ def resolve(dotted: str, *, load: bool = False) -> Any:
 
 def _module_name(obj: Any) -> str | None:
     try:
-        name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+        name = (obj.__name__ if isinstance(obj, types.ModuleType)
+                else getattr(obj, "__module__", None))
     except Exception:  # noqa: BLE001 - a proxy whose attributes raise
         return None
     return name if isinstance(name, str) else None
@@ -345,7 +346,8 @@ class _Forbidden:
                 self.builtins[id(obj)] = name
                 self.op_names[op] = name
         self.dist_ops = {name.rsplit(".", 1)[1] for name in names
-                         if name.rsplit(".", 1)[0] + "." in _DIST_PREFIXES and name not in self.prefixes}
+                         if name.rsplit(".", 1)[0] + "." in _DIST_PREFIXES
+                         and name not in self.prefixes}
         self.no_ddp = any(name.endswith("DistributedDataParallel") for name in names)
         self._indexed_at: Any = None
 
@@ -468,7 +470,8 @@ class _GraderCode:
 
         # The grader's modules and tasks as they are now (a count of sys.modules alone can come
         # back to an earlier value with another module in it).
-        seen = (frozenset(m for m in list(sys.modules) if m == "autograder" or m.startswith("autograder.")),
+        seen = (frozenset(m for m in list(sys.modules) if m == "autograder"
+                          or m.startswith("autograder.")),
                 len(TASKS))
         if self._seen_at == seen:
             return
@@ -485,7 +488,8 @@ class _GraderCode:
                 self._keep.append(value)
                 self.originals.add(id(value))
                 if isinstance(value, types.FunctionType) and module_name not in _RUNNERS:
-                    self.functions.append((value, f"{_GRADER_NAME}: {module_name}.{value.__name__}"))
+                    self.functions.append((value,
+                                           f"{_GRADER_NAME}: {module_name}.{value.__name__}"))
                 for fn in _functions(value):
                     self.originals.add(id(fn))
                     for inner in _codes(_code_of(fn)):
@@ -495,7 +499,8 @@ class _GraderCode:
         for t in list(TASKS.values()):
             ref = t.reference
             if isinstance(ref, str):
-                ref = getattr(sys.modules.get(f"autograder.references.lesson{t.lesson:02d}"), ref, None)
+                ref = getattr(sys.modules.get(f"autograder.references.lesson{t.lesson:02d}"), ref,
+                              None)
             if ref is not None and _is_grader(ref):
                 self._reference(ref)
 
@@ -613,7 +618,8 @@ def _builtin_net(gate: _Gate) -> Any:
     spec = gate.spec
 
     class _BuiltinNet(TorchFunctionMode):
-        def __torch_function__(self, func: Any, _types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        def __torch_function__(self, func: Any, _types: Any, args: tuple = (),
+                               kwargs: Any = None) -> Any:
             what = spec.builtins.get(id(func))
             if what is None and spec.op_names and isinstance(func, (OpOverload, OpOverloadPacket)):
                 what = spec.op_names.get(_op_name(func) or "")
@@ -656,7 +662,8 @@ def _trampoline(fn: types.FunctionType, key: int) -> types.CodeType:
     params += [f"*{star}"] if star else (["*"] if keyword else [])
     params += keyword + ([f"**{starstar}"] if starstar else [])
     args = "(" + "".join(f"{p}, " for p in positional + ([f"*{star}"] if star else [])) + ")"
-    kwargs = "{" + ", ".join([f"{k!r}: {k}" for k in keyword] + ([f"**{starstar}"] if starstar else [])) + "}"
+    kwargs = "{" + ", ".join([f"{k!r}: {k}" for k in keyword]
+                             + ([f"**{starstar}"] if starstar else [])) + "}"
     free = code.co_freevars
     body = "".join(f"    {v} = None\n" for v in free)
     uses = f"        ({', '.join(free)},)\n" if free else ""
@@ -842,14 +849,16 @@ def _binding(module: types.ModuleType | None, tree: ast.Module | None, fn: Any) 
     names = {fn.__name__} | {k for k, v in vars(module).items() if v is fn}
     fallback = None
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in names:
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and node.name in names):
             return f"{path}:{node.lineno}"
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 if isinstance(t, ast.Name) and t.id in names:
                     return f"{path}:{node.lineno}"
-                if isinstance(t, ast.Attribute) and t.attr == "__code__" and _dotted(t.value) in names:
+                if (isinstance(t, ast.Attribute) and t.attr == "__code__"
+                        and _dotted(t.value) in names):
                     return f"{path}:{node.lineno}"
         if isinstance(node, ast.Attribute) and node.attr == "__code__":
             fallback = node.lineno if fallback is None else min(fallback, node.lineno)
@@ -979,7 +988,8 @@ def check_source(task: Any, impl: Any) -> ForbiddenUse | None:
 
 def _check(task: Any, spec: _Forbidden, impl: Any) -> ForbiddenUse | None:
     # The task's name bound to the grader's object or to a forbidden one (an import at load time)
-    what = spec.of(impl) or (f"{_GRADER_NAME}: {impl.__module__}.{getattr(impl, '__qualname__', '')}"
+    what = spec.of(impl) or (f"{_GRADER_NAME}: "
+                             f"{impl.__module__}.{getattr(impl, '__qualname__', '')}"
                              if _is_grader(impl) and id(impl) in _grader.originals else None)
     if what is not None:
         return ForbiddenUse(task.id, what, f"{task.name} itself (it is that object)")
@@ -1018,7 +1028,8 @@ def _check(task: Any, spec: _Forbidden, impl: Any) -> ForbiddenUse | None:
                 if obj_ is not None:
                     what = spec.of(obj_)
                 if what is not None:
-                    return ForbiddenUse(task.id, what if what == full else f"{what} ({full})", where)
+                    return ForbiddenUse(task.id, what if what == full else f"{what} ({full})",
+                                        where)
                 if obj_ is not None and _is_grader(obj_):
                     return ForbiddenUse(task.id, f"{_GRADER_NAME}: {full}", where)
             elif isinstance(node, ast.Name) and head in names and head not in local:

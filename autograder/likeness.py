@@ -129,7 +129,8 @@ def _units(body: Iterable[ast.stmt]) -> Iterable[tuple[str, list[ast.AST]]]:
 
 def _shape_of_tree(fn: ast.AST) -> Shape:
     weights: Counter[str] = Counter()
-    body = fn.body if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else [fn]
+    body = (fn.body if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            else [fn])
     for kind, nodes in _units(body):
         normaliser = _Normaliser()
         normaliser.tokens.append(kind)

@@ -423,8 +423,9 @@ def load_tasks(path: str | os.PathLike[str], *, lesson: int | None = None) -> Mo
 
     The module holds the setup cell, each task's definition (found by the cell's tag
     ``task-L.N`` / nbgrader ``grade_id``, else by the task's function or class name) and the
-    helpers those use from other cells (defs, classes, literal constants); demo code never runs. It is registered in ``sys.modules`` under a name derived from the path and
-    content, from a file on ``sys.path``, so ranks started with spawn can import it too.
+    helpers those use from other cells (defs, classes, literal constants); demo code never runs. It
+    is registered in ``sys.modules`` under a name derived from the path and content, from a file on
+    ``sys.path``, so ranks started with spawn can import it too.
     ``module.__load_report__`` (a :class:`LoadReport`) lists what was found and what is missing.
 
     Args:
@@ -445,7 +446,8 @@ def load_tasks(path: str | os.PathLike[str], *, lesson: int | None = None) -> Mo
     tasks = lesson_tasks(lesson)
     if not tasks:
         raise NotebookError(f"lesson {lesson:02d} has no registered tasks "
-                            f"(autograder/lesson{lesson:02d}.py); nothing to load from {path.name}.")
+                            f"(autograder/lesson{lesson:02d}.py); nothing to load from "
+                            f"{path.name}.")
     report = LoadReport(path, lesson)
     chunks = _setup_chunks(cells, report)
     for task in tasks:

@@ -36,7 +36,8 @@ from autograder.loading import SETUP, NotebookError, lessons_arg, load_tasks
 from autograder.registry import Task, checked_lessons, lesson_tasks
 from autograder.results import MISSING, NOT_IMPLEMENTED, PASSED, TaskReport, unloaded
 
-__all__ = ["LessonProgress", "Progress", "TaskProgress", "course_progress", "find_notebooks", "main"]
+__all__ = ["LessonProgress", "Progress", "TaskProgress", "course_progress", "find_notebooks",
+           "main"]
 
 PASSED_, FAILED_, TODO_, NOT_STARTED_ = "passed", "failed", "not implemented", "not started"
 _AUTOGRADER = Path(__file__).resolve().parent
@@ -47,7 +48,8 @@ def _is_checkpoint(path: Path) -> bool:
     return ".ipynb_checkpoints" in path.parts
 
 
-def find_notebooks(folder: str | os.PathLike[str], lessons: list[int] | None = None) -> dict[int, Path]:
+def find_notebooks(folder: str | os.PathLike[str],
+                   lessons: list[int] | None = None) -> dict[int, Path]:
     """The learner's notebook of each lesson in ``folder``: ``lessons/NN_*.ipynb`` first, then
     ``NN_*.ipynb`` in the folder itself, then in its sub-folders (``NN_slug/NN_slug.ipynb``).
     A lesson with no notebook is left out."""
@@ -160,7 +162,8 @@ class Progress:
                 rows.append((f"  {t.task_id}", t.name, t.state,
                              f"{_num(t.score)}/{_num(t.max_score)}", t.detail))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else "")
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths))
+                 + ("  " + r[4] if r[4] else "")
                  for r in rows]
         lines = [line.rstrip() for line in lines]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -172,25 +175,28 @@ class Progress:
     __str__ = table
 
     def _repr_html_(self) -> str:
-        colours = {PASSED_: "#2e7d32", FAILED_: "#c62828", TODO_: "#757575", NOT_STARTED_: "#9e9e9e"}
+        colours = {PASSED_: "#2e7d32", FAILED_: "#c62828", TODO_: "#757575",
+                   NOT_STARTED_: "#9e9e9e"}
         body = []
         for lp in self.lessons:
             share = lp.score / lp.max_score if lp.max_score else 0.0
             bar = (f"<div style='background:#e0e0e0;width:160px;height:10px;display:inline-block'>"
-                   f"<div style='background:#2e7d32;width:{160 * share:.0f}px;height:10px'></div></div>")
+                   f"<div style='background:#2e7d32;width:{160 * share:.0f}px;height:10px'>"
+                   "</div></div>")
             where = html.escape(_shown(lp.notebook, self.folder)) if lp.notebook else "no notebook"
-            body.append(f"<tr style='border-top:1px solid #bdbdbd'><td><b>Lesson {lp.lesson:02d}</b></td>"
-                        f"<td style='text-align:left'>{where}</td><td>{bar}</td>"
-                        f"<td>{_num(lp.score)}/{_num(lp.max_score)}</td>"
+            body.append("<tr style='border-top:1px solid #bdbdbd'><td><b>Lesson "
+                        f"{lp.lesson:02d}</b></td><td "
+                        f"style='text-align:left'>{where}</td><td>{bar}</td><td>{_num(lp.score)}/{_num(lp.max_score)}</td>"
                         f"<td style='text-align:left'>{html.escape(lp.problem)}</td></tr>")
             for t in lp.tasks:
                 body.append(f"<tr><td>{t.task_id}</td><td style='text-align:left'><code>"
-                            f"{html.escape(t.name)}</code></td><td style='color:{colours[t.state]}'>"
-                            f"{t.state}</td><td>{_num(t.score)}/{_num(t.max_score)}</td>"
+                            f"{html.escape(t.name)}</code></td><td "
+                            f"style='color:{colours[t.state]}'>{t.state}</td><td>{_num(t.score)}/{_num(t.max_score)}</td>"
                             f"<td style='text-align:left'>{html.escape(t.detail)}</td></tr>")
         return (f"<div class='kit-progress'><div style='font-weight:bold'>Progress: "
-                f"{_num(self.score)}/{_num(self.max_score)} points</div><table>{''.join(body)}</table>"
-                f"<div><b>Next:</b> {html.escape(self.next_step())}</div></div>")
+                f"{_num(self.score)}/{_num(self.max_score)} "
+                f"points</div><table>{''.join(body)}</table><div><b>Next:</b> "
+                f"{html.escape(self.next_step())}</div></div>")
 
 
 def _num(x: float) -> str:
@@ -256,7 +262,8 @@ def _write_cache(path: Path, data: dict[str, Any]) -> None:
 
 
 def _from_report(report: TaskReport, why: str = "") -> TaskProgress:
-    """A task's state from its report (``why``: what the loader said of a task it could not load)."""
+    """A task's state from its report (``why``: what the loader said of a task it could not
+    load)."""
     status = report.status
     if status == PASSED:
         state, detail = PASSED_, ""
@@ -282,7 +289,8 @@ def _not_started(task: Task, detail: str = "") -> TaskProgress:
     return TaskProgress(task.id, task.name, NOT_STARTED_, 0.0, float(task.points), detail)
 
 
-def course_progress(folder: str | os.PathLike[str] | None = None, *, lessons: list[int] | None = None,
+def course_progress(folder: str | os.PathLike[str] | None = None, *,
+                    lessons: list[int] | None = None,
                     run: bool = True, cache: str | os.PathLike[str] | None = None,
                     seed: int = 0) -> Progress:
     """Where the learner stands in every lesson of ``folder``.
@@ -379,10 +387,14 @@ def progress(folder: str | os.PathLike[str] | None = None, **kwargs: Any) -> Pro
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kit progress",
-                                     description="Where you stand in every lesson: each task's state and points.")
-    parser.add_argument("folder", nargs="?", help="the folder of your notebooks (default: the course folder)")
-    parser.add_argument("--lessons", type=lessons_arg, help="lessons to show, e.g. 00,01 (default: all)")
-    parser.add_argument("--cached", action="store_true", help="run nothing: show remembered results only")
+                                     description="Where you stand in every lesson: each task's "
+                                                 "state and points.")
+    parser.add_argument("folder", nargs="?",
+                        help="the folder of your notebooks (default: the course folder)")
+    parser.add_argument("--lessons", type=lessons_arg,
+                        help="lessons to show, e.g. 00,01 (default: all)")
+    parser.add_argument("--cached", action="store_true",
+                        help="run nothing: show remembered results only")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     try:

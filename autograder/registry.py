@@ -207,7 +207,8 @@ class Case:
     hang: str = ""
     # The case measures the saving its task's technique exists for (memory, bytes, FLOPs or
     # messages per rank, seen by kit.meter or the recorder): in a task whose point is a saving,
-    # such cases weigh at least half of its points (tests/test_saving_weight.py). Every bound is one.
+    # such cases weigh at least half of its points (tests/test_saving_weight.py). Every bound is
+    # one.
     saving: bool = False
 
 
@@ -356,7 +357,8 @@ class Task:
             if e.name != name:
                 raise
             raise AttributeError(f"task {self.id} names {what!r} in {name}, which does not exist "
-                                 "here (the batch worker never sees autograder/references/)") from None
+                                 "here (the batch worker never sees autograder/references/)"
+                                 ) from None
         try:
             return getattr(module, what)
         except AttributeError:
@@ -456,8 +458,8 @@ def pickle_for_worker(impl: Any) -> bytes:
     import cloudpickle
 
     module = sys.modules.get(getattr(impl, "__module__", "") or "")
-    by_value = module is not None and module.__name__ != "__main__" and not module.__name__.startswith(
-        ("autograder", "kit", "torch"))
+    by_value = (module is not None and module.__name__ != "__main__"
+                and not module.__name__.startswith(("autograder", "kit", "torch")))
     if by_value:
         cloudpickle.register_pickle_by_value(module)
     try:

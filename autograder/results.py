@@ -32,7 +32,8 @@ from typing import Any
 from autograder.registry import Case, CheckFailed, Task
 
 __all__ = [
-    "BLOCKED", "ERROR", "FAILED", "FOLLOWS", "FORBIDDEN", "MISSING", "NOT_IMPLEMENTED", "PASSED", "STATUSES",
+    "BLOCKED", "ERROR", "FAILED", "FOLLOWS", "FORBIDDEN", "MISSING", "NOT_IMPLEMENTED", "PASSED",
+    "STATUSES",
     "TIMEOUT", "CaseResult", "TaskReport", "judge", "not_implemented_message", "raised",
     "settle", "task_status", "unloaded", "unloaded_status",
 ]
@@ -150,7 +151,8 @@ class TaskReport:
         for c in self.cases:
             mark = {PASSED: "PASS", NOT_IMPLEMENTED: "TODO"}.get(c.status, "FAIL")
             lines.append(f"  [{mark}] {c.name}  ({_num(c.points)}/{_num(c.max_points)})"
-                         + ("" if c.status in (PASSED, FAILED, NOT_IMPLEMENTED) else f"  {c.status}"))
+                         + ("" if c.status in (PASSED, FAILED, NOT_IMPLEMENTED)
+                            else f"  {c.status}"))
             if c.follows:
                 lines.append(f"         {FOLLOWS}")
             if c.message and not c.passed and not _repeats(c):
@@ -171,7 +173,8 @@ class TaskReport:
         rows = []
         for c in self.cases:
             mark, tint = {PASSED: ("&#10004;", "#2e7d32"),
-                          NOT_IMPLEMENTED: ("&#9675;", "#757575")}.get(c.status, ("&#10008;", "#c62828"))
+                          NOT_IMPLEMENTED: ("&#9675;", "#757575")}.get(c.status,
+                                                                       ("&#10008;", "#c62828"))
             body = []
             if c.follows:
                 body.append(f"<div style='color:#757575'><i>{_esc(FOLLOWS)}</i></div>")
@@ -185,12 +188,14 @@ class TaskReport:
                 body.append(f"<div><i>Recipe:</i> {_rich(c.recipe)}</div>")
             if c.details and not c.follows:
                 body.append(f"<details><summary>details</summary><pre>{_esc(c.details)}</pre></details>")
-            rows.append(f"<tr><td style='color:{tint};font-size:1.2em;vertical-align:top'>{mark}</td>"
+            rows.append(f"<tr><td style='color:{tint};font-size:1.2em;vertical-align:top'>"
+                        f"{mark}</td>"
                         f"<td style='text-align:left;vertical-align:top'><b>{_esc(c.name)}</b>"
                         f"{''.join(body)}</td><td style='vertical-align:top'>"
                         f"{_num(c.points)}/{_num(c.max_points)}</td></tr>")
         return (f"<div class='kit-check'><div style='font-weight:bold;color:{colour}'>"
-                f"Task {_esc(self.task_id)} <code>{_esc(self.name)}</code>: {_rich(self.headline())}</div>"
+                f"Task {_esc(self.task_id)} <code>{_esc(self.name)}</code>: "
+                f"{_rich(self.headline())}</div>"
                 + (f"<div style='font-size:0.9em'>{_rich(self.note)}</div>" if self.note else "")
                 + f"<table>{''.join(rows)}</table></div>")
 
@@ -235,7 +240,8 @@ def _expected_got(expected: Any, got: Any) -> str:
 
 
 def judge(task: Task, case: Case, got: Any, expected: Any, seconds: float = 0.0) -> CaseResult:
-    """Compare what ``case`` returned with the trusted ``expected`` data: the one comparison path."""
+    """Compare what ``case`` returned with the trusted ``expected`` data: the one comparison
+    path."""
     max_points = task.case_points(case)
     try:
         case.compare(got, expected)
@@ -371,5 +377,6 @@ def unloaded(task: Task, why: str) -> TaskReport:
     """The report of a task the notebook does not give us (see :func:`unloaded_status`)."""
     status = unloaded_status(why)
     return TaskReport(task.id, task.name, [
-        CaseResult(c.name, status, 0.0, task.case_points(c), f"could not load it from the notebook: {why}")
+        CaseResult(c.name, status, 0.0, task.case_points(c),
+                   f"could not load it from the notebook: {why}")
         for c in task.cases])

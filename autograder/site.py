@@ -192,7 +192,8 @@ def build_site(root: Path = ROOT, out: Path | None = None, *, execute_missing: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autograder.site", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m autograder.site",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="output folder (default: build/site)")
     parser.add_argument("--no-execute", action="store_true",
                         help="never run a lesson: one without an executed notebook has no outputs")
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"site: {len(report.pages)} lessons in {report.seconds:.1f} s, "
               f"{report.bytes / 1e6:.1f} MB: open {report.html / 'index.html'}")
         if report.unexecuted:
-            print("site: shown without outputs (no executed notebook): " + ", ".join(report.unexecuted))
+            print("site: shown without outputs (no executed notebook): "
+                  + ", ".join(report.unexecuted))
     return 0
 
 
