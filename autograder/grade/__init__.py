@@ -1,4 +1,5 @@
-"""Batch grading: find submissions, run each in a sandbox, judge and sign its results, write reports.
+"""Batch grading: find submissions, run each in a sandbox, judge and sign its results, write
+reports.
 
 ``kit grade NOTEBOOK`` (one notebook, in this process) is :mod:`autograder.grade.notebook`;
 ``kit grade PATH... --out DIR`` is :mod:`autograder.grade.batch` with the worker of

@@ -1,11 +1,12 @@
 """Batch grading: every submission checked in its own sandbox, scored in this trusted process.
 
-``kit grade SUBMISSION... --out DIR`` (see :mod:`autograder.grade.notebook`) calls :func:`grade_batch`. For each
-submission a :mod:`autograder.grade.sandbox` worker runs the untrusted half of every case on the student's
-code; what comes back is read with ``torch.load(weights_only=True)``, checked to be plain data,
-and compared here with the expectation computed from the trusted references with the run's
-secret seed. A worker that dies, hangs, prints too much or forks too much costs only the task
-it was running: the worker restarts for the remaining tasks.
+``kit grade SUBMISSION... --out DIR`` (see :mod:`autograder.grade.notebook`) calls
+:func:`grade_batch`. For each submission a :mod:`autograder.grade.sandbox` worker runs the untrusted
+half of every case on the student's code; what comes back is read with
+``torch.load(weights_only=True)``, checked to be plain data, and compared here with the expectation
+computed from the trusted references with the run's secret seed. A worker that dies, hangs, prints
+too much or forks too much costs only the task it was running: the worker restarts for the remaining
+tasks.
 
 Each submission's result is written to ``DIR/records/<student>.json`` atomically as soon as it is
 graded, with an HMAC under the run's secret key; a run that is killed resumes by keeping every
@@ -60,7 +61,8 @@ from autograder.results import (
     unloaded_status,
 )
 
-__all__ = ["TASK_STATUSES", "BatchConfig", "GraderFault", "grade_batch", "load_records", "write_atomic"]
+__all__ = ["TASK_STATUSES", "BatchConfig", "GraderFault", "grade_batch", "load_records",
+           "write_atomic"]
 
 
 class GraderFault(RuntimeError):
@@ -83,7 +85,8 @@ class BatchConfig:
 
 
 def run_secret(out: Path, seed: int | None) -> dict[str, Any]:
-    """The run's seed and HMAC key, created once per output folder (mode 0600) and reused on resume."""
+    """The run's seed and HMAC key, created once per output folder (mode 0600) and reused on
+    resume."""
     folder = out / ".kit-grade"
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
@@ -121,7 +124,8 @@ def load_records(out: Path, key: str) -> dict[str, dict[str, Any]]:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and hmac.compare_digest(str(record.get("hmac", "")), _sign(record, key)):
+        if isinstance(record, dict) and hmac.compare_digest(str(record.get("hmac", "")),
+                                                            _sign(record, key)):
             records[record["student"]] = record
     return records
 
@@ -181,12 +185,14 @@ def _read_untrusted(path: Path) -> bytes:
 def read_result(path: Path) -> dict[str, Any]:
     """A case's result file, as plain data only; anything else is an error record."""
     try:
-        record = torch.load(io.BytesIO(_read_untrusted(path)), weights_only=True, map_location="cpu")
+        record = torch.load(io.BytesIO(_read_untrusted(path)), weights_only=True,
+                            map_location="cpu")
         _check_plain(record)
     except Exception as e:
         return {"status": ERROR, "message": "the case returned something that is not plain data "
                 f"(tensors, numbers, strings, lists, dicts): {type(e).__name__}: {str(e)[:300]}"}
-    if not isinstance(record, dict) or record.get("status") not in ("ok", NOT_IMPLEMENTED, ERROR, TIMEOUT, "forbidden"):
+    if not isinstance(record, dict) or record.get("status") not in ("ok", NOT_IMPLEMENTED, ERROR,
+                                                                    TIMEOUT, "forbidden"):
         return {"status": ERROR, "message": "the grading worker sent back a malformed result"}
     return record
 
@@ -229,7 +235,8 @@ _KILLED = {
 def _death(exit: WorkerExit, limits: Limits) -> tuple[str, str]:
     if exit.reason in _KILLED:
         status, text = _KILLED[exit.reason]
-        return status, text.format(wall=limits.case_wall_s, output=limits.output, procs=limits.processes)
+        return status, text.format(wall=limits.case_wall_s, output=limits.output,
+                                   procs=limits.processes)
     code = exit.returncode
     if code is not None and code < 0:
         why = {signal.SIGXCPU: "it used up its CPU time", signal.SIGKILL: "out of memory?",
@@ -259,7 +266,8 @@ def split_lessons(lessons: list[int], parts: int) -> list[list[int]]:
     return [sorted(g) for g in groups if g]
 
 
-def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], expected: dict[str, Any],
+def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task],
+                     expected: dict[str, Any],
                      seed: int, limits: Limits, slot: int | list[int],
                      hide: tuple[Path, ...] = (), *, unsandboxed: bool = False) -> dict[str, Any]:
     """Grade one submission in sandbox workers; returns its record (not yet signed).
@@ -273,12 +281,14 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
     slots = [slot] if isinstance(slot, int) else list(slot)
     groups = split_lessons([n for n in lessons if sub.notebook_for(n) is not None], len(slots))
     if len(groups) <= 1:
-        parts = [_grade_lessons(sub, lessons, tasks, expected, seed, limits, slots[0], hide, unsandboxed)]
+        parts = [_grade_lessons(sub, lessons, tasks, expected, seed, limits, slots[0], hide,
+                                unsandboxed)]
     else:
         groups[0] += [n for n in lessons if sub.notebook_for(n) is None]  # judged missing here
         with ThreadPoolExecutor(max_workers=len(groups)) as pool:
             futures = [pool.submit(_grade_lessons, sub, group, tasks, expected, seed, limits,
-                                   part_slot, hide, unsandboxed) for group, part_slot in zip(groups, slots)]
+                                   part_slot, hide, unsandboxed)
+                       for group, part_slot in zip(groups, slots)]
             parts = [f.result() for f in futures]
     results = {k: v for part in parts for k, v in part[0].items()}
     loads = {k: v for part in parts for k, v in part[1].items()}
@@ -287,7 +297,8 @@ def grade_submission(sub: Submission, lessons: list[int], tasks: list[Task], exp
 
 
 def _grade_lessons(sub: Submission, lessons: list[int], tasks: list[Task], expected: dict[str, Any],
-                   seed: int, limits: Limits, slot: int, hide: tuple[Path, ...], unsandboxed: bool = False
+                   seed: int, limits: Limits, slot: int, hide: tuple[Path, ...],
+                   unsandboxed: bool = False
                    ) -> tuple[dict[str, CaseResult], dict[int, dict[str, Any]], str]:
     """The cases of ``lessons`` run in one worker slot (restarted after a death): (judged cases
     by key, what loading each notebook reported, the worker's output)."""
@@ -318,7 +329,8 @@ def _grade_lessons(sub: Submission, lessons: list[int], tasks: list[Task], expec
             for lesson in sorted({t.lesson for t, _ in pending}):
                 src = sub.notebook_for(lesson)
                 copy = work / f"lesson{lesson:02d}{src.suffix}"
-                shutil.copyfile(src, copy)  # the worker reads a copy; the submission stays untouched
+                shutil.copyfile(src,
+                                copy)  # the worker reads a copy; the submission stays untouched
                 os.chmod(copy, 0o444)
                 notebooks.append([lesson, str(copy)])
             job = {"seed": seed, "notebooks": notebooks,
@@ -329,11 +341,13 @@ def _grade_lessons(sub: Submission, lessons: list[int], tasks: list[Task], expec
                    "reference_shapes": gates.answer_shapes()}
             (work / "job.json").write_text(json.dumps(job))
             os.chmod(work / "job.json", 0o444)  # readable by the worker's uid whatever the umask
-            exit = run_worker(work, limits, slot=slot, cases=len(pending), hide=hide, unsandboxed=unsandboxed)
+            exit = run_worker(work, limits, slot=slot, cases=len(pending), hide=hide,
+                              unsandboxed=unsandboxed)
             if exit.last is None and exit.reason is None:
                 # It died before reading the submission: the grader's installation is at fault.
                 raise GraderFault(f"the grading worker failed before loading {sub.student}'s "
-                                  f"notebooks (exit code {exit.returncode}):\n{exit.output[-3000:]}")
+                                  f"notebooks (exit code {exit.returncode}):\n"
+                                  f"{exit.output[-3000:]}")
             output.append(exit.output)
             for lesson, _ in notebooks:
                 loads[lesson] = _read_load(work / f"load-{lesson}.json")
@@ -350,7 +364,8 @@ def _grade_lessons(sub: Submission, lessons: list[int], tasks: list[Task], expec
             if load and ("error" in load or task.id in load.get("missing", {})):
                 why = load.get("error") or load["missing"][task.id]
                 status = ERROR if "error" in load else unloaded_status(why)
-                results[key] = _case(task, index, status, f"could not load it from the notebook: {why}")
+                results[key] = _case(task, index, status,
+                                     f"could not load it from the notebook: {why}")
             elif key in raws:
                 results[key] = _judge(task, index, raws[key], expected[key])
             else:
@@ -362,7 +377,8 @@ def _grade_lessons(sub: Submission, lessons: list[int], tasks: list[Task], expec
         culprit = _culprit(exit, still)
         status, why = _death(exit, limits)
         for task, index in still:
-            if task.id == culprit.id or (exit.last or "").startswith("load") and task.lesson == culprit.lesson:
+            if task.id == culprit.id or (exit.last or "").startswith("load") \
+                    and task.lesson == culprit.lesson:
                 results[case_key(task, index)] = _case(task, index, status, why)
         pending = [(t, i) for t, i in pending if case_key(t, i) not in results]
     for task, index in pending:  # out of attempts
@@ -409,7 +425,8 @@ def _record(sub: Submission, lessons: list[int], tasks: list[Task], results: dic
         rows.append(row)
     notes = list(sub.notes)
     for lesson, load in sorted(loads.items()):
-        notes += [f"lesson {lesson:02d}: {n}" for n in load.get("notes", []) if isinstance(n, str)][:20]
+        notes += [f"lesson {lesson:02d}: {n}" for n in load.get("notes", [])
+                  if isinstance(n, str)][:20]
     return {"student": sub.student, "score": round(sum(r["score"] for r in rows), 6),
             "max_score": round(sum(r["max_score"] for r in rows), 6), "tasks": rows,
             "notes": notes, "output": output[-8000:], "seconds": round(seconds, 2)}
@@ -421,7 +438,8 @@ def _record(sub: Submission, lessons: list[int], tasks: list[Task], results: dic
 def grade_batch(subs: list[Submission], config: BatchConfig,
                 progress: Callable[[int, int, float], None] | None = None, *,
                 unsandboxed: bool = False) -> dict[str, dict[str, Any]]:
-    """Grade every submission not already recorded in ``config.out``; returns all records by student.
+    """Grade every submission not already recorded in ``config.out``; returns all records by
+    student.
 
     Fails closed: as root where no namespaced sandbox can be made, it raises
     :class:`~autograder.grade.sandbox.SandboxUnavailable` before it creates or reads anything in
@@ -434,7 +452,8 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
     done = load_records(config.out, secret["key"])
     stamp = {sub.student: {"digest": sub.digest(config.lessons), "lessons": config.lessons,
                            "seed": secret["seed"]} for sub in subs}
-    records = {s: r for s, r in done.items() if s in stamp and all(r.get(k) == v for k, v in stamp[s].items())}
+    records = {s: r for s, r in done.items() if s in stamp
+               and all(r.get(k) == v for k, v in stamp[s].items())}
     todo = [sub for sub in subs if sub.student not in records]
     if progress and records:
         print(f"kit grade: resuming: {len(records)} of {len(subs)} submission(s) already graded")
@@ -447,7 +466,8 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
         slots.put(slot)
     lock = threading.Lock()
     started = time.monotonic()
-    hide = (config.out, *{p for s in subs for p in (s.source, s.any_lesson, *s.notebooks.values()) if p})
+    hide = (config.out,
+            *{p for s in subs for p in (s.source, s.any_lesson, *s.notebooks.values()) if p})
     finished = [0]
 
     # Fewer submissions than workers (one submission alone, the usual case of a student's own
@@ -465,7 +485,8 @@ def grade_batch(subs: list[Submission], config: BatchConfig,
                 slots.put(slot)
         record.update(stamp[sub.student])
         record["hmac"] = _sign(record, secret["key"])
-        write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json", json.dumps(record, indent=1))
+        write_atomic(config.out / "records" / f"{safe_name(sub.student)}.json",
+                     json.dumps(record, indent=1))
         with lock:
             records[sub.student] = record
             finished[0] += 1

@@ -5,21 +5,22 @@
     kit grade course/submitted --out grades --workers 2     a batch, each submission sandboxed
     kit grade submissions/ --out grades --gradescope --timeout 30
     kit grade course/submitted --out shard1 --shard 1/2 --secret run.json   then 2/2, then
-    kit grade merge shard1 shard2 --out grades                              (see autograder.grade.shards)
+    kit grade merge shard1 shard2 --out grades              (see autograder.grade.shards)
 
-With ``--out`` (or several submissions) grading is the isolated batch of :mod:`autograder.grade.batch`: it
-writes ``grades.csv``, ``records/<student>.json``, ``feedback/<student>.txt`` and, with
-``--gradescope``, ``gradescope/<student>/results.json``; a killed run resumes when re-run. As root
-where bubblewrap cannot make a sandbox, the batch refuses (exit code 2, nothing written) unless
-``--unsandboxed`` is given.
+With ``--out`` (or several submissions) grading is the isolated batch of
+:mod:`autograder.grade.batch`: it writes ``grades.csv``, ``records/<student>.json``,
+``feedback/<student>.txt`` and, with ``--gradescope``, ``gradescope/<student>/results.json``; a
+killed run resumes when re-run. As root where bubblewrap cannot make a sandbox, the batch refuses
+(exit code 2, nothing written) unless ``--unsandboxed`` is given.
 Without it, one notebook is checked in this process, which trusts it: use that on your own work.
 As root that needs ``--unsandboxed`` too (the notebook's code would run as root); without it
 ``kit grade NOTEBOOK`` refuses (exit code 2, nothing written) and names ``--out`` for a sandbox.
 
 The graded code is loaded with :func:`autograder.loading.load_tasks` (setup and solution cells only,
 found by tag or by name, demos never run) and every task of the lesson is checked with
-:func:`autograder.checking.run_checks`. Prints a per-task score table and writes JSON. The submission
-itself is only read. :func:`grade_notebook` is the unit the batch grader runs per submission.
+:func:`autograder.checking.run_checks`. Prints a per-task score table and writes JSON. The
+submission itself is only read. :func:`grade_notebook` is the unit the batch grader runs per
+submission.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class GradeReport:
         return "\n".join(lines)
 
 
-def grade_notebook(path: str | Path, *, lessons: list[int] | None = None, seed: int = 0) -> GradeReport:
+def grade_notebook(path: str | Path, *, lessons: list[int] | None = None,
+                   seed: int = 0) -> GradeReport:
     """Check every task of ``lessons`` (default: the lesson in the file name) in ``path``.
 
     Raises:
@@ -137,11 +139,13 @@ def in_process_refusal(path: Path, trusted: bool) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["merge"] and not Path("merge").exists():  # kit grade merge SHARD_DIR... --out DIR
+    # kit grade merge SHARD_DIR... --out DIR
+    if argv[:1] == ["merge"] and not Path("merge").exists():
         from autograder.grade.shards import main_merge
 
         return main_merge(argv[1:])
-    parser = argparse.ArgumentParser(prog="kit grade", description="Grade notebooks or submission folders.")
+    parser = argparse.ArgumentParser(prog="kit grade",
+                                     description="Grade notebooks or submission folders.")
     parser.add_argument("submissions", nargs="+", metavar="SUBMISSION",
                         help="a notebook, a folder of notebooks, an nbgrader course or submitted/ "
                              "folder, or a Gradescope export")
@@ -160,14 +164,16 @@ def main(argv: list[str]) -> int:
                         help="one notebook: where to write the JSON report "
                              "(default: grading-out/<name>.json; - for stdout)")
     parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the checks' data (one notebook: default 0; batch: the run's secret)")
+                        help="seed of the checks' data (one notebook: default 0; batch: the run's "
+                             "secret)")
     parser.add_argument("--shard", metavar="I/N",
-                        help="batch: grade only the I-th of N slices of the submissions (a student's "
-                        "slice is fixed by a hash of the name); merge the shards' --out folders "
-                        "with kit grade merge SHARD_DIR... --out DIR")
+                        help="batch: grade only the I-th of N slices of the submissions (a "
+                        "student's slice is fixed by a hash of the name); merge the shards' --out "
+                        "folders with kit grade merge SHARD_DIR... --out DIR")
     parser.add_argument("--secret", metavar="FILE",
-                        help="batch: the run secret (seed and signing key) to share between shards, "
-                        "created in FILE by the first shard that starts (give every shard the same)")
+                        help="batch: the run secret (seed and signing key) to share between "
+                        "shards, created in FILE by the first shard that starts (give every shard "
+                        "the same)")
     parser.add_argument("--unsandboxed", action="store_true",
                         help="trust the submissions: a batch as root where bubblewrap cannot make "
                         "a sandbox grades anyway (without it kit grade refuses there; install "
@@ -177,7 +183,8 @@ def main(argv: list[str]) -> int:
     if args.out or args.shard or len(args.submissions) > 1 or Path(args.submissions[0]).is_dir():
         from autograder.grade.reports import run_batch
 
-        return run_batch(args.submissions, out=Path(args.out or "grading-out"), lessons=args.lessons,
+        return run_batch(args.submissions, out=Path(args.out or "grading-out"),
+                         lessons=args.lessons,
                          workers=args.workers, timeout=args.timeout, gradescope=args.gradescope,
                          seed=args.seed, unsandboxed=args.unsandboxed, shard=args.shard,
                          secret=args.secret)

@@ -1,8 +1,8 @@
 """What a batch grading run writes: ``grades.csv``, feedback, Gradescope and nbgrader files.
 
-Used by ``kit grade SUBMISSION... --out DIR`` (:mod:`autograder.grade.notebook`); the grading itself is
-:mod:`autograder.grade.batch`. Every file here is rebuilt from the signed per-submission records, so a
-resumed run writes exactly one row per submission.
+Used by ``kit grade SUBMISSION... --out DIR`` (:mod:`autograder.grade.notebook`); the grading itself
+is :mod:`autograder.grade.batch`. Every file here is rebuilt from the signed per-submission records,
+so a resumed run writes exactly one row per submission.
 
 * ``grades.csv``: one row per student: total, then one column per task (its score);
 * ``feedback/<student>.txt``: each task's status and, for every case that lost points, why;
@@ -33,7 +33,8 @@ __all__ = ["feedback_text", "gradescope_results", "run_batch", "write_outputs"]
 
 def feedback_text(record: dict[str, Any]) -> str:
     """A student's readable feedback: every task's report, as ``check()`` prints it."""
-    lines = [f"Feedback for {record['student']}: {record['score']:.4g}/{record['max_score']:.4g} points", ""]
+    lines = [f"Feedback for {record['student']}: {record['score']:.4g}/{record['max_score']:.4g} "
+             "points", ""]
     for task in record["tasks"]:
         lines += [TaskReport.from_dict(task).to_text(details=False), ""]
     if record.get("notes"):
@@ -108,13 +109,16 @@ def _batch_lessons(lessons: list[int] | None) -> list[int]:
         return checked_lessons()
     unknown = [n for n in lessons if not lesson_tasks(n)]
     if unknown:
-        raise GradingError(f"lesson {unknown[0]:02d} has no checks (autograder/lesson{unknown[0]:02d}.py)")
+        raise GradingError(f"lesson {unknown[0]:02d} has no checks "
+                           f"(autograder/lesson{unknown[0]:02d}.py)")
     return lessons
 
 
-def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = None, workers: int = 2,
+def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = None,
+              workers: int = 2,
               timeout: float = 60.0, gradescope: bool = False, seed: int | None = None,
-              unsandboxed: bool = False, shard: str | None = None, secret: str | None = None) -> int:
+              unsandboxed: bool = False, shard: str | None = None,
+              secret: str | None = None) -> int:
     """``kit grade SUBMISSION... --out DIR``: grade, then write every report; returns the exit code.
 
     As root with no namespaced sandbox it refuses (exit code 2, nothing written) unless
@@ -140,8 +144,9 @@ def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = 
         subs = select(everyone, slice_) if slice_ else everyone
         for src in [Path(p) for p in submissions] + [s.source for s in subs if s.source]:
             if (src.is_dir() and _inside(out, src)) or _inside(src, out):
-                raise GradingError(f"--out {out} and the submission {src} overlap: give the results a "
-                                   "folder of their own, so no submission is ever written to")
+                raise GradingError(f"--out {out} and the submission {src} overlap: give the "
+                                   "results a folder of their own, so no submission is ever "
+                                   "written to")
     except (NotebookError, GradingError, ShardError) as e:
         print(f"kit grade: {e}", file=sys.stderr)
         return 2
@@ -167,14 +172,16 @@ def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = 
         (out / ".kit-grade").mkdir(mode=0o700, exist_ok=True)
         write_atomic(out / ".kit-grade" / "secret.json", json.dumps(shared), mode=0o600)
     if slice_:
-        print(f"kit grade: shard {slice_[0]}/{slice_[1]}: {len(subs)} of {len(everyone)} submission(s)")
+        print(f"kit grade: shard {slice_[0]}/{slice_[1]}: {len(subs)} of {len(everyone)} "
+              "submission(s)")
     print(f"kit grade: {len(subs)} submission(s), lessons {','.join(f'{n:02d}' for n in lessons)}, "
           f"{workers} worker(s), results in {out}")
     for sub in subs:
         for note in sub.notes:
             print(f"  {sub.student}: {note}")
     if (warning := unsandboxed_warning()) is not None:  # root, no sandbox, and --unsandboxed
-        print("\n".join(f"kit grade: {line.strip()}" for line in warning.splitlines()), file=sys.stderr)
+        print("\n".join(f"kit grade: {line.strip()}" for line in warning.splitlines()),
+              file=sys.stderr)
     elif (note := isolation_note()) is not None:
         print(f"kit grade: note: {note}")
     config = BatchConfig(out, lessons, workers, Limits(case_wall_s=timeout), seed)

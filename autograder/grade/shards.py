@@ -137,7 +137,8 @@ def _read_shard(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                          f"{MANIFEST} and secret.json): grade it with kit grade ... --out "
                          f"{folder} --shard I/N first") from None
     if not (isinstance(manifest, dict) and isinstance(secret, dict)
-            and hmac.compare_digest(str(manifest.get("hmac", "")), _sign(manifest, str(secret.get("key"))))):
+            and hmac.compare_digest(str(manifest.get("hmac", "")),
+                                    _sign(manifest, str(secret.get("key"))))):
         raise MergeError(f"{folder}: its shard manifest is not signed by its run's key (altered, "
                          "or copied from another run): grade that shard again")
     return manifest, secret
@@ -163,8 +164,9 @@ def merge_shards(folders: list[Path], out: Path, *, gradescope: bool = False,
                             ("lessons", "the lessons"), ("seed", "the seed")):
             if manifest[field] != first[field]:
                 problems.append(f"{folder} and {shards[0][0]} disagree on {what} ({field}: "
-                                f"{_short(manifest[field])} vs {_short(first[field])}): grade every "
-                                "shard with the same submissions, --lessons and --secret (or --seed)")
+                                f"{_short(manifest[field])} vs {_short(first[field])}): grade "
+                                "every shard with the same submissions, --lessons and --secret (or "
+                                "--seed)")
     n = first["of"]
     given: dict[int, list[Path]] = {}
     for folder, manifest, _ in shards:
@@ -175,7 +177,8 @@ def merge_shards(folders: list[Path], out: Path, *, gradescope: bool = False,
                         + ": grade them (kit grade ... --shard I/N) and give their folders too")
     for i, where in sorted(given.items()):
         if len(where) > 1:
-            problems.append(f"shard {i}/{n} given {len(where)} times: " + ", ".join(map(str, where)))
+            problems.append(f"shard {i}/{n} given {len(where)} times: "
+                            + ", ".join(map(str, where)))
     records: dict[str, dict[str, Any]] = {}
     for folder, manifest, secret in shards:
         signed = load_records(folder, str(secret["key"]))
@@ -185,13 +188,15 @@ def merge_shards(folders: list[Path], out: Path, *, gradescope: bool = False,
                 problems.append(f"{student} (shard {manifest['shard']}/{n}, {folder}): no record, "
                                 "or one that is unsigned or altered: grade that shard again (it "
                                 "resumes and regrades only what is not recorded)")
-            elif record.get("seed") != manifest["seed"] or record.get("lessons") != manifest["lessons"]:
+            elif (record.get("seed") != manifest["seed"]
+                  or record.get("lessons") != manifest["lessons"]):
                 problems.append(f"{student} (shard {manifest['shard']}/{n}): its record was graded "
                                 "with another seed or other lessons than its shard")
             else:
                 records[student] = record
         if progress is not None:
-            progress.update(f"shard {manifest['shard']}/{n} read: {len(manifest['mine'])} record(s)")
+            progress.update(f"shard {manifest['shard']}/{n} read: "
+                            f"{len(manifest['mine'])} record(s)")
     if not problems and set(records) != set(first["students"]):
         unplaced = sorted(set(first["students"]) - set(records))
         problems.append("students in no shard's list: " + ", ".join(unplaced))
@@ -222,7 +227,8 @@ def main_merge(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="kit grade merge",
-                                     description="Merge the output folders of kit grade --shard I/N.")
+                                     description="Merge the output folders of kit grade --shard "
+                                                 "I/N.")
     parser.add_argument("shards", nargs="+", metavar="SHARD_DIR", help="every shard's --out folder")
     parser.add_argument("--out", required=True, help="the merged output folder")
     parser.add_argument("--gradescope", action="store_true",
@@ -230,7 +236,8 @@ def main_merge(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     if any(out.resolve() == Path(f).resolve() for f in args.shards):
-        print(f"kit grade merge: --out {out} is one of the shards: give the merge a folder of its own",
+        print(f"kit grade merge: --out {out} is one of the shards: give the merge a folder of its "
+              "own",
               file=sys.stderr)
         return 2
     from kit.output import Progress

@@ -73,11 +73,13 @@ def _folder(folder: Path) -> list[Submission]:
     if (folder / "submitted").is_dir():
         folder = folder / "submitted"
     if folder.name == "submitted":  # nbgrader: submitted/<student>/<assignment>/*.ipynb
-        return [_one_student(s.name, _notebooks(s), s) for s in sorted(folder.iterdir()) if s.is_dir()]
+        return [_one_student(s.name, _notebooks(s), s) for s in sorted(folder.iterdir())
+                if s.is_dir()]
     if (folder / "submission_metadata.yml").is_file():
         names = _gradescope_names(folder / "submission_metadata.yml")
         return [_one_student(names.get(s.name, s.name), _notebooks(s), s)
-                for s in sorted(folder.iterdir()) if s.is_dir() and s.name.startswith("submission_")]
+                for s in sorted(folder.iterdir())
+                if s.is_dir() and s.name.startswith("submission_")]
     notebooks = _notebooks(folder)
     lessons = [lesson_of(nb) for nb in notebooks]
     if notebooks and None not in lessons and len(set(lessons)) == len(lessons):
@@ -95,7 +97,8 @@ def _gradescope_names(path: Path) -> dict[str, str]:
         return {}
     names = {}
     for key, value in meta.items() if isinstance(meta, dict) else []:
-        people = value.get(":submitters") or value.get("submitters") if isinstance(value, dict) else None
+        people = (value.get(":submitters") or value.get("submitters")
+                  if isinstance(value, dict) else None)
         if isinstance(people, list) and people and isinstance(people[0], dict):
             who = people[0].get(":email") or people[0].get(":name") or people[0].get("email")
             if isinstance(who, str) and who:
@@ -114,23 +117,25 @@ def discover(paths: list[str | Path]) -> list[Submission]:
         path = Path(raw)
         if path.is_file():
             if path.suffix not in {".ipynb", ".py"}:
-                raise NotebookError(f"{path} is not a notebook: give .ipynb files or folders of them")
+                raise NotebookError(f"{path} is not a notebook: give .ipynb files or folders of "
+                                    "them")
             lesson = lesson_of(path)
             found.append(Submission(path.stem, {lesson: path} if lesson is not None else {},
                                     any_lesson=None if lesson is not None else path, source=path))
         elif path.is_dir():
             subs = _folder(path)
             if not subs:
-                raise NotebookError(f"{path} holds no .ipynb notebook: give a notebook, a folder of "
-                                    "notebooks, an nbgrader course (with submitted/) or a Gradescope export")
+                raise NotebookError(f"{path} holds no .ipynb notebook: give a notebook, a folder "
+                                    "of notebooks, an nbgrader course (with submitted/) or a "
+                                    "Gradescope export")
             found += subs
         else:
             raise NotebookError(f"no such submission: {path}")
     seen: dict[str, Path | None] = {}
     for sub in found:
         if sub.student in seen:
-            raise NotebookError(f"two submissions are named {sub.student!r} ({seen[sub.student]} and "
-                                f"{sub.source}): grade them in separate runs or rename one")
+            raise NotebookError(f"two submissions are named {sub.student!r} ({seen[sub.student]} "
+                                f"and {sub.source}): grade them in separate runs or rename one")
         seen[sub.student] = sub.source
     return found
 

@@ -1,8 +1,9 @@
 """The isolated process in which ``kit grade`` runs a submission's code (the batch grader only).
 
 The grading parent never imports a submission. It writes a job (notebook copies, seed, the cases
-to run) into a fresh folder and starts ``python -m autograder.grade.sandbox JOB`` in a new session. The worker
-loads the notebooks with :func:`autograder.loading.load_tasks`, runs each case's untrusted half
+to run) into a fresh folder and starts ``python -m autograder.grade.sandbox JOB`` in a new session.
+The worker loads the notebooks with :func:`autograder.loading.load_tasks`, runs each case's
+untrusted half
 ``run(impl, seed)`` and saves the plain data it returns with ``torch.save``; the parent reads it
 back with ``torch.load(weights_only=True)`` and compares it with the trusted expectation.
 
@@ -66,8 +67,8 @@ class Isolation:
 
     def describe(self) -> str:
         if self.namespaces:
-            return (f"bubblewrap: each worker runs as a uid of its own (from {UID_BASE}) in mount, PID and network "
-                    "namespaces of its own (read-only project, own loopback)")
+            return (f"bubblewrap: each worker runs as a uid of its own (from {UID_BASE}) in mount, "
+                    "PID and network namespaces of its own (read-only project, own loopback)")
         if self.own_uid:
             return f"each worker runs as a uid of its own (from {UID_BASE}); no namespaces"
         return "none: workers run as the grader's own user"
@@ -91,7 +92,8 @@ def _probe(cmd: list[str], **kwargs: Any) -> str | None:
         return f"{type(e).__name__}: {e}"
     if done.returncode == 0:
         return None
-    lines = [ln.strip() for ln in (done.stderr or done.stdout).decode(errors="replace").splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in (done.stderr or done.stdout).decode(errors="replace").splitlines()
+             if ln.strip()]
     return lines[-1][:200] if lines else f"exit code {done.returncode}"
 
 
@@ -105,7 +107,8 @@ def isolation() -> Isolation:
 
 def _probe_isolation() -> Isolation:
     if not _is_root():
-        found = Isolation(False, False, "not root: workers run as your user, with no namespaces and "
+        found = Isolation(False, False,
+                          "not root: workers run as your user, with no namespaces and "
                           "no uid of their own")
     else:
         tools = [shutil.which(t) for t in ("bwrap", "setpriv")]
@@ -143,7 +146,8 @@ def sandbox_uid(slot: int) -> int | None:
     return _uid(slot) if isolation().own_uid else None
 
 
-_UIDS: dict[int, tuple[int, int]] = {}  # slot -> (uid, fd of its lock, held while this process lives)
+# slot -> (uid, fd of its lock, held while this process lives)
+_UIDS: dict[int, tuple[int, int]] = {}
 _UIDS_LOCK = threading.Lock()
 
 
@@ -172,7 +176,8 @@ def _uid(slot: int) -> int:
             os.set_inheritable(fd, False)
             _UIDS[slot] = (uid, fd)
             return uid
-        raise RuntimeError(f"all {UID_COUNT} sandbox uids from {UID_BASE} are held by other graders")
+        raise RuntimeError(f"all {UID_COUNT} sandbox uids from {UID_BASE} are held by other "
+                           "graders")
 
 
 def isolation_note() -> str | None:
@@ -188,15 +193,16 @@ def isolation_note() -> str | None:
 
 
 class SandboxUnavailable(RuntimeError):
-    """Grading as root where no namespaced sandbox can be made: refused (see :func:`require_sandbox`)."""
+    """Grading as root where no namespaced sandbox can be made: refused (see
+    :func:`require_sandbox`)."""
 
 
 def _exposure(found: Isolation) -> str:
     if found.own_uid:
-        return (f"as uid {UID_BASE} and up with no namespaces: it could read this machine's files (other "
-                "students' notebooks included), see its processes and reach its network")
-    return ("as root: it could rewrite kit/ and autograder/, read the run's secret and write into the "
-            "output folder")
+        return (f"as uid {UID_BASE} and up with no namespaces: it could read this machine's files "
+                "(other students' notebooks included), see its processes and reach its network")
+    return ("as root: it could rewrite kit/ and autograder/, read the run's secret and write into "
+            "the output folder")
 
 
 def refusal() -> str | None:
@@ -213,9 +219,9 @@ def refusal() -> str | None:
         return None
     return (f"refusing to grade as root without a sandbox ({found.missing}).\n"
             f"  Each submission's code would run {_exposure(found)}.\n"
-            "  Fix: install bubblewrap (apt-get install bubblewrap, or make grade-setup) on a machine or "
-            "container that may create namespaces (Docker: --privileged; or grade in a VM); `kit doctor` "
-            "then shows grading isolation ok.\n"
+            "  Fix: install bubblewrap (apt-get install bubblewrap, or make grade-setup) on a "
+            "machine or container that may create namespaces (Docker: --privileged; or grade in a "
+            "VM); `kit doctor` then shows grading isolation ok.\n"
             "  To grade anyway, trusting every submission: kit grade --unsandboxed "
             "(Python: grade_batch(..., unsandboxed=True)). Nothing was graded or written.")
 

@@ -34,8 +34,10 @@ def _offline_nsswitch() -> int:
         lines = Path("/etc/nsswitch.conf").read_text().splitlines()
     except OSError:
         lines = []
-    names = [ln.split(":", 1)[0].strip() for ln in lines if ":" in ln and not ln.lstrip().startswith("#")]
-    text = "".join(f"{name}: files\n" for name in dict.fromkeys(names + ["passwd", "group", "hosts"]))
+    names = [ln.split(":", 1)[0].strip() for ln in lines if ":" in ln
+             and not ln.lstrip().startswith("#")]
+    text = "".join(f"{name}: files\n"
+                   for name in dict.fromkeys(names + ["passwd", "group", "hosts"]))
     read_fd, write_fd = os.pipe()
     os.write(write_fd, text.encode())
     os.close(write_fd)
@@ -52,7 +54,8 @@ def _namespaced(workdir: Path, uid: int, argv: list[str], hide: Any, nsswitch_fd
     """
     # The host name is localhost: torchrun and c10d advertise it to ranks, and the only interface
     # in the namespace is the loopback (the host's own name may resolve to an address not there).
-    cmd = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--hostname",
+    cmd = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+           "--hostname",
            "localhost", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     # First the empty places, so that a tree below them (a project cloned under /tmp) stays visible.
     cmd += ["--dev", "/dev", "--proc", "/proc",

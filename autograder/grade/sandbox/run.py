@@ -35,7 +35,8 @@ class Limits:
 
 @dataclass
 class WorkerExit:
-    """How a worker ended: ``reason`` is None for a normal exit, else what the parent killed it for."""
+    """How a worker ended: ``reason`` is None for a normal exit, else what the parent killed it
+    for."""
 
     returncode: int | None
     reason: str | None  # None | "timeout" | "output" | "processes" | "wall"
@@ -49,7 +50,8 @@ class WorkerExit:
 
 _SERIAL = itertools.count()
 # Join each cgroup given ($1 of them), then become the rest of the command line.
-_JOIN = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" 2>/dev/null; shift; n=$((n - 1)); done; exec "$@"'
+_JOIN = ('n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" 2>/dev/null; shift; n=$((n - 1)); '
+         'done; exec "$@"')
 
 
 def _read_output(stream: Any, head: bytearray, tail: deque, count: list[int], keep: int) -> None:
@@ -69,7 +71,8 @@ def _read_control(fd: int, messages: list[tuple[float, str]]) -> None:
 
 
 def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
-               keep_output: int = 4000, hide: Iterable[Path] = (), unsandboxed: bool = False) -> WorkerExit:
+               keep_output: int = 4000, hide: Iterable[Path] = (),
+               unsandboxed: bool = False) -> WorkerExit:
     """Run ``python -m autograder.grade.sandbox workdir/job.json`` under ``limits`` and wait for it.
 
     ``workdir`` holds the job and receives the results; it is handed to the worker's uid.
@@ -108,8 +111,10 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
         drop = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     start = time.monotonic()
     # umask: the worker's files are its own whatever the grader's shell had (077 or 000)
-    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds, umask=0o077,
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds,
+                            umask=0o077,
                             **drop)
     for fd in fds:
         os.close(fd)
@@ -117,7 +122,8 @@ def run_worker(workdir: Path, limits: Limits, *, slot: int = 0, cases: int = 1,
         cgroups.add(proc.pid)  # before any submission code: the worker first imports torch
     head, tail, count = bytearray(), deque(), [0]
     messages: list[tuple[float, str]] = []
-    readers = [threading.Thread(target=_read_output, args=(proc.stdout, head, tail, count, keep_output),
+    readers = [threading.Thread(target=_read_output,
+                                args=(proc.stdout, head, tail, count, keep_output),
                                 daemon=True),
                threading.Thread(target=_read_control, args=(read_fd, messages), daemon=True)]
     for t in readers:

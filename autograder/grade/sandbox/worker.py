@@ -1,6 +1,7 @@
 """The worker: load the notebooks, run each case's untrusted half, save the plain data.
 
-Started by :func:`autograder.grade.sandbox.run_worker` as ``python -m autograder.grade.sandbox JOB``.
+Started by :func:`autograder.grade.sandbox.run_worker` as ``python -m autograder.grade.sandbox
+JOB``.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def _worker(job_path: str) -> int:
 
     from autograder.loading import load_tasks
 
-    gates.trust_answer_fingerprints(job.get("reference_prints", {}), job.get("reference_shapes", {}))
+    gates.trust_answer_fingerprints(job.get("reference_prints", {}),
+                                    job.get("reference_shapes", {}))
     worker = os.getpid()
     modules: dict[int, Any] = {}
 
