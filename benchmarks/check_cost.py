@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _cpu_seconds() -> tuple[float, float]:
     """(user, system) CPU seconds of this process and of its children that were waited for
     (the ranks and torchrun processes a check starts)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + kids.ru_utime, me.ru_stime + kids.ru_stime
 
 
@@ -92,13 +93,14 @@ def main() -> None:
     by_lesson: dict[int, dict[str, float]] = {}
     for row in rows:
         agg = by_lesson.setdefault(int(row["task"].split(".")[0]),
-                                   dict.fromkeys(("seconds", "cpu", "sys", "launches", "torchrun", "cases"), 0))
+                                   dict.fromkeys(("seconds", "cpu", "sys", "launches", "torchrun",
+                                                  "cases"), 0))
         for key in agg:
             agg[key] += row[key]
     print("\nlesson  cases  seconds  cpu-s (sys)  launches  torchrun")
     for lesson, agg in sorted(by_lesson.items()):
-        print(f"{lesson:>6}  {agg['cases']:>5}  {agg['seconds']:>7.1f}  {agg['cpu']:>5.1f} ({agg['sys']:>4.1f})  "
-              f"{agg['launches']:>8}  {agg['torchrun']:>8}")
+        print(f"{lesson:>6}  {agg['cases']:>5}  {agg['seconds']:>7.1f}  {agg['cpu']:>5.1f} "
+              f"({agg['sys']:>4.1f})  {agg['launches']:>8}  {agg['torchrun']:>8}")
     if args.json:
         args.json.write_text(json.dumps({"tasks": rows, "lessons": by_lesson}, indent=1))
     sys.exit(0)

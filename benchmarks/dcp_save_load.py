@@ -1,4 +1,5 @@
-"""Sharded DCP save/load against rank-0 torch.save/torch.load, and the training time async_save blocks.
+"""Sharded DCP save/load against rank-0 torch.save/torch.load, and the training time async_save
+blocks.
 
     .venv/bin/python benchmarks/dcp_save_load.py                 # about 1-2 minutes on 2 cores
     .venv/bin/python benchmarks/dcp_save_load.py --dims 128 512 --repeats 3
@@ -110,10 +111,12 @@ def _operations(model, optimizer, full_path: str, sharded_path: str, rank: int) 
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=sharded_path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
         return _state_bytes(state)
 
-    return {"full save": full_save, "dcp save": dcp_save, "full load": full_load, "dcp load": dcp_load}
+    return {"full save": full_save, "dcp save": dcp_save, "full load": full_load,
+            "dcp load": dcp_load}
 
 
 def _bench_on_rank(folder: str, dims: list[int], repeats: int) -> list[dict]:
@@ -128,7 +131,8 @@ def _bench_on_rank(folder: str, dims: list[int], repeats: int) -> list[dict]:
         optimizer.step()
         full_path = os.path.join(folder, f"full-{dim}.pt")
         sharded_path = os.path.join(folder, f"dcp-{dim}")
-        results: dict[str, list] = {k: [] for k in ("full save", "dcp save", "full load", "dcp load",
+        results: dict[str, list] = {k: []
+                                    for k in ("full save", "dcp save", "full load", "dcp load",
                                                     "save blocked", "async_save blocked")}
 
         ops = _operations(model, optimizer, full_path, sharded_path, rank)
@@ -143,7 +147,8 @@ def _bench_on_rank(folder: str, dims: list[int], repeats: int) -> list[dict]:
             results["save blocked"].append((time.perf_counter() - start, -1, -1))
             dist.barrier()
             start = time.perf_counter()
-            future = dcp.async_save(state, checkpoint_id=sharded_path + "-async", process_group=group)
+            future = dcp.async_save(state, checkpoint_id=sharded_path + "-async",
+                                    process_group=group)
             results["async_save blocked"].append((time.perf_counter() - start, -1, -1))
             future.result()
             dist.barrier()
@@ -153,7 +158,7 @@ def _bench_on_rank(folder: str, dims: list[int], repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 384], help="model widths")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each operation, alternated")
     parser.add_argument("--world-size", type=int, default=4)
@@ -169,7 +174,8 @@ def main() -> None:
         params = per_rank[0][i]["params"]
         medians = {}
         for op in per_rank[0][i]["results"]:
-            runs = [[rank_rows[i]["results"][op][k] for rank_rows in per_rank] for k in range(args.repeats)]
+            runs = [[rank_rows[i]["results"][op][k] for rank_rows in per_rank]
+                    for k in range(args.repeats)]
             seconds = statistics.median(max(r[0] for r in run) for run in runs)
             held0 = statistics.median(run[0][2] for run in runs)
             held_max = statistics.median(max(r[2] for r in run) for run in runs)
@@ -178,9 +184,10 @@ def main() -> None:
             peaks = (f"{held0 / 2**20:>17.1f} {held_max / 2**20:>14.1f} {peak_max / 2**20:>17.1f}"
                      if held0 >= 0 else f"{'':>17} {'':>14} {'':>17}")
             print(f"{dim:>4} {params:>9,d} {op:<20} {seconds:>8.3f} {peaks}")
-        print(f"{'':>4} {'':>9} ratios: save full/dcp {medians['full save'] / medians['dcp save']:.2f}x, "
-              f"load full/dcp {medians['full load'] / medians['dcp load']:.2f}x, blocked "
-              f"save/async_save {medians['save blocked'] / medians['async_save blocked']:.2f}x")
+        print(f"{'':>4} {'':>9} ratios: save full/dcp "
+              f"{medians['full save'] / medians['dcp save']:.2f}x, load full/dcp "
+              f"{medians['full load'] / medians['dcp load']:.2f}x, blocked save/async_save "
+              f"{medians['save blocked'] / medians['async_save blocked']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ def _plot(runs: dict[int, list], path: str) -> None:
                     ax.plot([x, x], [rank - 0.4, rank + 0.4], color="tab:blue", lw=1)
         ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
         ax.invert_yaxis()
-        ax.set_title(f"{name}, {world_size} ranks (blue ticks: all-reduces start)", fontsize="medium")
+        ax.set_title(f"{name}, {world_size} ranks (blue ticks: all-reduces start)",
+                     fontsize="medium")
         ax.set_xlabel("time (ms)")
     axes[0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
     fig.tight_layout()
@@ -186,7 +187,8 @@ def _recorder_overhead(wrappers: dict, config: dict, args: Any) -> None:
                   f"{rec * 1e6:.0f} vs {plain * 1e6:.0f} us/call ({(rec - plain) * 1e6:+.0f} us)")
         for n in NAMES:
             rec, plain = steps["recorder"][n], steps["plain gloo"][n]
-            (r1, r2, r3), (p1, p2, p3) = statistics.quantiles(rec, n=4), statistics.quantiles(plain, n=4)
+            r1, r2, r3 = statistics.quantiles(rec, n=4)
+            p1, p2, p3 = statistics.quantiles(plain, n=4)
             print(f"{world_size:>5} {n:>14}  {r2 / p2:.3f}x ({r1 / p3:.2f}-{r3 / p1:.2f}), "
                   f"{r2 * 1e3:.1f} vs {p2 * 1e3:.1f} ms/step")
 

@@ -1,8 +1,9 @@
 """Tokens per second of Lesson 09's small ESM-2 under torch DDP and FSDP2, side by side.
 
-    .venv/bin/python benchmarks/esm_tokens_per_second.py                  # 4 ranks, bf16, checkpointing
-    .venv/bin/python benchmarks/esm_tokens_per_second.py --steps 40 --fp32 --no-checkpointing
-    .venv/bin/python benchmarks/esm_tokens_per_second.py --layers 4 --dim 128 --max-tokens 2048
+    .venv/bin/python benchmarks/esm_tokens_per_second.py                  # 4 ranks, bf16,
+    checkpointing .venv/bin/python benchmarks/esm_tokens_per_second.py --steps 40 --fp32
+    --no-checkpointing .venv/bin/python benchmarks/esm_tokens_per_second.py --layers 4 --dim 128
+    --max-tokens 2048
 
 One launch. Every rank builds fair-esm's ``ESM2`` twice from the same seed (2 layers of width
 64 by default, as in the lesson), wraps each layer in an activation checkpoint, and shards one
@@ -67,7 +68,8 @@ def _time_both(tasks: Any, args: argparse.Namespace) -> dict[str, list[tuple[flo
     lengths = [len(s) + 2 for s in sequences]
     models = _models(args.layers, args.dim, args.heads, not args.no_checkpointing)
     optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-3) for n, m in models.items()}
-    batches = tasks.token_budget_batches(lengths, args.max_tokens, rank, world_size, seed=0, epoch=0)
+    batches = tasks.token_budget_batches(lengths, args.max_tokens, rank, world_size, seed=0,
+                                         epoch=0)
     generator = torch.Generator().manual_seed(rank)
     times: dict[str, list[tuple[float, int]]] = {n: [] for n in NAMES}
     for step in range(args.steps):
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=1024, help="token budget per rank and step")
+    parser.add_argument("--max-tokens", type=int, default=1024,
+                        help="token budget per rank and step")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -105,12 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     tasks = load_tasks(course.lesson(9).source)
     load = os.getloadavg()[0]
     wall = time.perf_counter()
-    per_rank = run_ranks(_time_both, (tasks, args), world_size=args.world_size, timeout=1800, echo=False)
+    per_rank = run_ranks(_time_both, (tasks, args), world_size=args.world_size, timeout=1800,
+                         echo=False)
     wall = time.perf_counter() - wall
     print(f"small ESM-2 ({args.layers} layers x {args.dim}), {args.world_size} ranks, "
-          f"{args.max_tokens} tokens per rank and step, {'fp32' if args.fp32 else 'bf16 autocast'}, "
-          f"checkpointing {'off' if args.no_checkpointing else 'on'}; {args.steps} steps each, "
-          f"first {args.warmup} dropped; load average {load:.1f} at start, {wall:.0f} s in all")
+          f"{args.max_tokens} tokens per rank and step, "
+          f"{'fp32' if args.fp32 else 'bf16 autocast'}, checkpointing "
+          f"{'off' if args.no_checkpointing else 'on'}; {args.steps} steps each, first "
+          f"{args.warmup} dropped; load average {load:.1f} at start, {wall:.0f} s in all")
     rates = {}
     for name in NAMES:
         steps = []

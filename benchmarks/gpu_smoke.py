@@ -34,7 +34,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # --only 5,9: the lessons whose snippets run (all when empty)
-ONLY = {int(n) for n in sys.argv[sys.argv.index("--only") + 1].split(",")} if "--only" in sys.argv else set()
+ONLY = ({int(n) for n in sys.argv[sys.argv.index("--only") + 1].split(",")}
+        if "--only" in sys.argv else set())
 
 
 def _device() -> torch.device:
@@ -72,7 +73,8 @@ class Results:
         self.failed += not passed
         if self.rank == 0:
             seconds = time.perf_counter() - start
-            print(f"{'PASS' if passed else 'FAIL'}  {name} [{seconds:.1f} s]" + (f": {detail}" if detail else ""),
+            print(f"{'PASS' if passed else 'FAIL'}  {name} [{seconds:.1f} s]"
+                  + (f": {detail}" if detail else ""),
                   flush=True)
 
 
@@ -109,7 +111,8 @@ def lesson01(device: torch.device) -> str:
 
 
 def lesson02(device: torch.device, shared: str) -> str:
-    """train.py: dist_info_from_env, the model on the rank's GPU, a checkpoint loaded on every rank."""
+    """train.py: dist_info_from_env, the model on the rank's GPU, a checkpoint loaded on every
+    rank."""
     m = _lesson(2)
     info = m.dist_info_from_env()
     assert info.world_size == dist.get_world_size()
@@ -126,12 +129,13 @@ def lesson02(device: torch.device, shared: str) -> str:
     assert all(p.device == device for p in model.parameters())
     if device.type == "cuda":  # what the lesson's correction says
         assert where == {torch.device("cuda", 0)}, where
-    return f"rank {info.rank}/{info.world_size}, local_rank {info.local_rank}; torch.load without " \
-           f"map_location puts rank 0's tensors on {sorted(map(str, where))} on every rank"
+    return f"rank {info.rank}/{info.world_size}, local_rank {info.local_rank}; torch.load " \
+           f"without map_location puts rank 0's tensors on {sorted(map(str, where))} on every rank"
 
 
 def lesson03(device: torch.device) -> str:
-    """The data plane on GPUs: DistributedSampler, pinned memory, seeded workers, gather_unpadded."""
+    """The data plane on GPUs: DistributedSampler, pinned memory, seeded workers,
+    gather_unpadded."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     m = _lesson(3)
@@ -156,7 +160,8 @@ def lesson03(device: torch.device) -> str:
     order = DistributedSampler(data, shuffle=False)
     values = torch.tensor([float(i) for i in order], device=device) * 2.0
     everything = m.gather_unpadded(values, n)
-    torch.testing.assert_close(everything, torch.arange(n, dtype=torch.float32, device=device) * 2.0)
+    torch.testing.assert_close(everything,
+                               torch.arange(n, dtype=torch.float32, device=device) * 2.0)
     return f"{world_size} rank(s); gather_unpadded of {n} samples on {device.type}"
 
 
@@ -234,7 +239,8 @@ def lesson05(device: torch.device) -> str:
     del model
     # HSDP: shard within a "node", replicate across them (here nodes of at most 2 ranks)
     shard = 2 if world_size % 2 == 0 else 1
-    hsdp = init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    hsdp = init_device_mesh(device.type, (world_size // shard, shard),
+                            mesh_dim_names=("replicate", "shard"))
     model = m.apply_fsdp2(TinyTransformer(dim=64, layers=2).to(device), hsdp)
     model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
     hsdp_loss = _one_step(model, device, vocab=256)
@@ -292,12 +298,14 @@ def lesson06(device: torch.device, shared: str) -> str:
     stager.close()
     fresh = training_state()
     for folder in (f"step-{step:06d}", "staged"):
-        dcp.load({"train": fresh}, checkpoint_id=os.path.join(shared, folder), process_group=ckpt_group)
+        dcp.load({"train": fresh}, checkpoint_id=os.path.join(shared, folder),
+                 process_group=ckpt_group)
         assert fresh.step == step, fresh.step
         for a, b in zip(state.model.parameters(), fresh.model.parameters()):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     note = "" if cuda else " (CPU: no pinned memory or non-blocking copy, they need CUDA)"
-    return f"async_save -> {type(future).__name__}, with a DefaultStager -> {kind}; both reload exactly{note}"
+    return (f"async_save -> {type(future).__name__}, with a DefaultStager -> {kind}; both reload "
+            f"exactly{note}")
 
 
 def lesson07(device: torch.device) -> str:
@@ -331,7 +339,8 @@ def lesson07(device: torch.device) -> str:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    return f"loss {loss:.2f}; {peak:.2f} GiB at peak; snapshot of {len(snapshot['segments'])} segments"
+    return (f"loss {loss:.2f}; {peak:.2f} GiB at peak; snapshot of {len(snapshot['segments'])} "
+            "segments")
 
 
 def lesson08(device: torch.device) -> str:
@@ -354,10 +363,12 @@ def lesson08(device: torch.device) -> str:
     tp = min(8, world_size) if world_size % min(8, world_size) == 0 else 1
     mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    size = dict(dim=2048, layers=16, heads=16) if device.type == "cuda" else dict(dim=64, layers=2, heads=4)
+    size = (dict(dim=2048, layers=16, heads=16) if device.type == "cuda"
+            else dict(dim=64, layers=2, heads=4))
     model = TinyTransformer(**size).to(device)  # each block: mlp.0, GELU, mlp.2
     for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+        parallelize_module(block, mesh["tp"],
+                           {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     loss = _one_step(model, device, vocab=256)
@@ -368,7 +379,8 @@ def lesson08(device: torch.device) -> str:
     x = torch.randn(4, 16, 64, device=device)
     col, row = m.ColumnParallelLinear(up, group=group), m.RowParallelLinear(down, group=group)
     torch.testing.assert_close(row(F.gelu(col(x))), down(F.gelu(up(x))), rtol=1e-4, atol=1e-5)
-    return f"mesh {tuple(mesh.shape)} (dp, tp): FSDP x TP step, loss {loss:.2f}; your TP layers == nn.Linear"
+    return (f"mesh {tuple(mesh.shape)} (dp, tp): FSDP x TP step, loss {loss:.2f}; your TP layers "
+            "== nn.Linear")
 
 
 def lesson09(device: torch.device) -> str:
@@ -400,7 +412,8 @@ def lesson09(device: torch.device) -> str:
     masked, labels = m.mask_tokens(tokens.cpu(), vocab, g)
     with torch.autocast(device.type, dtype=torch.bfloat16):  # fair-esm's rotary q, k come out fp32
         logits = model(masked.to(device))["logits"]  # (B, T, 33)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(), ignore_index=-100)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(),
+                           ignore_index=-100)
     loss.backward()
     try:
         m.load_pretrained_esm2("esm2_t33_650M_UR50D", path="/nonexistent/esm2_t33_650M_UR50D.pt")
@@ -449,7 +462,8 @@ def lesson10(device: torch.device) -> str:
     got = m.screen_metrics(scores[lo:hi].to(device), labels[lo:hi].to(device),
                            torch.arange(lo, hi, device=device))
     assert got["top100"] == list(range(100)), got["top100"][:5]
-    return f"DDP on {device.type}: last loss {loss.item():.2f}; screen_metrics EF@1% {got['ef1']:.1f}"
+    return (f"DDP on {device.type}: last loss {loss.item():.2f}; screen_metrics EF@1% "
+            f"{got['ef1']:.1f}")
 
 
 def lesson12(device: torch.device) -> str:
@@ -484,12 +498,14 @@ def lesson12(device: torch.device) -> str:
     if device.type != "cuda":
         return "1 trace per rank, all_reduce recorded (CPU: no CUDA kernels)"
     on_gpu = {(e["cat"], e["name"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy")}
-    nccl = sorted({e["name"] for e in events if e.get("cat") == "kernel" and "nccl" in e["name"].lower()})
+    nccl = sorted({e["name"] for e in events if e.get("cat") == "kernel"
+                   and "nccl" in e["name"].lower()})
     if dist.get_world_size() == 1:
         # One rank has nothing to send: NCCL launches no kernel (seen on an H200, NCCL 2.28.9:
         # an in-place all_reduce ran nothing on the GPU, an out-of-place collective one DtoD copy).
         assert not nccl, f"one rank, yet NCCL kernels ran: {nccl}"
-        return f"1 rank: NCCL ran no kernel (nothing to send); GPU work in the trace: {len(on_gpu)} kinds"
+        return ("1 rank: NCCL ran no kernel (nothing to send); GPU work in the trace: "
+                f"{len(on_gpu)} kinds")
     assert nccl, f"no NCCL kernel in the CUDA trace, only {sorted(on_gpu)[:5]}"
     streams = {e.get("tid") for e in events if e.get("cat") == "kernel" and e["name"] in nccl}
     return f"NCCL kernels {nccl[:2]} on stream(s) {sorted(streams)}"
@@ -511,7 +527,8 @@ def lesson13(device: torch.device) -> str:
     router = make_router(d_model, num_experts).to(device)
     experts = make_experts(num_experts, d_model, d_hidden,
                            which=expert_range(num_experts, ep, ep_rank)).to(device)
-    moe = m.ExpertParallelMoE(router, experts, k=2, capacity_factor=1.25, group=mesh.get_group("ep"))
+    moe = m.ExpertParallelMoE(router, experts, k=2, capacity_factor=1.25,
+                              group=mesh.get_group("ep"))
     torch.manual_seed(dist.get_rank())
     x = torch.randn(256, d_model, device=device, requires_grad=True)
     out = moe(x)
@@ -525,17 +542,19 @@ def lesson13(device: torch.device) -> str:
     for e, expert in enumerate(experts_all):
         token, choice = torch.nonzero((routing.expert == e) & routing.kept, as_tuple=True)
         if token.numel():
-            expected = expected.index_add(0, token, routing.weight[token, choice, None] * expert(x_one[token]))
+            expected = expected.index_add(0, token, routing.weight[token, choice, None]
+                                          * expert(x_one[token]))
     expected.square().sum().backward()
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(x.grad, x_one.grad)
-    return (f"mesh ({world_size // ep}, {ep}) (dp, ep), {len(experts)} of {num_experts} experts here: "
-            f"forward and backward == MoELayer on {device.type}")
+    return (f"mesh ({world_size // ep}, {ep}) (dp, ep), {len(experts)} of {num_experts} experts "
+            f"here: forward and backward == MoELayer on {device.type}")
 
 
 def worker(local_rank: int, world_size: int, port: int, shared: str, backend: str = "nccl") -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # started by mp.spawn: set what torchrun sets
-        os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+        os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                          WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -549,7 +568,8 @@ def worker(local_rank: int, world_size: int, port: int, shared: str, backend: st
     results = Results(dist.get_rank())
     if results.rank == 0:
         where = (f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))} on "
-                 f"{torch.cuda.get_device_name(device)}" if backend == "nccl" else "gloo on CPU (dry run)")
+                 f"{torch.cuda.get_device_name(device)}" if backend == "nccl" else "gloo on CPU "
+                                                                                   "(dry run)")
         print(f"torch {torch.__version__}, {dist.get_world_size()} rank(s), {where}", flush=True)
     # one check per lesson the course spec gives a gpu_smoke (autograder/course.py)
     from autograder import course
@@ -580,7 +600,8 @@ def main() -> int:
     if not torch.cuda.is_available() or not dist.is_nccl_available():
         why = "torch.cuda.is_available() is False" if not torch.cuda.is_available() else \
             "this torch build has no NCCL"
-        print(f"gpu_smoke: skipped, no CUDA device with NCCL here ({why}); run it on a GPU machine.")
+        print(f"gpu_smoke: skipped, no CUDA device with NCCL here ({why}); "
+              "run it on a GPU machine.")
         return 0
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: this process is one rank
         shared = os.environ.get("GPU_SMOKE_DIR", tempfile.gettempdir())

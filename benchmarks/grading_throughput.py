@@ -56,7 +56,8 @@ def _full_submission(folder: Path) -> list[int]:
 
 
 def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int,
-           finished: list[float] | None = None, unsandboxed: bool = False) -> tuple[float, float, float]:
+           finished: list[float] | None = None,
+           unsandboxed: bool = False) -> tuple[float, float, float]:
     """(seconds, total score of all submissions, CPU seconds of the workers and their ranks);
     ``finished`` receives the seconds, after the batch's expectations, at which each
     submission's record was written."""
@@ -89,7 +90,8 @@ def _steady_rate(finished: list[float], workers: int) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=3, help="full submissions per batch")
-    parser.add_argument("--lessons", help="only these lessons, e.g. 00,01 (default: all with checks)")
+    parser.add_argument("--lessons",
+                        help="only these lessons, e.g. 00,01 (default: all with checks)")
     parser.add_argument("--workers", default="1,2",
                         help="the batches' worker counts, e.g. 1,2,3 (default 1,2; the speed-up "
                              "is the last over the first)")
@@ -132,7 +134,8 @@ def main() -> None:
             f"{n:02d} {t:.1f}" for n, (_, t) in sorted(per_lesson.items())))
         print(f"one full submission (lessons {','.join(f'{n:02d}' for n in lessons)}): sandboxed "
               f"{sandboxed:.1f} s ({points:g} points), in-process {in_process:.1f} s "
-              f"({sum(p for p, _ in per_lesson.values()):g} points), ratio {sandboxed / in_process:.2f}")
+              f"({sum(p for p, _ in per_lesson.values()):g} points), ratio "
+              f"{sandboxed / in_process:.2f}")
         print(f"the same submission alone with --workers 2 (its lessons split over both): "
               f"{alone:.1f} s")
         # A batch that keeps every core busy grades cores * 60 / cpu submissions a minute at best.
@@ -159,9 +162,11 @@ def main() -> None:
             # Below cores * 60 / CPU-s: either cores stood idle or each submission cost more CPU
             # with others beside it (ranks of several workers contending for the cores).
             print(f"  CPU per submission in this batch: {used / args.copies:.1f} CPU-s; the cores "
-                  f"were {100 * used / (seconds * (os.cpu_count() or 1)):.0f}% busy with its workers")
+                  f"were {100 * used / (seconds * (os.cpu_count() or 1)):.0f}% busy with its "
+                  "workers")
         print(f"speed-up with {counts[-1]} workers over {counts[0]}: "
-              f"{rates[counts[-1]] / rates[counts[0]]:.2f}x; load average now {os.getloadavg()[0]:.1f}")
+              f"{rates[counts[-1]] / rates[counts[0]]:.2f}x; load average now "
+              f"{os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

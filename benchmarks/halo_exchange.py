@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{'gather MiB':>11s} {'gather s':>9s} {'bytes x':>8s} {'time x':>7s}")
     for world_size in args.world_sizes:
         for method in ("METIS", "random"):
-            part = (metis_partition(data.edge_index, data.num_nodes, world_size) if method == "METIS"
+            part = (metis_partition(data.edge_index, data.num_nodes, world_size)
+                    if method == "METIS"
                     else random_partition(data.num_nodes, world_size))
             ranks = run_ranks(_exchange, (lesson.halo_plan, part, data.edge_index, args.hidden,
                                           args.repeats), world_size=world_size, timeout=600,

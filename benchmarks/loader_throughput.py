@@ -5,8 +5,8 @@
 
 Lesson 03 makes both points in a notebook; this script measures them side by side in one run
 and reports ratios, so that numbers from different machines compare. Samples come from
-``kit.lessons.data.SlowDataset``: each takes ``--delay-ms`` to load, either waiting (a sleep, like I/O)
-or computing (spinning on the CPU, like a Python-heavy transform).
+``kit.lessons.data.SlowDataset``: each takes ``--delay-ms`` to load, either waiting (a sleep, like
+I/O) or computing (spinning on the CPU, like a Python-heavy transform).
 
 1. Throughput (samples/s, worker start-up included) for each ``num_workers``, as a ratio to
    ``num_workers=0``. Waiting overlaps across workers beyond the core count; computing does
@@ -37,17 +37,20 @@ def _sleep_init(seconds: float):
     return init
 
 
-def throughput(workers: list[int], samples: int, delay_s: float, busy: bool, repeats: int) -> list[float]:
+def throughput(workers: list[int], samples: int, delay_s: float, busy: bool,
+               repeats: int) -> list[float]:
     """Median samples/s for each num_workers (each measured ``repeats`` times, interleaved)."""
     runs: dict[int, list[float]] = {k: [] for k in workers}
     for _ in range(repeats):
         for k in workers:  # interleaved, so a noisy neighbour hits every setting alike
-            loader = DataLoader(SlowDataset(samples, delay_s, busy=busy), batch_size=8, num_workers=k)
+            loader = DataLoader(SlowDataset(samples, delay_s, busy=busy), batch_size=8,
+                                num_workers=k)
             runs[k].append(time_loader(loader).samples_per_s)
     return [statistics.median(runs[k]) for k in workers]
 
 
-def persistence(epochs: int, workers: int, init_s: float, repeats: int) -> dict[bool, tuple[float, float]]:
+def persistence(epochs: int, workers: int, init_s: float,
+                repeats: int) -> dict[bool, tuple[float, float]]:
     """``{persistent: (median seconds per epoch, median first-batch seconds after epoch 0)}``."""
     runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for _ in range(repeats):
@@ -83,9 +86,9 @@ def main() -> None:
     for init_ms in (0.0, args.init_ms):
         res = persistence(4, 2, init_ms / 1000, repeats)
         (epoch_f, first_f), (epoch_t, first_t) = res[False], res[True]
-        print(f"  worker_init_fn {init_ms:5.0f} ms: epoch time False/True = {epoch_f / epoch_t:5.2f}x,"
-              f" first batch of later epochs False/True = {first_f / first_t:6.1f}x"
-              f"  ({first_f * 1000:.0f} ms vs {first_t * 1000:.1f} ms)")
+        print(f"  worker_init_fn {init_ms:5.0f} ms: epoch time False/True = "
+              f"{epoch_f / epoch_t:5.2f}x, first batch of later epochs False/True = "
+              f"{first_f / first_t:6.1f}x  ({first_f * 1000:.0f} ms vs {first_t * 1000:.1f} ms)")
 
 
 if __name__ == "__main__":

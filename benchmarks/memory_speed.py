@@ -62,7 +62,8 @@ def report(title: str, seconds: dict[str, float], extra: dict[str, str] | None =
 
 def _model(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(0)
-    return TinyTransformer(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=4, context=args.length)
+    return TinyTransformer(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=4,
+                           context=args.length)
 
 
 class _TorchCheckpointed(nn.Module):
@@ -97,7 +98,8 @@ def checkpointing(lesson, args: argparse.Namespace) -> None:
     seconds = interleaved_best({n: step(m) for n, m in models.items()}, args.rounds)
     saved = {n: _reference_saved_bytes(m, x) for n, m in models.items()}
     report("activation checkpointing: forward + backward", seconds,
-           {n: f"{saved[n] / 2**20:7.2f} MiB saved ({saved[n] / saved['none']:.2f}x)" for n in saved})
+           {n: f"{saved[n] / 2**20:7.2f} MiB saved ({saved[n] / saved['none']:.2f}x)"
+            for n in saved})
 
 
 def precision(args: argparse.Namespace) -> None:
@@ -142,7 +144,8 @@ def compile_vs_eager(args: argparse.Namespace) -> None:
     eager_model, compiled_model = _model(args), _model(args)
     compiled = torch.compile(compiled_model)
 
-    def step(model: Callable[[torch.Tensor], torch.Tensor], params: nn.Module) -> Callable[[], None]:
+    def step(model: Callable[[torch.Tensor], torch.Tensor],
+             params: nn.Module) -> Callable[[], None]:
         def run() -> None:
             F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
             params.zero_grad()

@@ -68,7 +68,8 @@ def count_ops(step: Callable[[], None]) -> int:
     return Count.n
 
 
-def run_block(step: Callable[[], None], steps: int, around_block: Callable[[], AbstractContextManager],
+def run_block(step: Callable[[], None], steps: int,
+              around_block: Callable[[], AbstractContextManager],
               around_step: Callable[[Any], AbstractContextManager]) -> tuple[float, float]:
     """(median seconds of one step, seconds of the whole block per step)."""
     times = []
@@ -107,7 +108,8 @@ class Marking:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -131,7 +133,8 @@ def main() -> None:
             WORKLOADS[name], args.steps, meter.track, lambda _: nullcontext()),
         "one track() per step": lambda name: run_block(
             WORKLOADS[name], args.steps, nullcontext, lambda _: meter.track()),
-        "a mark() per step": lambda name: run_block(WORKLOADS[name], args.steps, meter.track, Marking),
+        "a mark() per step": lambda name: run_block(WORKLOADS[name], args.steps, meter.track,
+                                                    Marking),
         "count_flops()": lambda name: run_block(
             WORKLOADS[name], args.steps, meter.count_flops, lambda _: nullcontext()),
     }

@@ -1,4 +1,5 @@
-"""Lesson 13's expert-parallel layer against one process, and all-to-all dispatch against all-gather.
+"""Lesson 13's expert-parallel layer against one process, and all-to-all dispatch against
+all-gather.
 
     .venv/bin/python benchmarks/moe_dispatch.py                        # 4 ranks, 8 experts, top-2
     .venv/bin/python benchmarks/moe_dispatch.py --world-size 2 --steps 20 --d-model 512 --k 1
@@ -46,7 +47,8 @@ NAMES = ["all-to-all (Task 13.3)", "all-gather", "one process"]
 
 
 class AllGatherMoE(nn.Module):
-    """Dispatch by all-gather: every token everywhere, each rank's experts' share reduce-scattered."""
+    """Dispatch by all-gather: every token everywhere, each rank's experts' share
+    reduce-scattered."""
 
     def __init__(self, route, router, experts_local, k, capacity_factor):
         super().__init__()
@@ -74,7 +76,8 @@ class AllGatherMoE(nn.Module):
                                               as_tuple=True)
                 if token.numel():
                     rows = token + r * max(sizes)
-                    share = share.index_add(0, rows, routing.weight[token, choice, None] * expert(xs[token]))
+                    share = share.index_add(0, rows,
+                                            routing.weight[token, choice, None] * expert(xs[token]))
         mine = funcol.reduce_scatter_tensor_autograd(share, "sum", 0, dist.group.WORLD)
         return funcol.wait_tensor(mine)[:T]
 
@@ -96,7 +99,8 @@ class OneProcessMoE(nn.Module):
             for e, expert in enumerate(self.experts):
                 token, choice = torch.nonzero((routing.expert == e) & routing.kept, as_tuple=True)
                 if token.numel():
-                    out = out.index_add(0, token, routing.weight[token, choice, None] * expert(x[token]))
+                    out = out.index_add(0, token,
+                                        routing.weight[token, choice, None] * expert(x[token]))
             outs.append(out)
         return outs
 
@@ -146,7 +150,7 @@ def _time_all(lesson, num_experts: int, k: int, d_model: int, d_hidden: int, tok
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--k", type=int, default=2)
@@ -169,17 +173,20 @@ def main(argv: list[str] | None = None) -> None:
     for name in NAMES:
         per_step = [max(r["times"][name][i] for r in result) for i in range(args.steps)]
         medians[name] = statistics.median(per_step)
-    print(f"{args.experts} experts ({args.d_model} -> {args.d_hidden} -> {args.d_model}), top-{args.k}, "
-          f"capacity factor {args.capacity_factor:g}, {args.tokens} tokens per rank, "
-          f"{args.world_size} ranks; forward + backward, median of {args.steps} steps (max over ranks)")
+    print(f"{args.experts} experts ({args.d_model} -> {args.d_hidden} -> {args.d_model}), "
+          f"top-{args.k}, capacity factor {args.capacity_factor:g}, {args.tokens} tokens per rank, "
+          f"{args.world_size} ranks; forward + backward, median of {args.steps} steps (max over "
+          "ranks)")
     base = medians[NAMES[0]]
     bytes0 = sum(n for _, n in result[0]["sent"][NAMES[0]])
     for name in NAMES:
-        line = f"  {name:24s} {1e3 * medians[name]:8.1f} ms/step  {medians[name] / base:5.2f}x all-to-all"
+        line = (f"  {name:24s} {1e3 * medians[name]:8.1f} ms/step  {medians[name] / base:5.2f}x "
+                "all-to-all")
         if name in result[0]["sent"]:
             nbytes = sum(n for _, n in result[0]["sent"][name])
             ops = sorted({op for op, _ in result[0]["sent"][name]})
-            line += f"   rank 0 sent {nbytes / 2**20:6.2f} MiB ({nbytes / bytes0:4.2f}x) via {', '.join(ops)}"
+            line += (f"   rank 0 sent {nbytes / 2**20:6.2f} MiB ({nbytes / bytes0:4.2f}x) via "
+                     f"{', '.join(ops)}")
         print(line)
 
 

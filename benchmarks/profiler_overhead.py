@@ -1,4 +1,5 @@
-"""What Lesson 12's instruments cost: a training step with and without the profiler, and the FLOP count.
+"""What Lesson 12's instruments cost: a training step with and without the profiler, and the FLOP
+count.
 
     .venv/bin/python benchmarks/profiler_overhead.py                 # the lesson's model, 2 ranks
     .venv/bin/python benchmarks/profiler_overhead.py --world-size 4 --dim 128 --steps 10
@@ -93,7 +94,8 @@ def on_rank(vocab: int, dim: int, layers: int, seq_len: int, batch: int, steps: 
     return {"times": times, "trace_bytes": trace_bytes}
 
 
-def flop_count_cost(vocab: int, dim: int, layers: int, seq_len: int, batch: int) -> dict[str, float]:
+def flop_count_cost(vocab: int, dim: int, layers: int, seq_len: int,
+                    batch: int) -> dict[str, float]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -129,7 +131,7 @@ def flop_count_cost(vocab: int, dim: int, layers: int, seq_len: int, batch: int)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=256)
@@ -158,7 +160,8 @@ def main() -> None:
     costs = flop_count_cost(*shape)
     print("Counting FLOPs in one process (best of 5):")
     for name, seconds in costs.items():
-        print(f"  {name:<32} {seconds * 1e6:12.1f} us  {seconds / costs['fused step']:9.5f}x the fused step")
+        print(f"  {name:<32} {seconds * 1e6:12.1f} us  {seconds / costs['fused step']:9.5f}x the "
+              "fused step")
     print(json.dumps({"world_size": args.world_size, "shape": shape}))
 
 

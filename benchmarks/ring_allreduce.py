@@ -28,7 +28,8 @@ from kit.lessons import costmodel
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _time_both(ring_all_reduce, sizes_mb: list[float], repeats: int) -> dict[float, dict[str, list[float]]]:
+def _time_both(ring_all_reduce, sizes_mb: list[float],
+               repeats: int) -> dict[float, dict[str, list[float]]]:
     times: dict[float, dict[str, list[float]]] = {}
     for mb in sizes_mb:
         buffer = torch.ones(int(mb * 2**20) // 4)  # float32
@@ -59,7 +60,8 @@ def main() -> None:
     print(f"ring_all_reduce (Lesson 01 solution) vs gloo dist.all_reduce, {p} ranks, float32, "
           f"median of {args.repeats}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"load average {load} (other work on the CPUs slows both, not always alike)")
-    print(f"{'size':>8} {'ring ms':>9} {'gloo ms':>9} {'ring/gloo':>10} {'ring busbw':>11} {'gloo busbw':>11}")
+    print(f"{'size':>8} {'ring ms':>9} {'gloo ms':>9} {'ring/gloo':>10} {'ring busbw':>11} "
+          f"{'gloo busbw':>11}")
     for mb in args.sizes_mb:
         # a collective ends when its slowest rank is done: take the max over ranks per call
         ring = statistics.median(max(r[mb]["ring"][i] for r in result) for i in range(args.repeats))

@@ -52,17 +52,20 @@ def main(argv: list[str] | None = None) -> None:
     data = power_law_graph(args.nodes, args.degree)
     rowptr, col = in_neighbour_csr(data.edge_index, data.num_nodes)
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randperm(data.num_nodes, generator=g)[:args.batch] for _ in range(args.batches)]
+    batches = [torch.randperm(data.num_nodes, generator=g)[:args.batch]
+               for _ in range(args.batches)]
     fanouts = list(args.fanouts)
 
     from torch_geometric.loader import NodeLoader
     from torch_geometric.sampler import NodeSamplerInput
 
-    adapter = FunctionSampler(lesson.sample_neighbors, data, fanouts, torch.Generator().manual_seed(1))
+    adapter = FunctionSampler(lesson.sample_neighbors, data, fanouts,
+                              torch.Generator().manual_seed(1))
     node_loader = NodeLoader(data, node_sampler=adapter, input_nodes=torch.cat(batches),
                              batch_size=args.batch)
     samplers = {
-        "solution (frontier at once)": lambda s: lesson.sample_neighbors(rowptr, col, s, fanouts, g),
+        "solution (frontier at once)":
+            lambda s: lesson.sample_neighbors(rowptr, col, s, fanouts, g),
         "per-node loop": lambda s: loop_sampler(rowptr, col, s, fanouts, g),
     }
     if pyg_lib_available():
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         for _batch in node_loader:  # sampling plus slicing x and y by n_id: a training loop's cost
             pass
-        rates["solution in PyG's NodeLoader"].append(args.batch * len(batches) / (time.perf_counter() - start))
+        rates["solution in PyG's NodeLoader"].append(args.batch * len(batches)
+                                                     / (time.perf_counter() - start))
 
     nodes = statistics.mean(lesson.sample_neighbors(rowptr, col, b, fanouts, g).n_id.numel()
                             for b in batches[:5])

@@ -97,7 +97,8 @@ def _bytes(solution: Any, config: dict, batch: int) -> dict[str, dict[str, int]]
     for label in ("DDP", "ZeRO-1", "FSDP"):
         model = _model(config)
         if label == "DDP":
-            wrapped, optimizer = DistributedDataParallel(model), torch.optim.AdamW(model.parameters())
+            wrapped = DistributedDataParallel(model)
+            optimizer = torch.optim.AdamW(model.parameters())
         elif label == "ZeRO-1":
             wrapped = model
             optimizer = solution.ShardedOptimizer(model.parameters(), torch.optim.AdamW)
@@ -154,9 +155,10 @@ def main() -> None:
     for ours, theirs in PAIRS:
         ratio = medians[ours] / medians[theirs]
         target = TARGETS.get((ours, theirs))
-        verdict = "" if target is None else f"<= {target}x " + ("ok" if ratio <= target else "MISSED")
-        print(f"{ours:>28} {medians[ours] * 1e3:>8.1f}   {theirs:>30} {medians[theirs] * 1e3:>8.1f} "
-              f"{ratio:>5.2f}x {verdict}")
+        verdict = ("" if target is None
+                   else f"<= {target}x " + ("ok" if ratio <= target else "MISSED"))
+        print(f"{ours:>28} {medians[ours] * 1e3:>8.1f}   {theirs:>30} "
+              f"{medians[theirs] * 1e3:>8.1f} {ratio:>5.2f}x {verdict}")
     print(f"\nbytes on rank 0 after one AdamW step (KiB), counted vs the ZeRO formula (fp32, "
           f"{args.world_size} ranks):")
     print(f"{'':8s}{'kind':>10s}{'counted':>10s}{'formula':>10s}{'ratio':>8s}")

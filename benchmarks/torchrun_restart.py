@@ -1,4 +1,5 @@
-"""What an elastic restart costs: torchrun with a worker killed mid-run against an uninterrupted run.
+"""What an elastic restart costs: torchrun with a worker killed mid-run against an uninterrupted
+run.
 
     .venv/bin/python benchmarks/torchrun_restart.py             # about 1 minute on 2 cores
     .venv/bin/python benchmarks/torchrun_restart.py --repeats 1
@@ -35,12 +36,13 @@ dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2, help="runs of each kind, alternated")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         script = write_script(Path(tmp) / "job.py", "import os\nimport signal\nimport torch\n"
-                              "import torch.distributed as dist\n", init_process_group_per_attempt, JOB)
+                              "import torch.distributed as dist\n",
+                              init_process_group_per_attempt, JOB)
         times: dict[str, list[float]] = {"clean": [], "killed and restarted": []}
         for _ in range(args.repeats):
             for kind, crash in (("clean", "0"), ("killed and restarted", "1")):
@@ -51,7 +53,8 @@ def main() -> None:
     clean, restarted = (statistics.median(times[k]) for k in times)
     print(f"{'run':<24}{'median wall s':>14}   all runs")
     for kind, values in times.items():
-        print(f"{kind:<24}{statistics.median(values):>14.2f}   " + " ".join(f"{v:.2f}" for v in values))
+        print(f"{kind:<24}{statistics.median(values):>14.2f}   "
+              + " ".join(f"{v:.2f}" for v in values))
     print(f"restart / clean: {restarted / clean:.2f}x  (a restart adds {restarted - clean:.1f} s)")
 
 
