@@ -19,10 +19,10 @@ import jupytext
 import pytest
 from conftest import executed_lesson
 
+from autograder import course
 from kit.launcher import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "solutions" / "00_launching_ranks.py"
+SOURCE = course.lesson(0).source
 WRITEFILE = re.compile(r"%%writefile \{BY_HAND\}/(\w+\.py)\n")
 SECTION, NEXT_SECTION = "## 4. Starting ranks by hand", "## 5. "
 

@@ -8,31 +8,28 @@ torch's own collectives on inputs the checks do not use.
 
 from __future__ import annotations
 
-import functools
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import solutions
 from hypothesis import given
 from hypothesis import strategies as st
 
 from autograder.lesson01 import count_rounds
-from autograder.loading import load_tasks
 from autograder.references.lesson01 import fit_alpha_beta as reference_fit
 from autograder.registry import CheckFailed
 from kit.launcher import run_ranks
 from kit.lessons import costmodel
 from kit.trace import launch_traced
 
-ROOT = Path(__file__).resolve().parents[1]
+LESSON = 1
 
 
-@functools.cache
 def solution():
-    return load_tasks(ROOT / "solutions" / "01_primitives.py")
+    return solutions(LESSON)
 
 
 # --------------------------------------------------------------------------- round counting

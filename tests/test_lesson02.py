@@ -9,7 +9,6 @@ recorder never communicates; and the lesson runs headless showing each failure i
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,27 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lesson_support import check_outputs, printed_text, run_headless
 
+from autograder import course
 from autograder import lesson02 as checks
-from autograder.loading import load_tasks
 from autograder.references import lesson02 as references
-from autograder.registry import CheckFailed, lesson_tasks
+from autograder.registry import CheckFailed
 from kit.launcher import run_ranks
 from kit.lessons.debugging import RECORDED, _run_recorded, record_collectives
 
-ROOT = Path(__file__).resolve().parents[1]
 LESSON = 2
-SOURCE = ROOT / "solutions" / "02_torchrun.py"
-
-
-@pytest.fixture(scope="module")
-def lesson():
-    return load_tasks(SOURCE)
-
-
-def test_lesson02_registers_tasks_2_1_to_2_3_with_their_points():
-    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(2)}
-    assert tasks == {"2.1": ("dist_info_from_env", 3.0), "2.2": ("resumable_train", 4.0),
-                     "2.3": ("first_mismatch", 3.0)}
+SOURCE = course.lesson(LESSON).source
 
 
 # --------------------------------------------------------------------------- 2.1
@@ -56,26 +43,26 @@ def torchrun_layouts(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(env=torchrun_layouts())
-def test_dist_info_matches_the_trusted_reader_on_every_torchrun_layout(lesson, env):
-    info = lesson.dist_info_from_env(env)
+def test_dist_info_matches_the_trusted_reader_on_every_torchrun_layout(solution, env):
+    info = solution.dist_info_from_env(env)
     assert checks._info_as_dict(info) == checks._info_as_dict(references.dist_info_from_env(env))
     assert info.rank == info.node_rank * info.local_world_size + info.local_rank
 
 
 @settings(max_examples=100, deadline=None)
 @given(env=torchrun_layouts(), extra=st.integers(0, 5))
-def test_dist_info_rejects_a_rank_outside_the_world_naming_rank(lesson, env, extra):
+def test_dist_info_rejects_a_rank_outside_the_world_naming_rank(solution, env, extra):
     env = {"RANK": str(int(env["WORLD_SIZE"]) + extra), "WORLD_SIZE": env["WORLD_SIZE"]}
     with pytest.raises(ValueError, match="RANK"):
-        lesson.dist_info_from_env(env)
+        solution.dist_info_from_env(env)
 
 
-def test_dist_info_reads_os_environ_by_default(lesson, monkeypatch):
+def test_dist_info_reads_os_environ_by_default(solution, monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "2")
-    info = lesson.dist_info_from_env()
+    info = solution.dist_info_from_env()
     assert (info.rank, info.world_size, info.local_rank, info.is_distributed) == (2, 3, 2, True)
 
 
@@ -99,11 +86,11 @@ def test_two_ranks_all_reducing_equal_one_process_accumulating_bit_for_bit():
     assert not torch.equal(alone["0.weight"], references.make_model().state_dict()["0.weight"])
 
 
-def test_lesson_setup_trains_exactly_like_the_trusted_copy(lesson):
-    model, optimizer = lesson.make_model(), None
-    optimizer = lesson.make_optimizer(model)
+def test_lesson_setup_trains_exactly_like_the_trusted_copy(solution):
+    model, optimizer = solution.make_model(), None
+    optimizer = solution.make_optimizer(model)
     for step in range(checks.TOTAL_STEPS):
-        lesson.train_step(model, optimizer, step)
+        solution.train_step(model, optimizer, step)
     expected = references.uninterrupted_run()
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
 
@@ -153,12 +140,12 @@ def sequences_with_one_odd_rank(draw):
 
 @settings(max_examples=200, deadline=None)
 @given(case=sequences_with_one_odd_rank())
-def test_first_mismatch_finds_the_one_rank_that_changed_a_call(lesson, case):
+def test_first_mismatch_finds_the_one_rank_that_changed_a_call(solution, case):
     seqs, odd, index = case
-    found = lesson.first_mismatch(seqs)
+    found = solution.first_mismatch(seqs)
     assert (found.index, found.ranks) == (index, [odd])
     assert found.calls[odd] == (seqs[odd][index] if index < len(seqs[odd]) else None)
-    assert lesson.first_mismatch({r: list(seqs[(odd + 1) % len(seqs)]) for r in seqs}) is None
+    assert solution.first_mismatch({r: list(seqs[(odd + 1) % len(seqs)]) for r in seqs}) is None
 
 
 # --------------------------------------------------------------------------- the recorder
@@ -183,9 +170,9 @@ def _skips_on_rank_1():
     dist.barrier()
 
 
-def test_recorded_hang_is_located_by_first_mismatch(lesson):
+def test_recorded_hang_is_located_by_first_mismatch(solution):
     calls = record_collectives(_skips_on_rank_1, world_size=3, timeout=30)
-    found = lesson.first_mismatch(calls)
+    found = solution.first_mismatch(calls)
     assert (found.index, found.ranks) == (0, [1])
     assert found.calls[1] == ("barrier", ())
 

@@ -13,26 +13,21 @@ import json
 import pytest
 import torch
 from case_support import failed_cases
-from conftest import ROOT, seeded_bugs
+from conftest import seeded_bugs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lesson_support import check_outputs, pass_with_spawned_ranks, printed_text, run_headless
 from torch.utils.data import DataLoader, DistributedSampler
 
-from autograder.registry import CheckFailed, get_task, lesson_tasks
+from autograder import course
+from autograder.registry import CheckFailed, get_task
 from kit.launcher import run_ranks
 from kit.lessons.data import SlowDataset, plot_index_streams, sampler_streams, time_loader
 
 LESSON = 3
 BUGS = seeded_bugs(LESSON)
-SOURCE = ROOT / "solutions" / "03_data_plane.py"
-STUDENT = ROOT / "lessons" / "03_data_plane.ipynb"
-
-
-def test_lesson03_registers_tasks_3_1_to_3_3_with_their_points():
-    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(3)}
-    assert tasks == {"3.1": ("ShardSampler", 4.0), "3.2": ("seed_worker", 3.0),
-                     "3.3": ("gather_unpadded", 3.0)}
+SOURCE = course.lesson(LESSON).source
+STUDENT = course.lesson(LESSON).notebook
 
 
 def test_wrapping_distributed_sampler_fails_only_the_own_implementation_case():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,27 +22,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lesson_support import check_outputs, printed_text, run_headless
 
+from autograder import course
 from autograder.checking import run_checks
 from autograder.lesson06 import RUN_TOTAL, _kill_plan
-from autograder.loading import load_tasks
 from autograder.registry import get_task, lesson_tasks
 from kit.launcher import run_ranks
 from kit.lessons.resume import ResumableSampler, make_model, make_optimizer, token_dataset
 
 LESSON = 6
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "solutions" / "06_checkpointing.py"
-
-
-@pytest.fixture(scope="module")
-def solution():
-    return load_tasks(SOURCE)
-
-
-def test_lesson06_registers_tasks_6_1_to_6_3_with_their_points():
-    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(6)}
-    assert tasks == {"6.1": ("save_shards", 4.0), "6.2": ("TrainingState", 4.0),
-                     "6.3": ("train_with_checkpoints", 5.0)}
+SOURCE = course.lesson(LESSON).source
 
 
 # --------------------------------------------------------------------------- 6.1 by hand

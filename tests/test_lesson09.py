@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +22,9 @@ from hypothesis import strategies as st
 from lesson_support import check_outputs, printed_text, run_headless
 from torch.nn import functional as F
 
+from autograder import course
 from autograder.checking import run_checks
-from autograder.loading import load_tasks
-from autograder.registry import get_task, lesson_tasks
+from autograder.registry import get_task
 from kit.launcher import run_ranks
 from kit.lessons.proteins import (
     ESM2_FAMILY,
@@ -39,20 +38,8 @@ from kit.lessons.proteins import (
     tokenize,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "solutions" / "09_proteins.py"
 LESSON = 9
-
-
-@pytest.fixture(scope="module")
-def solution():
-    return load_tasks(SOURCE)
-
-
-def test_lesson09_registers_tasks_9_1_to_9_4_with_their_points():
-    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(9)}
-    assert tasks == {"9.1": ("mask_tokens", 3.0), "9.2": ("token_budget_batches", 3.0),
-                     "9.3": ("ring_attention", 4.0), "9.4": ("chunked", 2.0)}
+SOURCE = course.lesson(LESSON).source
 
 
 # --------------------------------------------------------------------------- kit.lessons.proteins

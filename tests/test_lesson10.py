@@ -10,38 +10,23 @@ running headless.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lesson_support import check_outputs, printed_text, run_headless
 
-from autograder.loading import load_tasks
+from autograder import course
 from autograder.references.lesson10 import (
     reference_bedroc,
     reference_enrichment_factor,
     reference_scaffold_split,
     reference_screen,
 )
-from autograder.registry import lesson_tasks
 from kit.launcher import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 LESSON = 10
-SOURCE = ROOT / "solutions" / "10_molecules.py"
-
-
-@pytest.fixture(scope="module")
-def solution():
-    return load_tasks(SOURCE)
-
-
-def test_lesson10_registers_tasks_10_1_to_10_4_with_their_points():
-    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(10)}
-    assert tasks == {"10.1": ("collate", 3.0), "10.2": ("EGNNLayer", 3.0),
-                     "10.3": ("scaffold_split", 3.0), "10.4": ("screen_metrics", 4.0)}
+SOURCE = course.lesson(LESSON).source
 
 
 # --------------------------------------------------------------------------- 10.1

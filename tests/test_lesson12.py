@@ -16,27 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 from case_support import failed_cases
-from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lesson_support import check_outputs, printed_text
 from torch.nn import functional as F
 
-from autograder import gates
+from autograder import course, gates
 from autograder.lesson12 import LAYOUTS, PHASES, slow_ranks, traffic_model, traffic_sizes
 from autograder.references import lesson12 as ref
-from autograder.registry import get_task, lesson_tasks
+from autograder.registry import get_task
 from kit.launcher import run_ranks
 from kit.lessons import profiling
 
 LESSON = 12
-SOURCE = ROOT / "solutions" / "12_profiling.py"
-
-
-def test_lesson12_registers_its_three_tasks_with_their_points():
-    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(12)}
-    assert tasks == {"12.1": ("training_flops", 3.0), "12.2": ("step_traffic", 4.0),
-                     "12.3": ("find_straggler", 4.0)}
+SOURCE = course.lesson(LESSON).source
 
 
 def test_every_forbidden_name_of_12_1_resolves():

@@ -19,27 +19,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from case_support import failed_cases
-from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lesson_support import check_outputs, pass_with_spawned_ranks, printed_text, run_headless
 
-from autograder import gates
+from autograder import course, gates
 from autograder.lesson13 import ALL_GATHERS, MOE_RUNS, param_bytes
 from autograder.references import lesson13 as ref
-from autograder.registry import get_task, lesson_tasks
+from autograder.registry import get_task
 from kit.launcher import run_ranks
 from kit.lessons import moe as props
 from kit.lessons.moe import Routing, expert_range, make_experts, make_router, skewed_tokens
 
 LESSON = 13
-SOURCE = ROOT / "solutions" / "13_mixture_of_experts.py"
-
-
-def test_lesson13_registers_its_three_tasks_with_their_points():
-    tasks = {t.id: (t.name, t.points) for t in lesson_tasks(13)}
-    assert tasks == {"13.1": ("route", 4.0), "13.2": ("load_balancing_loss", 3.0),
-                     "13.3": ("ExpertParallelMoE", 6.0)}
+SOURCE = course.lesson(LESSON).source
 
 
 def test_every_forbidden_name_of_13_3_resolves_and_covers_every_all_gather_route():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autograder import registry
+from autograder import course, registry
 from autograder.checking import run_checks
 from autograder.compare import CheckFailed, per_rank, tensor_mismatch, within_bound
 from autograder.registry import SharedRun, Task, fresh_runs
@@ -200,3 +200,9 @@ def test_a_bound_may_differ_per_rank_where_their_shares_differ():
         within_bound([900, 150], [1000, 100], what="halo rows", formula="own + halo", lost="l")
     with pytest.raises(CheckFailed, match="one measurement per rank"):
         within_bound([900], [1000, 100], what="halo rows", formula="own + halo", lost="l")
+
+
+@pytest.mark.parametrize("spec", course.LESSONS, ids=lambda spec: f"lesson{spec.number:02d}")
+def test_each_lesson_registers_exactly_the_tasks_of_its_spec_in_order(spec):
+    """A task id the spec states but no check registers (or the reverse) fails here, per lesson."""
+    assert [t.id for t in registry.lesson_tasks(spec.number)] == [t.id for t in spec.tasks]
