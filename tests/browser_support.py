@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+import pytest
 
 from kit.lab import lab_command, lab_environment
 
@@ -430,3 +431,31 @@ def copy_lessons(dest: Path, solved: bool = True) -> list[Path]:
             out.append(Path(shutil.copy(lesson, dest / lesson.name)))
     return out
 
+
+
+def lab_fixtures() -> tuple[Any, Any]:
+    """The fixtures ``server`` and ``page`` for a test module that defines ``course`` (the folder
+    to serve): ``server, page = lab_fixtures()`` at the module's top level."""
+    return _server, _page
+
+
+@pytest.fixture(scope="module", name="server")
+def _server(browser: Any, course: Path) -> Any:
+    """A JupyterLab serving the test module's ``course`` folder (a fixture the module defines)."""
+    with LabServer(course) as srv:
+        yield srv
+
+
+@pytest.fixture(name="page")
+def _page(browser: Any, server: LabServer) -> Any:
+    """A fresh browser page; the server's kernels are shut down after each test."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    yield context.new_page()
+    context.close()
+    server.shutdown_kernels()
+
+
+def code_cell(notebook: Path, text: str) -> int:
+    """Index of the first code cell whose source contains ``text``."""
+    nb = nbformat.read(notebook, as_version=4)
+    return next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and text in c.source)

@@ -22,13 +22,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
-from browser_support import (
+from browser_support import (  # noqa: F401 - page, server: fixtures
     ROOT,
     WIDGET_EXTENSION,
     LabServer,
@@ -37,7 +36,9 @@ from browser_support import (
     assert_widgets_rendered,
     cell_index,
     cell_outputs,
+    code_cell,
     copy_lessons,
+    lab_fixtures,
     open_notebook,
     require_browser,
     run_all_cells,
@@ -49,10 +50,12 @@ from browser_support import (
     widget_report,
 )
 
+from autograder import course as course_spec
 from kit import lab
 
-LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
-OWN_TESTS = {"00_launching_ranks", "01_primitives"}  # each has a test of its own below
+LESSONS = [spec.stem for spec in course_spec.LESSONS]
+OWN_TESTS = {course_spec.lesson(0).stem, course_spec.lesson(1).stem}  # each has a test of its own below
+server, page = lab_fixtures()
 
 
 @pytest.fixture(scope="module")
@@ -63,26 +66,6 @@ def course(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # the lesson as handed out, tasks still stubs
     shutil.copy(ROOT / "lessons" / f"{LESSONS[0]}.ipynb", folder / "student_00.ipynb")
     return folder
-
-
-@pytest.fixture(scope="module")
-def server(browser: Any, course: Path) -> Iterator[LabServer]:
-    with LabServer(course) as srv:
-        yield srv
-
-
-@pytest.fixture
-def page(browser: Any, server: LabServer) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    yield context.new_page()
-    context.close()
-    server.shutdown_kernels()
-
-
-def cell_with(notebook: Path, text: str) -> int:
-    """Index of the first code cell whose source contains ``text``."""
-    nb = nbformat.read(notebook, as_version=4)
-    return next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and text in c.source)
 
 
 def check_cells(notebook: Path) -> list[int]:
@@ -118,18 +101,18 @@ def tasks_and_checks(notebook: Path) -> list[int]:
 @pytest.mark.browser
 def test_lesson00_in_the_browser_shows_labelled_rank_output_errors_and_check_feedback(
         page: Any, server: LabServer, course: Path) -> None:
-    notebook = course / "00_launching_ranks.ipynb"
-    shown = [cell_with(notebook, text) for text in (
+    notebook = course / course_spec.lesson(0).notebook.name
+    shown = [code_cell(notebook, text) for text in (
         "%load_ext kit", "def hello", "def read_environment", "%%distributed -n 4", "def crash_on_rank_2",
         "def skip_a_collective_on_rank_0")]
     open_and_run(page, server, course, notebook.stem, sorted(shown + tasks_and_checks(notebook)))
-    hello = cell_with(notebook, "def hello")
+    hello = code_cell(notebook, "def hello")
     assert_rank_output(cell_outputs(page, hello), world_size=4)
-    assert_rank_output(cell_outputs(page, cell_with(notebook, "%%distributed -n 4")), world_size=4)
+    assert_rank_output(cell_outputs(page, code_cell(notebook, "%%distributed -n 4")), world_size=4)
 
-    crash = cell_outputs(page, cell_with(notebook, "def crash_on_rank_2"))
+    crash = cell_outputs(page, code_cell(notebook, "def crash_on_rank_2"))
     assert "LaunchError" in crash and "rank 2" in crash and "corrupt batch" in crash, crash[:2000]
-    hang = cell_outputs(page, cell_with(notebook, "def skip_a_collective_on_rank_0"))
+    hang = cell_outputs(page, code_cell(notebook, "def skip_a_collective_on_rank_0"))
     assert "LaunchTimeout" in hang and "Timed out after 5 s" in hang, hang[:2000]
     assert "all_reduce" in hang and "barrier" in hang, f"the hang report names no collective:\n{hang}"
     assert_readable(crash)
@@ -137,15 +120,15 @@ def test_lesson00_in_the_browser_shows_labelled_rank_output_errors_and_check_fee
 
     assert_every_check_passed(page, notebook, check_cells(notebook))
     assert_widgets_rendered(widget_report(page), expected=0)
-    screenshot(page, "00_launching_ranks", focus_index=hello - 1)
+    screenshot(page, notebook.stem, focus_index=hello - 1)
 
 
 @pytest.mark.browser
 def test_lesson01_ring_stepper_renders_and_answers_the_slider(
         page: Any, server: LabServer, course: Path) -> None:
-    notebook = course / "01_primitives.ipynb"
+    notebook = course / course_spec.lesson(1).notebook.name
     open_and_run(page, server, course, notebook.stem, sorted(
-        [cell_with(notebook, "%load_ext kit"), cell_with(notebook, "ring_stepper(world_size=4)"),
+        [code_cell(notebook, "%load_ext kit"), code_cell(notebook, "ring_stepper(world_size=4)"),
          *tasks_and_checks(notebook)]))
     assert_every_check_passed(page, notebook, check_cells(notebook))
     produced = saved_widget_count(page, server, notebook.name)
@@ -153,7 +136,7 @@ def test_lesson01_ring_stepper_renders_and_answers_the_slider(
     assert_widgets_rendered(widget_report(page), expected=produced)
 
     # The slider's observer runs in the kernel: a new step in the view proves the round trip.
-    stepper = cell_with(notebook, "ring_stepper(world_size=4)")
+    stepper = code_cell(notebook, "ring_stepper(world_size=4)")
     cell = page.locator(".jp-Notebook .jp-Cell").nth(stepper)
     cell.scroll_into_view_if_needed()
     assert "start: every rank holds its own data" in cell.inner_text()
@@ -162,7 +145,7 @@ def test_lesson01_ring_stepper_renders_and_answers_the_slider(
     page.wait_for_function(
         "el => el.innerText.includes('reduce-scatter, step 1 of 3')",
         arg=cell.element_handle(), timeout=15_000)
-    screenshot(page, "01_primitives", focus_index=stepper - 1)
+    screenshot(page, notebook.stem, focus_index=stepper - 1)
 
 
 @pytest.mark.parametrize("stem", [s for s in LESSONS if s not in OWN_TESTS])
@@ -287,7 +270,7 @@ def test_kit_lab_opens_the_first_lesson_and_the_sources_open_as_notebooks(
         browser: Any, tmp_path: Path) -> None:
     # A course folder laid out like the repository: lessons/ and solutions/.
     root = tmp_path / "course"
-    first = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))[0]
+    first = course_spec.LESSONS[0].notebook
     for folder, name in (("lessons", first.name), ("solutions", first.stem + ".py")):
         (root / folder).mkdir(parents=True)
         shutil.copy(ROOT / folder / name, root / folder / name)

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
-from browser_support import (
+from browser_support import (  # noqa: F401 - page, server: fixtures
     ROOT,
     LabServer,
     assert_widgets_rendered,
     cell_index,
+    code_cell,
+    lab_fixtures,
     open_notebook,
     run_cell,
     screenshot,
@@ -33,38 +34,21 @@ from browser_support import (
     widget_report,
 )
 
+from autograder import course as course_spec
 from kit.lessons.parallelism import Model, layout_table
 from kit.lessons.proteins import _format_bytes, alphafold_pair_memory
 from kit.lessons.sharding import MODEL_SIZES, STAGES, params_label, stage_bytes
 
-STEMS = {5: "05_sharding", 8: "08_model_parallel", 9: "09_proteins"}
+STEMS = {n: course_spec.lesson(n).stem for n in (5, 8, 9)}
+server, page = lab_fixtures()
 
 
 @pytest.fixture(scope="module")
 def course(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("widgets")
-    for stem in STEMS.values():
-        solved_lesson(ROOT / "lessons" / f"{stem}.ipynb", folder)
+    for n in STEMS:
+        solved_lesson(course_spec.lesson(n).notebook, folder)
     return folder
-
-
-@pytest.fixture(scope="module")
-def server(browser: Any, course: Path) -> Iterator[LabServer]:
-    with LabServer(course) as srv:
-        yield srv
-
-
-@pytest.fixture
-def page(browser: Any, server: LabServer) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    yield context.new_page()
-    context.close()
-    server.shutdown_kernels()
-
-
-def code_cell(notebook: Path, text: str) -> int:
-    nb = nbformat.read(notebook, as_version=4)
-    return next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and text in c.source)
 
 
 def show_widget(page: Any, server: LabServer, notebook: Path, *needed: str) -> Any:

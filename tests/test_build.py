@@ -9,6 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from autograder import course as course_spec
 from autograder.build import (
     BuildError,
     build_lessons,
@@ -24,7 +25,7 @@ from autograder.registry import get_task, lesson_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = lesson_sources(ROOT)
-LESSON00 = ROOT / "solutions" / "00_launching_ranks.py"
+LESSON00 = course_spec.lesson(0).source
 
 
 def _copy_course(tmp_path: Path, lessons: list[Path] = (LESSON00,)) -> Path:
@@ -91,7 +92,7 @@ def test_stub_message_is_the_first_docstring_line():
 def test_check_reports_stale_missing_and_orphan_lessons_with_the_fix(tmp_path, capsys):
     root = _copy_course(tmp_path)
     assert main_build(["--root", str(root), "--check"]) == 1
-    assert "lessons/00_launching_ranks.ipynb is missing" in capsys.readouterr().err
+    assert f"lessons/{course_spec.lesson(0).stem}.ipynb is missing" in capsys.readouterr().err
 
     assert main_build(["--root", str(root)]) == 0
     assert main_build(["--root", str(root), "--check"]) == 0
@@ -101,7 +102,7 @@ def test_check_reports_stale_missing_and_orphan_lessons_with_the_fix(tmp_path, c
     source.write_text(source.read_text() + "\n# %% [markdown]\n# One more paragraph.\n")
     assert main_build(["--root", str(root), "--check"]) == 1
     err = capsys.readouterr().err
-    assert "lessons/00_launching_ranks.ipynb is stale" in err and "Run `kit build`" in err
+    assert f"lessons/{course_spec.lesson(0).stem}.ipynb is stale" in err and "Run `kit build`" in err
 
     (root / "lessons" / "07_gone.ipynb").write_text("{}")
     assert main_build(["--root", str(root), "--check"]) == 1
@@ -140,8 +141,8 @@ def test_malformed_source_names_the_cell_and_the_fix(tmp_path, capsys, old, new,
     with pytest.raises(BuildError, match=message):
         source_notebook(source)
     assert main_build(["--root", str(root)]) == 2
-    assert "00_launching_ranks.py" in capsys.readouterr().err
-    assert not (root / "lessons" / "00_launching_ranks.ipynb").exists()
+    assert f"{course_spec.lesson(0).stem}.py" in capsys.readouterr().err
+    assert not (root / "lessons" / f"{course_spec.lesson(0).stem}.ipynb").exists()
 
 
 def test_build_outside_a_course_repository_says_where_to_run(tmp_path, capsys):
@@ -154,11 +155,11 @@ def test_course_writes_config_and_source_notebooks(tmp_path, capsys):
     assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
     config = (course / "nbgrader_config.py").read_text()
     assert "c.Execute.timeout = 300" in config and "release_preprocessors()" in config
-    source = course / "source" / "00_launching_ranks" / "00_launching_ranks.ipynb"
+    source = course / "source" / course_spec.lesson(0).stem / f"{course_spec.lesson(0).stem}.ipynb"
     nb = nbformat.read(source, as_version=4)
     task = next(c for c in nb.cells if c.id == "task-0-1")
     assert "### BEGIN SOLUTION" in task.source  # the instructor's copy keeps the solutions
-    assert "nbgrader generate_assignment 00_launching_ranks" in capsys.readouterr().out
+    assert f"nbgrader generate_assignment {course_spec.lesson(0).stem}" in capsys.readouterr().out
     # Running it again changes nothing; an instructor's edit is never overwritten silently.
     assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
     source.write_text(source.read_text().replace("Lesson 00", "Lesson 00 (edited)"))
@@ -226,7 +227,7 @@ def test_course_rejects_a_bad_lesson_list(tmp_path, capsys):
 
 def test_read_cells_reads_sources_and_notebooks_alike():
     from_source = [c.source for c in read_cells(LESSON00) if c.cell_type == "markdown"]
-    from_lesson = [c.source for c in read_cells(ROOT / "lessons" / "00_launching_ranks.ipynb")
+    from_lesson = [c.source for c in read_cells(course_spec.lesson(0).notebook)
                    if c.cell_type == "markdown"]
     assert from_source == from_lesson
 

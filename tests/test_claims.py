@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from autograder import course
 from kit import launch
 
-ROOT = Path(__file__).resolve().parents[1]
 TORCH = Path(torch.__file__).parent
 
 
@@ -331,7 +331,7 @@ def test_a_float_argument_recompiles_once_then_becomes_a_graph_input():
 
 
 def test_lesson07_at_scale_compiles_each_block_before_fully_shard():
-    text = (ROOT / "solutions" / "07_memory_speed.py").read_text()
+    text = course.lesson(7).source.read_text()
     scale = text[text.index("## Running at scale"):]
     assert scale.index("block.compile()") < scale.index("fully_shard(block")
     assert "torch.compile(model)" not in scale

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from autograder import course
 from kit import cli, doctor
 
 
@@ -52,7 +53,7 @@ def test_kit_lab_command_opens_the_first_lesson_and_starts_as_root(monkeypatch):
     monkeypatch.setattr(lab.os, "geteuid", lambda: 0)
     cmd = lab.lab_command(root, ["--no-browser"])
     assert "--allow-root" in cmd  # Jupyter refuses root (containers, CI) without it
-    assert str(root / "lessons" / "00_launching_ranks.ipynb") in cmd or "lessons/00_launching_ranks.ipynb" in " ".join(cmd)
+    assert str(root / "lessons" / f"{course.lesson(0).stem}.ipynb") in cmd or f"lessons/{course.lesson(0).stem}.ipynb" in " ".join(cmd)
     assert cmd[-1] == "--no-browser"
     monkeypatch.setattr(lab.os, "geteuid", lambda: 1000)
     assert "--allow-root" not in lab.lab_command(root)

@@ -15,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from autograder import course
 from kit.lessons import figures  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,11 +92,11 @@ def test_triangle_geometry_labels_the_three_edges():
 
 
 @pytest.mark.parametrize("source, call, after, before", [
-    ("08_model_parallel", "figures.tensor_parallel_mlp(", "### f and g", "### Task 8.1"),
-    ("08_model_parallel", "figures.sequence_parallel_mlp(", "## 2. Sequence parallelism", "### Task 8.2"),
-    ("06_checkpointing", "figures.dcp_flow(", "At load time every rank says", "## 3. Task 6.1"),
-    ("09_proteins", "figures.ring_rotation(", "## 5. Long sequences", "### Task 9.3"),
-    ("09_proteins", "figures.triangle_geometry(", "## 6. AlphaFold 2", "### Task 9.4"),
+    (course.lesson(8).stem, "figures.tensor_parallel_mlp(", "### f and g", "### Task 8.1"),
+    (course.lesson(8).stem, "figures.sequence_parallel_mlp(", "## 2. Sequence parallelism", "### Task 8.2"),
+    (course.lesson(6).stem, "figures.dcp_flow(", "At load time every rank says", "## 3. Task 6.1"),
+    (course.lesson(9).stem, "figures.ring_rotation(", "## 5. Long sequences", "### Task 9.3"),
+    (course.lesson(9).stem, "figures.triangle_geometry(", "## 6. AlphaFold 2", "### Task 9.4"),
 ])
 def test_each_lesson_draws_its_figure_where_its_prose_explains_it(source, call, after, before):
     text = (ROOT / "solutions" / f"{source}.py").read_text()

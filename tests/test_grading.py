@@ -19,6 +19,7 @@ import torch
 from grading_corpus import CORPUS, write_corpus
 from grading_support import need_grading_sandbox
 
+from autograder import course
 from autograder.grade.batch import (
     BLOCKED,
     BatchConfig,
@@ -130,14 +131,14 @@ def test_submission_forms_are_discovered(tmp_path):
     nbgrader = tmp_path / "course" / "submitted"
     for student in ("alice", "bob"):
         (nbgrader / student / "lesson00").mkdir(parents=True)
-        (nbgrader / student / "lesson00" / "00_launching_ranks.ipynb").write_text("{}")
+        (nbgrader / student / "lesson00" / f"{course.lesson(0).stem}.ipynb").write_text("{}")
     assert [s.student for s in discover([tmp_path / "course"])] == ["alice", "bob"]
     gs = tmp_path / "export"
     (gs / "submission_1").mkdir(parents=True)
-    (gs / "submission_1" / "00_launching_ranks.ipynb").write_text("{}")
+    (gs / "submission_1" / f"{course.lesson(0).stem}.ipynb").write_text("{}")
     (gs / "submission_metadata.yml").write_text("submission_1:\n  :submitters:\n  - :email: carol@uni.edu\n")
     [carol] = discover([gs])
-    assert carol.student == "carol@uni.edu" and carol.notebook_for(0).name == "00_launching_ranks.ipynb"
+    assert carol.student == "carol@uni.edu" and carol.notebook_for(0).name == f"{course.lesson(0).stem}.ipynb"
     many = tmp_path / "many"
     many.mkdir()
     for name in ("dan", "eve"):

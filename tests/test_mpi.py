@@ -23,8 +23,9 @@ from pathlib import Path
 import jupytext
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "solutions" / "01_primitives.py"
+from autograder import course
+
+SOURCE = course.lesson(1).source
 WRITEFILE = re.compile(r"%%writefile \{MPI_DIR\}/(\w+\.py)\n")
 SIZES = [1024, 65536]
 WORLD_SIZE = 4

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 import kit
+from autograder import course
 from autograder.loading import NotebookError, load_tasks
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "solutions" / "00_launching_ranks.py"
-LESSON = ROOT / "lessons" / "00_launching_ranks.ipynb"
+SOURCE = course.lesson(0).source
+LESSON = course.lesson(0).notebook
 
 
 def _solved_notebook() -> dict:

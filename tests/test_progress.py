@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT
 
 import autograder.progress as progress_module
+from autograder import course
 from autograder.build import source_notebook
 from autograder.progress import course_progress, default_cache, find_notebooks, main
 
@@ -41,11 +42,11 @@ def _with_tasks(name: str, edits: dict[str, str]) -> dict:
 def _folder(tmp_path: Path) -> Path:
     folder = tmp_path / "course" / "lessons"
     folder.mkdir(parents=True)
-    (folder / "00_launching_ranks.ipynb").write_text(
-        json.dumps(_with_tasks("00_launching_ranks", {"task-0-2": MEAN_OF_MEANS}), indent=1))
-    (folder / "01_primitives.ipynb").write_text(json.dumps(_release("01_primitives"), indent=1))
+    (folder / f"{course.lesson(0).stem}.ipynb").write_text(
+        json.dumps(_with_tasks(course.lesson(0).stem, {"task-0-2": MEAN_OF_MEANS}), indent=1))
+    (folder / f"{course.lesson(1).stem}.ipynb").write_text(json.dumps(_release(course.lesson(1).stem), indent=1))
     # no Lesson 02 notebook: not started
-    (folder / "04_data_parallel.ipynb").write_text('{"cells": [ this is not JSON')
+    (folder / f"{course.lesson(4).stem}.ipynb").write_text('{"cells": [ this is not JSON')
     return folder.parent
 
 
@@ -89,7 +90,7 @@ def test_a_mixed_folder_task_by_task_and_what_to_do_next(tmp_path, counted_runs)
     assert report.max_score == sum(t.max_score for lp in report.lessons for t in lp.tasks) > 2.75
     # the first task that does not pass, in lesson order, with the check it fails
     nxt = report.next_step()
-    assert nxt.startswith("Task 0.2 `global_mean` in lessons/00_launching_ranks.ipynb: fails '"), nxt
+    assert nxt.startswith(f"Task 0.2 `global_mean` in lessons/{course.lesson(0).stem}.ipynb: fails '"), nxt
     table = report.table()
     assert "not implemented" in table and "not started" in table and "next: Task 0.2" in table
     assert "total: 2.75/" in table
@@ -111,8 +112,8 @@ def test_only_changed_task_cells_run_again(tmp_path, counted_runs):
     assert again.ran == 0 and again.remembered == ran_first
     assert _states(again) == _states(first)
     # the learner fixes Task 0.2: only its checks run, and it now passes
-    nb = folder / "lessons" / "00_launching_ranks.ipynb"
-    nb.write_text(json.dumps(_with_tasks("00_launching_ranks", {}), indent=1))
+    nb = folder / "lessons" / f"{course.lesson(0).stem}.ipynb"
+    nb.write_text(json.dumps(_with_tasks(course.lesson(0).stem, {}), indent=1))
     fixed = course_progress(folder, lessons=[0, 1], cache=cache)
     assert counted_runs[ran_first:] == ["0.2"]
     assert _states(fixed)["0.2"] == ("passed", 3.0)
@@ -142,14 +143,14 @@ def test_the_command(tmp_path, capsys, monkeypatch):
 
 
 def test_notebooks_are_found_where_courses_put_them(tmp_path, monkeypatch):
-    (tmp_path / "05_sharding").mkdir()  # nbgrader's release layout
-    (tmp_path / "05_sharding" / "05_sharding.ipynb").write_text("{}")
-    (tmp_path / "00_launching_ranks.ipynb").write_text("{}")
+    (tmp_path / course.lesson(5).stem).mkdir()  # nbgrader's release layout
+    (tmp_path / course.lesson(5).stem / f"{course.lesson(5).stem}.ipynb").write_text("{}")
+    (tmp_path / f"{course.lesson(0).stem}.ipynb").write_text("{}")
     (tmp_path / ".ipynb_checkpoints").mkdir()
-    (tmp_path / ".ipynb_checkpoints" / "01_primitives-checkpoint.ipynb").write_text("{}")
+    (tmp_path / ".ipynb_checkpoints" / f"{course.lesson(1).stem}-checkpoint.ipynb").write_text("{}")
     found = find_notebooks(tmp_path)
     assert {k: v.relative_to(tmp_path).as_posix() for k, v in found.items()} == {
-        0: "00_launching_ranks.ipynb", 5: "05_sharding/05_sharding.ipynb"}
+        0: f"{course.lesson(0).stem}.ipynb", 5: f"{course.lesson(5).stem}/{course.lesson(5).stem}.ipynb"}
     monkeypatch.delenv("KIT_PROGRESS_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache() == tmp_path / "xdg" / "kit" / "progress.json"

@@ -22,6 +22,7 @@ import pytest
 from conftest import ROOT, run_nbgrader
 from grading_support import need_grading_sandbox
 
+from autograder import course as course_spec
 from autograder.build import main_course, source_notebook
 from autograder.checking import run_checks
 from autograder.grade.notebook import main as grade_main
@@ -30,7 +31,7 @@ from autograder.loading import load_tasks
 from autograder.registry import lesson_tasks
 from autograder.results import unloaded
 
-NAME = "00_launching_ranks"
+NAME = course_spec.lesson(0).stem
 MEAN_OF_MEANS = '''def global_mean(local: torch.Tensor) -> torch.Tensor:
     mean = local.mean()
     dist.all_reduce(mean)

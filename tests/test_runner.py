@@ -12,13 +12,13 @@ import pytest
 from conftest import executed_lesson
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from autograder import course
 from autograder.grade.notebook import main as grade_main
 from kit.runner import main as run_main
 from kit.runner import run_notebook
 
-ROOT = Path(__file__).resolve().parents[1]
-LESSON00_SOURCE = ROOT / "solutions" / "00_launching_ranks.py"
-LESSON00 = ROOT / "lessons" / "00_launching_ranks.ipynb"
+LESSON00_SOURCE = course.lesson(0).source
+LESSON00 = course.lesson(0).notebook
 
 
 def _notebook(tmp_path: Path, *sources: str) -> Path:
@@ -118,7 +118,7 @@ def test_grade_reports_a_missing_task_and_takes_the_lesson_from_an_option(tmp_pa
 
 
 def test_grade_never_overwrites_the_submission(tmp_path, capsys):
-    path = shutil.copy(LESSON00, tmp_path / "00_launching_ranks.ipynb")
+    path = shutil.copy(LESSON00, tmp_path / f"{course.lesson(0).stem}.ipynb")
     before = Path(path).read_text()
     assert grade_main([str(path), "--unsandboxed", "--json", str(path)]) == 2
     assert Path(path).read_text() == before

@@ -20,6 +20,8 @@ import pytest
 from grading_corpus import write_corpus
 from grading_support import need_grading_sandbox
 
+from autograder import course
+
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "slurm" / "local-cluster.sh"
 KIT = Path(sys.executable).with_name("kit")
@@ -132,7 +134,7 @@ def _lesson02_train_script(path: Path) -> Path:
     from autograder.loading import load_tasks
     from kit.torchrun import init_process_group_per_attempt, write_script
 
-    source = ROOT / "solutions" / "02_torchrun.py"
+    source = course.lesson(2).source
     texts = {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(source.read_text()).body
              if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
              and node.targets[0].id in ("HEADER", "TRAIN_MAIN")}
@@ -167,7 +169,7 @@ def test_train_sbatch_on_cpu_resumes_from_its_checkpoint_after_the_job_is_requeu
     assert f"requeueing job {job} at step 3" in log, log[-3000:]
     assert "rank 0: resuming at step 3" in log, log[-3000:]  # the second run, from the checkpoint
     assert (ckpt / "final.pt").exists(), log[-3000:]
-    lesson = load_tasks(ROOT / "solutions" / "02_torchrun.py")
+    lesson = load_tasks(course.lesson(2).source)
     (tmp_path / "uninterrupted").mkdir()
     reference = lesson.resumable_train(str(tmp_path / "uninterrupted"), 6)
     resumed = torch.load(ckpt / "final.pt", weights_only=True)

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from autograder import course
+
 ROOT = Path(__file__).resolve().parents[2]
-LESSON = ROOT / "lessons" / "00_launching_ranks.ipynb"
+LESSON = course.lesson(0).notebook
 
 SHARD_OK = '''def shard_range(n, rank, world_size):
     base, extra = divmod(n, world_size)
