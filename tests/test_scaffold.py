@@ -19,7 +19,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from grading_support import need_grading_sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
