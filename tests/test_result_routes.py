@@ -55,13 +55,14 @@ USES_HELPER = ("def global_mean(local):\n    total = _sum_and_count(local)\n"
                "    return (total[0] / total[1]).to(local.dtype)\n")
 
 # notebook -> task -> (status, points) every route must give
+FULL = {t.id: t.points for t in course_spec.lesson(0).tasks}  # full marks, from the spec
 EXPECTED = {
-    "solved": {"0.1": ("passed", 2.0), "0.2": ("passed", 3.0)},
+    "solved": {"0.1": ("passed", FULL["0.1"]), "0.2": ("passed", FULL["0.2"])},
     "untouched": {"0.1": ("not implemented", 0.0), "0.2": ("not implemented", 0.0)},
-    "seeded_bug": {"0.1": ("passed", 2.0), "0.2": ("failed", 0.75)},
-    "task_missing": {"0.1": ("passed", 2.0), "0.2": ("missing", 0.0)},
-    "crash_at_import": {"0.1": ("error", 0.0), "0.2": ("passed", 3.0)},
-    "helper_in_added_cell": {"0.1": ("passed", 2.0), "0.2": ("passed", 3.0)},
+    "seeded_bug": {"0.1": ("passed", FULL["0.1"]), "0.2": ("failed", 0.75)},
+    "task_missing": {"0.1": ("passed", FULL["0.1"]), "0.2": ("missing", 0.0)},
+    "crash_at_import": {"0.1": ("error", 0.0), "0.2": ("passed", FULL["0.2"])},
+    "helper_in_added_cell": {"0.1": ("passed", FULL["0.1"]), "0.2": ("passed", FULL["0.2"])},
 }
 
 
