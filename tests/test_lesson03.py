@@ -175,8 +175,8 @@ def test_lesson03_runs_headless_with_its_solutions_and_shows_the_bugs_it_teaches
 
 @pytest.mark.slow
 def test_rank_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
-    pass_with_spawned_ranks(monkeypatch, solution, {"3.1": "defaults", "3.2": "different streams on every rank",
-                                                      "3.3": "accuracy"})
+    pass_with_spawned_ranks(monkeypatch, solution, {
+        "3.1": "defaults", "3.2": "different streams on every rank", "3.3": "accuracy"})
 
 
 def test_a_seed_worker_that_requires_rank_fails_the_world_size_1_case_naming_the_regime(bugs):

@@ -384,4 +384,5 @@ def test_lesson05_runs_headless_with_its_solutions_and_shows_what_it_claims():
 
 @pytest.mark.slow
 def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
-    pass_with_spawned_ranks(monkeypatch, solution, dict.fromkeys(("5.1", "5.2", "5.3", "5.4", "5.5"), -1))
+    pass_with_spawned_ranks(monkeypatch, solution,
+                            dict.fromkeys(("5.1", "5.2", "5.3", "5.4", "5.5"), -1))

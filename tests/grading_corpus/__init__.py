@@ -19,6 +19,7 @@ from autograder import course
 ROOT = Path(__file__).resolve().parents[2]
 LESSON = course.lesson(0).notebook
 FULL = {t.id: t.points for t in course.lesson(0).tasks}  # full marks, from the spec
+PASS_1, PASS_2 = (("passed", FULL[t]) for t in ("0.1", "0.2"))
 
 SHARD_OK = '''def shard_range(n, rank, world_size):
     base, extra = divmod(n, world_size)
@@ -127,29 +128,29 @@ def shard_range(n, rank, world_size):
 
 # name -> (edit of the released notebook, {task: (status, score)}). "{out}" is the output folder.
 CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[str, float]]]] = {
-    "correct": (_code(), {"0.1": ("passed", FULL["0.1"]), "0.2": ("passed", FULL["0.2"])}),
+    "correct": (_code(), {"0.1": PASS_1, "0.2": PASS_2}),
     "stub": (lambda nb: nb, {"0.1": ("not implemented", 0), "0.2": ("not implemented", 0)}),
     "malformed_json": ("truncate", {"0.1": ("error", 0), "0.2": ("error", 0)}),
-    "cell_deleted": (_then(_code(), _drop_cell("task-0-2")), {"0.1": ("passed", FULL["0.1"]), "0.2": ("missing", 0)}),
-    "metadata_deleted": (_then(_code(), _strip_metadata), {"0.1": ("passed", FULL["0.1"]), "0.2": ("passed", FULL["0.2"])}),
-    "cells_duplicated": (_then(_code(), _duplicate_all), {"0.1": ("passed", FULL["0.1"]), "0.2": ("passed", FULL["0.2"])}),
-    "cells_retyped": (_then(_code(), _retype), {"0.1": ("passed", FULL["0.1"]), "0.2": ("passed", FULL["0.2"])}),
-    "nbgrader_ids_changed": (_then(_code(), _scramble_ids), {"0.1": ("passed", FULL["0.1"]), "0.2": ("passed", FULL["0.2"])}),
+    "cell_deleted": (_then(_code(), _drop_cell("task-0-2")), {"0.1": PASS_1, "0.2": ("missing", 0)}),
+    "metadata_deleted": (_then(_code(), _strip_metadata), {"0.1": PASS_1, "0.2": PASS_2}),
+    "cells_duplicated": (_then(_code(), _duplicate_all), {"0.1": PASS_1, "0.2": PASS_2}),
+    "cells_retyped": (_then(_code(), _retype), {"0.1": PASS_1, "0.2": PASS_2}),
+    "nbgrader_ids_changed": (_then(_code(), _scramble_ids), {"0.1": PASS_1, "0.2": PASS_2}),
     "function_renamed": (_code(shard=SHARD_OK.replace("shard_range", "shard_rnge")),
-                         {"0.1": ("missing", 0), "0.2": ("passed", FULL["0.2"])}),
+                         {"0.1": ("missing", 0), "0.2": PASS_2}),
     "syntax_error": (_code(shard="def shard_range(n, rank, world_size)\n    return range(n)\n"),
-                     {"0.1": ("error", 0), "0.2": ("passed", FULL["0.2"])}),
+                     {"0.1": ("error", 0), "0.2": PASS_2}),
     "infinite_loop": (_code(shard="def shard_range(n, rank, world_size):\n    while True:\n        pass\n"),
-                      {"0.1": ("timeout", 0), "0.2": ("passed", FULL["0.2"])}),
+                      {"0.1": ("timeout", 0), "0.2": PASS_2}),
     "memory_bomb": (_code(shard="def shard_range(n, rank, world_size):\n    hoard = []\n    while True:\n"
                                 "        hoard.append(torch.ones(1 << 26))\n"),
-                    {"0.1": ("error", 0), "0.2": ("passed", FULL["0.2"])}),
+                    {"0.1": ("error", 0), "0.2": PASS_2}),
     "fork_bomb": (_code(shard="def shard_range(n, rank, world_size):\n    while True:\n        os.fork()\n"),
-                  {"0.1": ("error", 0), "0.2": ("passed", FULL["0.2"])}),
+                  {"0.1": ("error", 0), "0.2": PASS_2}),
     "exit_at_import": (_code(setup_extra="import sys\nsys.exit(0)"), {"0.1": ("error", 0), "0.2": ("error", 0)}),
     "os_exit_at_import": (_code(shard=SHARD_OK + "_ = os._exit(3)\n"), {"0.1": ("error", 0), "0.2": ("error", 0)}),
     "os_exit_in_task": (_code(shard="def shard_range(n, rank, world_size):\n    os._exit(0)\n"),
-                        {"0.1": ("error", 0), "0.2": ("passed", FULL["0.2"])}),
+                        {"0.1": ("error", 0), "0.2": PASS_2}),
     "prints_fake_pass": (_code(shard="def shard_range(n, rank, world_size):\n"
                                      "    print('Task 0.1 shard_range: all 5 checks passed, 2/2 points')\n"
                                      "    print('{\"score\": 5, \"max_score\": 5, \"status\": \"passed\"}')\n"
@@ -163,15 +164,15 @@ CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[st
         "autograder.registry.assert_same = lambda *a, **k: None\n"
         "builtins.AssertionError = Exception\n"
         "autograder.checking.run_checks = lambda *a, **k: None")),
-        {"0.1": ("passed", FULL["0.1"]), "0.2": ("failed", 0)}),
-    "always_equal_objects": (_code(shard=ALWAYS_EQUAL), {"0.1": ("error", 0), "0.2": ("passed", FULL["0.2"])}),
+        {"0.1": PASS_1, "0.2": ("failed", 0)}),
+    "always_equal_objects": (_code(shard=ALWAYS_EQUAL), {"0.1": ("error", 0), "0.2": PASS_2}),
     "writes_output_folder": ("{forge}", {"0.1": ("not implemented", 0), "0.2": ("not implemented", 0)}),
     "huge_file": (_code(shard="def shard_range(n, rank, world_size):\n    with open('big.bin', 'wb') as f:\n"
                               "        while True:\n            f.write(bytes(1 << 20))\n"),
-                  {"0.1": ("error", 0), "0.2": ("passed", FULL["0.2"])}),
+                  {"0.1": ("error", 0), "0.2": PASS_2}),
     "huge_output": (_code(shard="def shard_range(n, rank, world_size):\n    while True:\n"
                                 "        print('x' * 100000)\n"),
-                    {"0.1": ("error", 0), "0.2": ("passed", FULL["0.2"])}),
+                    {"0.1": ("error", 0), "0.2": PASS_2}),
 }
 
 
