@@ -54,7 +54,8 @@ from autograder import course as course_spec
 from kit import lab
 
 LESSONS = [spec.stem for spec in course_spec.LESSONS]
-OWN_TESTS = {course_spec.lesson(0).stem, course_spec.lesson(1).stem}  # each has a test of its own below
+# each has a test of its own below
+OWN_TESTS = {course_spec.lesson(0).stem, course_spec.lesson(1).stem}
 server, page = lab_fixtures()
 
 

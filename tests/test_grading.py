@@ -138,7 +138,8 @@ def test_submission_forms_are_discovered(tmp_path):
     (gs / "submission_1" / f"{course.lesson(0).stem}.ipynb").write_text("{}")
     (gs / "submission_metadata.yml").write_text("submission_1:\n  :submitters:\n  - :email: carol@uni.edu\n")
     [carol] = discover([gs])
-    assert carol.student == "carol@uni.edu" and carol.notebook_for(0).name == f"{course.lesson(0).stem}.ipynb"
+    assert carol.student == "carol@uni.edu"
+    assert carol.notebook_for(0).name == f"{course.lesson(0).stem}.ipynb"
     many = tmp_path / "many"
     many.mkdir()
     for name in ("dan", "eve"):

@@ -44,7 +44,8 @@ def _folder(tmp_path: Path) -> Path:
     folder.mkdir(parents=True)
     (folder / f"{course.lesson(0).stem}.ipynb").write_text(
         json.dumps(_with_tasks(course.lesson(0).stem, {"task-0-2": MEAN_OF_MEANS}), indent=1))
-    (folder / f"{course.lesson(1).stem}.ipynb").write_text(json.dumps(_release(course.lesson(1).stem), indent=1))
+    (folder / f"{course.lesson(1).stem}.ipynb").write_text(
+        json.dumps(_release(course.lesson(1).stem), indent=1))
     # no Lesson 02 notebook: not started
     (folder / f"{course.lesson(4).stem}.ipynb").write_text('{"cells": [ this is not JSON')
     return folder.parent
@@ -150,7 +151,8 @@ def test_notebooks_are_found_where_courses_put_them(tmp_path, monkeypatch):
     (tmp_path / ".ipynb_checkpoints" / f"{course.lesson(1).stem}-checkpoint.ipynb").write_text("{}")
     found = find_notebooks(tmp_path)
     assert {k: v.relative_to(tmp_path).as_posix() for k, v in found.items()} == {
-        0: f"{course.lesson(0).stem}.ipynb", 5: f"{course.lesson(5).stem}/{course.lesson(5).stem}.ipynb"}
+        0: f"{course.lesson(0).stem}.ipynb",
+        5: f"{course.lesson(5).stem}/{course.lesson(5).stem}.ipynb"}
     monkeypatch.delenv("KIT_PROGRESS_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache() == tmp_path / "xdg" / "kit" / "progress.json"
