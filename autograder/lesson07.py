@@ -51,12 +51,15 @@ def _watch(targets: list[tuple[Any, str, str]]) -> Iterator[list[str]]:
         original = getattr(owner, attr)
         saved.append((owner, attr, owner.__dict__[attr]))
 
-        def spy(*args: Any, _original: Callable = original, _name: str = name, **kwargs: Any) -> Any:
+        def spy(
+            *args: Any, _original: Callable = original, _name: str = name, **kwargs: Any
+        ) -> Any:
             if _name not in used:
                 used.append(_name)
             return _original(*args, **kwargs)
 
-        setattr(owner, attr, staticmethod(spy) if isinstance(owner.__dict__[attr], staticmethod) else spy)
+        is_static = isinstance(owner.__dict__[attr], staticmethod)
+        setattr(owner, attr, staticmethod(spy) if is_static else spy)
     try:
         yield used
     finally:
@@ -116,7 +119,9 @@ SCALER = task(
 )
 
 STEPS = 12
-SCALER_ARGS = {"init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3}
+SCALER_ARGS = {
+    "init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
+}
 INF_STEPS, NAN_STEPS = (2, 8), (4,)  # 3 good steps in a row before 2, 7 and 11: growth
 SHARD_INF_STEPS = (3, 4, 9)  # on 4 ranks, only in rank 2's shard
 
@@ -223,7 +228,8 @@ def _compare_scaled(got: Any, expected: dict[str, Any], where: str = "") -> None
     for step, (g, e) in enumerate(zip(got["scales"], expected["scales"])):
         if g != e:
             raise CheckFailed(
-                f"{where}the scale after update() of step {step} is {g}, torch's GradScaler has {e}",
+                f"{where}the scale after update() of step {step} is {g}, "
+                f"torch's GradScaler has {e}",
                 expected=expected["scales"], got=got["scales"],
                 hint="The scale backs off after every overflow and grows only after "
                      "growth_interval good steps in a row.", cause=SCALE_WRONG,
@@ -331,9 +337,13 @@ def _fp16_step(make: Callable[..., Any], seed: int) -> dict[str, Any]:
 def _compare_fp16(got: Any, expected: dict[str, Any]) -> None:
     where = "fp16 gradients (the model cast to fp16, no fp32 weights)"
     if got["raised"] != "ValueError":
+        if got["raised"]:
+            did = "raised " + got["raised"] + ": " + got["message"]
+        else:
+            did = "stepped" if got["stepped"] else "returned"
         raise CheckFailed(
-            f"{where}: step() {'raised ' + got['raised'] + ': ' + got['message'] if got['raised'] else ('stepped' if got['stepped'] else 'returned')}"
-            ", where torch's GradScaler raises a ValueError", expected=f"ValueError: {expected['message']}",
+            f"{where}: step() {did}, where torch's GradScaler raises a ValueError",
+            expected=f"ValueError: {expected['message']}",
             got=got["raised"] or "no error",
             hint="Scaled fp16 gradients overflow and unscaling them in fp16 loses what the scale "
                  "saved: torch's GradScaler refuses them. Raise a ValueError that names fp16 when "
@@ -343,8 +353,9 @@ def _compare_fp16(got: Any, expected: dict[str, Any]) -> None:
                           expected="a message naming fp16 / float16 gradients", got=got["message"],
                           hint="Say what is wrong: the gradients are fp16.")
     if got["stepped"]:
-        raise CheckFailed(f"{where}: the parameters changed before the ValueError", expected="unchanged",
-                          got="changed", hint="Refuse before unscaling or stepping anything.")
+        raise CheckFailed(f"{where}: the parameters changed before the ValueError",
+                          expected="unchanged", got="changed",
+                          hint="Refuse before unscaling or stepping anything.")
 
 
 SCALER.case("fp16 gradients (the model cast to fp16): step() raises a ValueError naming fp16, as "
@@ -368,7 +379,8 @@ def _compare_sharded(got: Any, expected: list[dict[str, Any]]) -> None:
         decisions = [run["stepped"][step] for run in got]
         if len(set(decisions)) > 1:
             raise CheckFailed(
-                f"step {step}: ranks disagree on skipping ({['stepped' if d else 'skipped' for d in decisions]}); "
+                f"step {step}: ranks disagree on skipping "
+                f"({['stepped' if d else 'skipped' for d in decisions]}); "
                 "only rank 2's shard held an inf", expected=[expected[0]["stepped"][step]] * WORLD,
                 got=decisions,
                 hint="Each rank sees only its own shard of the gradients, so an overflow on one "
@@ -560,7 +572,9 @@ def _dropout_model(seed: int, frozen: bool = False) -> nn.Module:
     second block's qkv weight."""
     torch.manual_seed(seed)
     model = TinyTransformer(vocab=VOCAB, dim=D, layers=LAYERS, heads=HEADS, context=T)
-    model.blocks = nn.ModuleList(nn.Sequential(block, nn.Dropout(DROPOUT)) for block in model.blocks)
+    model.blocks = nn.ModuleList(
+        nn.Sequential(block, nn.Dropout(DROPOUT)) for block in model.blocks
+    )
     if frozen:
         for p in (model.tok.weight, model.pos.weight, model.blocks[1][0].qkv.weight):
             p.requires_grad_(False)
@@ -672,7 +686,8 @@ _REGIME_HINTS = {
         "gradient for its parameters, nor does any later checkpointed block.",
         "Make the block's trainable parameters inputs of the Function too (they are not saved, "
         "only passed), differentiate the recomputed "
-        "output with respect to whichever inputs and parameters need a gradient, and return those; a frozen parameter gets "
+        "output with respect to whichever inputs and parameters need a gradient, and return "
+        "those; a frozen parameter gets "
         "none."),
 }
 
@@ -855,7 +870,9 @@ def _graph_break_model(seed: int) -> GraphBreakNet:
     return GraphBreakNet()
 
 
-def _forward_backward(module: Callable[..., torch.Tensor], model: nn.Module, seed: int) -> dict[str, Any]:
+def _forward_backward(
+    module: Callable[..., torch.Tensor], model: nn.Module, seed: int
+) -> dict[str, Any]:
     out = []
     for (b, t, s), factor in zip(BATCHES, EMBED_FACTORS):
         tokens, lengths = padded_batch(b, t, 32, seed * 31 + s)
@@ -900,7 +917,8 @@ def _opaque(node: torch.fx.Node) -> bool:
 def _describe(node: torch.fx.Node) -> str:
     target = node.target
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return f"the custom op {target.namespace}::{target._opname if hasattr(target, '_opname') else target}"
+        name = target._opname if hasattr(target, "_opname") else target
+        return f"the custom op {target.namespace}::{name}"
     if node.op == "call_module":
         return f"the module {target!r} placed in the graph whole"
     return f"{getattr(target, '__qualname__', target)!s} placed in the graph whole (allow_in_graph)"
@@ -988,9 +1006,10 @@ def _compare_graph(got: Any, expected: dict[str, Any]) -> None:
     if got["compiled"] != "yes":
         raise CheckFailed("torch.compile(fullgraph=True) found a graph break", expected="one graph",
                           got=got["compiled"], cause=NO_GRAPH,
-                          hint="print, .item() / int() on a tensor that decides Python control flow, "
-                               "and loops whose trip count comes from tensor data all break the "
-                               "graph. torch._dynamo.explain(module)(tokens, lengths) lists them.")
+                          hint="print, .item() / int() on a tensor that decides Python control "
+                               "flow, and loops whose trip count comes from tensor data all break "
+                               "the graph. torch._dynamo.explain(module)(tokens, lengths) lists "
+                               "them.")
     counts = got["graphs after each batch"]
     if counts[SAME_SHAPE - 1] != 1:
         raise CheckFailed(f"Dynamo compiled {counts[SAME_SHAPE - 1]} graphs for {SAME_SHAPE} "

@@ -184,7 +184,8 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
 #
 # Dynamic loss scaling (`torch.amp.GradScaler`) keeps a scale $S$:
 #
-# 1. `scaler.scale(loss).backward()`: backward on $S \cdot$ loss, so every gradient is $S$ times too large;
+# 1. `scaler.scale(loss).backward()`: backward on $S \cdot$ loss, so every gradient is $S$ times
+#    too large;
 # 2. `scaler.unscale_(optimizer)`: divide the gradients by $S$ and look for inf/NaN;
 # 3. `scaler.step(optimizer)`: step only if all gradients are finite, else **skip**;
 # 4. `scaler.update()`: after a skipped step, $S \leftarrow S \cdot$ `backoff_factor` (0.5);
@@ -489,7 +490,9 @@ def block_formula(s, b, h, a):
 
 lengths = [16, 32, 64, 128]
 block = TinyTransformer(vocab=8, dim=64, layers=1, heads=4, context=128).blocks[0]
-measured = [saved_activation_bytes(block, torch.randn(2, s, 64, requires_grad=True)) for s in lengths]
+measured = [
+    saved_activation_bytes(block, torch.randn(2, s, 64, requires_grad=True)) for s in lengths
+]
 predicted = [block_formula(s, 2, 64, 4) for s in lengths]
 for s, m, p in zip(lengths, measured, predicted):
     print(f"T={s:4}: measured {m:8} bytes, formula {p:8} bytes")
@@ -677,7 +680,8 @@ for _ in range(4):
         model.zero_grad()
 seconds = {label: min(t[1:]) for label, t in times.items()}  # the first round warms up
 for label in configs:
-    print(f"{label:8}: {memory[label]:6.2f} MiB saved for backward, {1e3 * seconds[label]:6.1f} ms per step")
+    print(f"{label:8}: {memory[label]:6.2f} MiB saved for backward, "
+          f"{1e3 * seconds[label]:6.1f} ms per step")
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(9, 2.6))
 left.bar(list(memory), list(memory.values()), color="tab:blue")
@@ -718,7 +722,8 @@ for label, dtype in [("fp32", None), ("bf16 autocast", torch.bfloat16)]:
         losses.append(loss.item())
     curves[label] = losses
     step_seconds[label] = min(times[1:])  # the fastest step: other processes only slow steps down
-    print(f"{label:14}: final loss {losses[-1]:.3f}, fastest step {1e3 * step_seconds[label]:.1f} ms")
+    print(f"{label:14}: final loss {losses[-1]:.3f}, "
+          f"fastest step {1e3 * step_seconds[label]:.1f} ms")
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(9, 2.6), gridspec_kw={"width_ratios": [2, 1]})
 for label, losses in curves.items():
@@ -726,7 +731,8 @@ for label, losses in curves.items():
 left.set_xlabel("step")
 left.set_ylabel("loss")
 left.legend(fontsize="small")
-right.bar(list(step_seconds), [1e3 * s for s in step_seconds.values()], color=["tab:blue", "tab:orange"])
+right.bar(list(step_seconds), [1e3 * s for s in step_seconds.values()],
+          color=["tab:blue", "tab:orange"])
 right.set_ylabel("ms per step")
 fig.suptitle("bf16 autocast vs fp32 on this CPU")
 plt.tight_layout()
@@ -937,7 +943,8 @@ def ddp_graphs(bucket_cap_mb):
 
 
 for cap in (25, 1):
-    print(f"bucket_cap_mb={cap}: graphs holding {launch(ddp_graphs, cap, world_size=2)[0]} MiB of parameters")
+    print(f"bucket_cap_mb={cap}: graphs holding "
+          f"{launch(ddp_graphs, cap, world_size=2)[0]} MiB of parameters")
 
 # %% [markdown]
 # With the default 25 MiB buckets the model is split in two (the 1 MiB first bucket, at the

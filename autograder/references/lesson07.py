@@ -191,7 +191,9 @@ def bytes_and_calls_expected(seed: int) -> dict[str, Any]:
     saved = {every: saved_bytes(L._saved_storages(apply_checkpointing(L._dropout_model(seed),
                                                                       every), x))
              for every in L.EVERY}
-    calls = {every: [2 if (i + 1) % every == 0 else 1 for i in range(L.LAYERS)] for every in L.EVERY}
+    calls = {
+        every: [2 if (i + 1) % every == 0 else 1 for i in range(L.LAYERS)] for every in L.EVERY
+    }
     return {"saved": saved, "calls": calls, "uses": [], "plain": plain}
 
 
