@@ -52,3 +52,15 @@ def pass_with_spawned_ranks(monkeypatch: pytest.MonkeyPatch, solution: ModuleTyp
                 else next(c for c in task.cases if c.name.startswith(which)))
         case.compare(case.run(getattr(solution, task.name), 0), task.expected(case, 0))
     fresh_runs()
+
+
+def fails_exactly(task_id: str, impl: Any, prefix: str) -> tuple[list[Any], Any]:
+    """Runs the task's checks on ``impl``; asserts the cases it fails are exactly those whose name
+    starts with ``prefix`` (in order); returns those failed cases and the report."""
+    from autograder.checking import run_checks
+
+    report = run_checks(task_id, impl)
+    failed = [c for c in report.cases if c.status != "passed"]
+    assert [c.name for c in failed] == [c.name for c in report.cases if c.name.startswith(prefix)], \
+        report.to_text()
+    return failed, report

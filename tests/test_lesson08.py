@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lesson_support import check_outputs, pass_with_spawned_ranks, printed_text, run_headless
+from lesson_support import (
+    check_outputs,
+    fails_exactly,
+    pass_with_spawned_ranks,
+    printed_text,
+    run_headless,
+)
 from torch import nn
 from torch.nn import functional as F
 
@@ -442,8 +448,5 @@ def test_a_layer_keeping_the_whole_weights_fails_only_the_bounds_naming_the_lost
 def test_a_seeded_bug_at_an_edge_fails_exactly_its_case_naming_the_regime(bugs, task_id, bug, case,
                                                                             regime):
     impl = next(impl for label, impl in bugs[task_id] if bug in label)
-    report = run_checks(task_id, impl)
-    failed = [c for c in report.cases if c.status != "passed"]
-    assert [c.name for c in failed] == [c.name for c in report.cases if c.name.startswith(case)], \
-        report.to_text()
+    failed, report = fails_exactly(task_id, impl, case)
     assert regime in failed[0].message, report.to_text()
