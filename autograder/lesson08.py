@@ -12,8 +12,9 @@ autograd graph for what the LayerNorm saved for backward. Task 8.4's orders are 
 properties over a grid of pipeline shapes (valid, as fast as GPipe, at most p − s in flight),
 then played on real ranks by the grader's own executor; Task 8.5's interleaved orders are played
 together by :func:`kit.lessons.parallelism.simulate_schedule` over a grid of (stages, chunks,
-micro-batches): no deadlock, Megatron-LM's bubble, its bound on the chunks in flight. One shared run per world size serves every case of a task; the unsharded model's
-answers live in :mod:`autograder.references.lesson08`, named here by string.
+micro-batches): no deadlock, Megatron-LM's bubble, its bound on the chunks in flight. One
+shared run per world size serves every case of a task; the unsharded model's answers live in
+:mod:`autograder.references.lesson08`, named here by string.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ DTENSOR = ("torch.distributed.tensor.DTensor", "torch.distributed.tensor.distrib
            "torch.distributed.tensor.parallel.ColwiseParallel",
            "torch.distributed.tensor.parallel.RowwiseParallel",
            "torch.distributed.tensor.parallel.SequenceParallel",
-           "torch.distributed.tensor", "torch.distributed._tensor", "torch.distributed.nn.functional",
+           "torch.distributed.tensor", "torch.distributed._tensor",
+           "torch.distributed.nn.functional",
            "torch.distributed._functional_collectives.all_gather_tensor_autograd",
            "torch.distributed._functional_collectives.reduce_scatter_tensor_autograd",
            "torch.distributed._functional_collectives.all_to_all_single_autograd")
@@ -128,7 +130,8 @@ METER_WORLD = 4  # the bounds read the 4-rank runs: a layer that keeps everythin
 
 def _kept_and_flops(build: Any, forward: Any) -> dict[str, int]:
     """Bytes ``build()`` allocated that are still alive once it returns (what the layer keeps),
-    and the FLOPs of ``forward(layer)`` plus its backward, from the allocator and FlopCounterMode."""
+    and the FLOPs of ``forward(layer)`` plus its backward, from the allocator and
+    FlopCounterMode."""
     from kit import meter
 
     with meter.track() as kept:
@@ -202,7 +205,8 @@ def _tp_mlp_on_rank(column_cls: Any, row_cls: Any, seed: int) -> dict[str, Any]:
         with trace() as bwd:
             loss.backward()
         out[name] = {"output": _local(y), "input grad": _local(x.grad),
-                     "column weight": _local(col.weight), "column weight grad": _local(col.weight.grad),
+                     "column weight": _local(col.weight),
+                     "column weight grad": _local(col.weight.grad),
                      "column bias grad": _local(col.bias.grad),
                      "row weight": _local(row.weight), "row weight grad": _local(row.weight.grad),
                      "row bias grad": _local(row.bias.grad),
@@ -216,7 +220,8 @@ def _tp_mlp_on_rank(column_cls: Any, row_cls: Any, seed: int) -> dict[str, Any]:
     (y * torch.cat([w, w], dim=-1)).sum().backward()
     out["ColumnParallelLinear(gather_output=True)"] = {
         "output": _local(y), "input grad": _local(x.grad), "weight grad": _local(col.weight.grad)}
-    h = torch.randn(3, 5, FFN, generator=torch.Generator().manual_seed(seed + 7), requires_grad=True)
+    h = torch.randn(3, 5, FFN, generator=torch.Generator().manual_seed(seed + 7),
+                    requires_grad=True)
     row = row_cls(lin2, input_is_parallel=False)
     y = row(h)
     (y * w).sum().backward()
@@ -269,7 +274,8 @@ def _tp_run(world_size: int) -> Any:
         row_cls = TP.companion(column_cls, "RowParallelLinear")
         if row_cls is None:
             raise CheckFailed("RowParallelLinear is not defined",
-                              hint="Define RowParallelLinear in the same cell as ColumnParallelLinear.")
+                              hint="Define RowParallelLinear in the same cell as "
+                                   "ColumnParallelLinear.")
         return _launch(_tp_mlp_on_rank, (column_cls, row_cls, seed), world_size, TP.preload)
 
     run.__name__ = f"tp_mlp_on_{world_size}_ranks"
@@ -387,7 +393,8 @@ TP.case("the same on 4 ranks, and on 4 ranks as two tensor-parallel groups of 2 
 
 @TP.case("one all-reduce of the output in forward, one of the input gradient in backward "
          "(2 and 4 ranks, and groups of 2)", compare=_compare_tp_calls, weight=2,
-         expect=lambda seed: TP.trusted("tp_expected")(seed, 2) + TP.trusted("tp_expected")(seed, 4))
+         expect=lambda seed: (TP.trusted("tp_expected")(seed, 2)
+                              + TP.trusted("tp_expected")(seed, 4)))
 def _(impl: Any, seed: int) -> Any:
     return _TP_RUNS[2](impl, seed) + _TP_RUNS[4](impl, seed)
 
@@ -416,7 +423,8 @@ TP.bound("weight bytes each rank keeps after building both layers",
          recipe="Copy only this rank's rows (column layer) or columns (row layer) into new "
                 "Parameters, and keep no other copy of the full weight: not as an attribute, a "
                 "buffer, or a tensor to assemble the full matrix from.",
-         expect="tp_weight_bytes_bound", uses=_TP_RUNS[4], pick=_metered("weight bytes"), weight=4.5)
+         expect="tp_weight_bytes_bound", uses=_TP_RUNS[4], pick=_metered("weight bytes"),
+         weight=4.5)
 TP.bound("matmul FLOPs per rank, forward and backward",
          formula="1.25 · 3 · 2·N·(h·f + f·h)/t: the forward, input-gradient and weight-gradient "
                  "matmuls of this rank's slices on N tokens",
@@ -426,7 +434,8 @@ TP.bound("matmul FLOPs per rank, forward and backward",
               "slice, so its matmuls are 1/t of the layer's, counted by torch's FLOP counter.",
          recipe="Multiply the input by this rank's slice of the weight only: no full-size matrix "
                 "(padded, concatenated or masked) and no second, unsharded pass.",
-         unit="FLOPs", expect="tp_flops_bound", uses=_TP_RUNS[4], pick=_metered("flops"), weight=4.5)
+         unit="FLOPs", expect="tp_flops_bound", uses=_TP_RUNS[4], pick=_metered("flops"),
+         weight=4.5)
 # --------------------------------------------------------------------------- task 8.2
 
 SP_BATCH, SP_SEQ = 2, 8  # (batch, seq, HIDDEN); seq divides by 1, 2 and 4
@@ -499,7 +508,8 @@ def _sp_without_grad(impl: Any, seed: int) -> dict[str, Any]:
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
     return {"inference output": _local(inferred), "output": _local(y),
             "input grad": None if shard.grad is None else "a gradient",
-            "grads": {f"{m}.{q}": _local(getattr(getattr(getattr(block, m, None), q, None), "grad", None))
+            "grads": {f"{m}.{q}": _local(getattr(getattr(getattr(block, m, None), q, None),
+                                                 "grad", None))
                       for m in ("norm", "linear1", "linear2") for q in ("weight", "bias")}}
 
 
@@ -523,7 +533,8 @@ def _sp_on_rank(impl: Any, seed: int, metered: bool = True) -> dict[str, Any]:
         (y * w.chunk(t, dim=1)[rank]).sum().backward()
         out["outputs"].append(_local(y))
         out["input grads"].append(_local(shard.grad))
-    out["grads"] = {f"{m}.{p}": _local(getattr(getattr(getattr(block, m, None), p, None), "grad", None))
+    out["grads"] = {f"{m}.{p}": _local(getattr(getattr(getattr(block, m, None), p, None),
+                                               "grad", None))
                     for m in ("norm", "linear1", "linear2") for p in ("weight", "bias")}
     out["without grad"] = _sp_without_grad(impl, seed)
     if metered:
@@ -559,7 +570,8 @@ SP_RECIPES = {
              "all-gathers it.",
     "norm.weight": _NORM_RECIPE,
     "norm.bias": _NORM_RECIPE,
-    "linear1.weight": "self.linear1 keeps the rows r*f/t to (r+1)*f/t of linear1's weight and bias.",
+    "linear1.weight": "self.linear1 keeps the rows r*f/t to (r+1)*f/t of linear1's weight and "
+                      "bias.",
     "linear1.bias": "self.linear1 keeps the rows r*f/t to (r+1)*f/t of linear1's weight and bias.",
     "linear2.weight": "self.linear2 keeps the columns r*f/t to (r+1)*f/t of linear2's weight.",
     "linear2.bias": "self.linear2 keeps the whole bias, added after the reduce-scatter; pass it "
@@ -602,10 +614,12 @@ def _compare_sp_calls(got: Any, expected: dict[str, Any]) -> None:
         if have != want:
             extra = [f"{op} of {b} bytes" for op, b in have if [op, b] not in want]
             sent = (f": {', '.join(extra)} should not be sent (an all-reduce sends twice a "
-                    "reduce-scatter's bytes and leaves every rank the whole sequence)" if extra else "")
+                    "reduce-scatter's bytes and leaves every rank the whole sequence)"
+                    if extra else "")
             raise CheckFailed(
                 f"rank {rank}: the collectives of forward ([op, bytes of the whole gathered or "
-                f"scattered (batch, seq, hidden) tensor]){sent}", expected=want, got=g.get("forward"),
+                f"scattered (batch, seq, hidden) tensor]){sent}", expected=want,
+                got=g.get("forward"),
                 hint="One all-gather of the normalised shards before linear1 and one "
                      "reduce-scatter of linear2's partial sums; no all-reduce in forward.")
 
@@ -616,11 +630,12 @@ def _compare_sp_memory(got: Any, expected: dict[str, Any]) -> None:
         have = g.get("layer norm saved bytes")
         if have != expected["saved"] // t:
             kept = (f"; it keeps {have / (expected['saved'] // t):g}x its share: activations of "
-                    "more tokens than its s/t" if isinstance(have, int) and have > expected["saved"] // t
-                    else "")
+                    "more tokens than its s/t"
+                    if isinstance(have, int) and have > expected["saved"] // t else "")
             raise CheckFailed(
                 f"rank {rank}: bytes the LayerNorm saved for backward (its input, mean and "
-                f"1/std), unsharded block: {expected['saved']}{kept}", expected=expected["saved"] // t,
+                f"1/std), unsharded block: {expected['saved']}{kept}",
+                expected=expected["saved"] // t,
                 got=have, hint="Sequence parallelism saves memory only if the LayerNorm keeps "
                                "1/t of the activation for backward: this rank's tokens only.",
                 recipe="Run the LayerNorm on this rank's (b, s/t, h) shard, before the "
@@ -984,7 +999,8 @@ for _regime in GPIPE_EDGES:
 def _compare_unequal(got: Any, expected: Any) -> None:
     got = got[0] if isinstance(got, list) and len(got) == 1 else got
     if isinstance(got, dict) and "crashed" in got:
-        raise CheckFailed(f"gpipe crashed on micro-batches of {UNEQUAL_SIZES} rows: {got['crashed']}")
+        raise CheckFailed(
+            f"gpipe crashed on micro-batches of {UNEQUAL_SIZES} rows: {got['crashed']}")
     if not isinstance(got, dict) or got.get("raised") != "ValueError":
         did = (f"returned {got['returned']}" if isinstance(got, dict) and "returned" in got
                else f"raised {got.get('raised')}: {got.get('message', '')}" if isinstance(got, dict)
@@ -992,7 +1008,8 @@ def _compare_unequal(got: Any, expected: Any) -> None:
         raise CheckFailed(
             f"micro-batches of different sizes ({' and '.join(map(str, UNEQUAL_SIZES))} rows): "
             "the mean of their mean losses is not the whole batch's mean loss",
-            expected="a ValueError naming the constraint (the micro-batches must have the same size)",
+            expected="a ValueError naming the constraint (the micro-batches must have the "
+                     "same size)",
             got=did, hint="Dividing each micro-batch's mean loss by m gives the batch's mean only "
                           "when the micro-batches are equal; refuse unequal ones on every rank "
                           "before anything is sent, so no stage waits for a message that never "
@@ -1097,7 +1114,8 @@ def _each_once(where: str, order: list, s: int, p: int, m: int) -> None:
 
 
 def _for_each_pipeline(check: Any) -> Any:
-    """``check(where, orders, p, m)`` on every pipeline shape of the grid: all its stages' orders."""
+    """``check(where, orders, p, m)`` on every pipeline shape of the grid: all its stages'
+    orders."""
     def compare(got: Any, expected: Any) -> None:
         if not isinstance(got, dict) or len(got) != len(GRID):
             raise CheckFailed("could not read the orders", got=repr(got)[:200])
@@ -1198,7 +1216,8 @@ def _well_formed(order: Any, m: int) -> bool:
         ops = [(str(op), int(i)) for op, i in order]
     except (TypeError, ValueError):
         return False
-    return sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]) and all(
+    every = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    return sorted(ops) == sorted(every) and all(
         ops.index(("F", i)) < ops.index(("B", i)) for i in range(m))
 
 
@@ -1343,7 +1362,8 @@ def _interleaved_pipeline(check: Any = None) -> Any:
                                             for p, v, m in INTERLEAVED_GRID for s in range(p)):
             raise CheckFailed("could not read the orders", got=repr(got)[:200])
         for p, v, m in INTERLEAVED_GRID:
-            where = f"interleaved_one_f_one_b(stage, num_stages={p}, num_microbatches={m}, chunks={v})"
+            where = (f"interleaved_one_f_one_b(stage, num_stages={p}, num_microbatches={m}, "
+                     f"chunks={v})")
             orders = []
             for s in range(p):
                 _chunk_steps_once(where.replace("stage,", f"stage={s},"), got[f"{s},{p},{m},{v}"],
@@ -1418,11 +1438,13 @@ def _uneven_rounds(got: Any, expected: dict[str, float]) -> None:
             order = got.get(f"uneven {s},{p},{m},{v}") if isinstance(got, dict) else None
             if isinstance(order, dict) and "raised" in order:
                 raise CheckFailed(f"{where.replace('stage,', f'stage={s},')} raised",
-                                  expected="an order: torch's ScheduleInterleaved1F1B runs this shape",
+                                  expected="an order: torch's ScheduleInterleaved1F1B runs "
+                                           "this shape",
                                   got=order["raised"],
-                                  hint=f"m = {m} is not a multiple of p = {p}, but it is a multiple "
-                                       f"of torch's max(1, m // p) = {m // r} round(s): go round in "
-                                       f"rounds of r = {r} micro-batches, with r where p was.")
+                                  hint=f"m = {m} is not a multiple of p = {p}, but it is a "
+                                       f"multiple of torch's max(1, m // p) = {m // r} round(s): "
+                                       f"go round in rounds of r = {r} micro-batches, with r "
+                                       "where p was.")
             try:
                 _chunk_steps_once(where.replace("stage,", f"stage={s},"), order, m, v)
             except CheckFailed as e:
@@ -1488,7 +1510,8 @@ INTERLEAVED.case("every (micro-batch, chunk) goes forward, then backward, exactl
 INTERLEAVED.case("all stages' orders played together with unit-time chunks: no deadlock",
                  uses=_INTERLEAVED_ORDERS, compare=_interleaved_pipeline(_no_deadlock))
 INTERLEAVED.case("the bubble (makespan − 2vm)/2vm is (p − 1)/(v·m), 1F1B's divided by v",
-                 weight=2, uses=_INTERLEAVED_ORDERS, compare=_interleaved_pipeline(_interleaved_bubble))
+                 weight=2, uses=_INTERLEAVED_ORDERS,
+                 compare=_interleaved_pipeline(_interleaved_bubble))
 INTERLEAVED.case("at most (p − s − 1)·2 + (v − 1)·p + 1 chunks in flight on stage s",
                  weight=2, uses=_INTERLEAVED_ORDERS,
                  compare=_interleaved_pipeline(_interleaved_in_flight))

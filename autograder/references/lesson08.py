@@ -61,17 +61,21 @@ def tp_expected(seed: int, world_size: int) -> list[dict[str, Any]]:
             rows = slice(r * FFN // t, (r + 1) * FFN // t)
             out[rank][name] = {
                 "output": y.detach(), "input grad": x.grad,
-                "column weight": lin1.weight.detach()[rows], "column weight grad": lin1.weight.grad[rows],
+                "column weight": lin1.weight.detach()[rows],
+                "column weight grad": lin1.weight.grad[rows],
                 "column bias grad": lin1.bias.grad[rows],
-                "row weight": lin2.weight.detach()[:, rows], "row weight grad": lin2.weight.grad[:, rows],
+                "row weight": lin2.weight.detach()[:, rows],
+                "row weight grad": lin2.weight.grad[:, rows],
                 "row bias grad": lin2.bias.grad,
-                "forward": [["all_reduce", y.numel() * 4]], "backward": [["all_reduce", x.numel() * 4]]}
+                "forward": [["all_reduce", y.numel() * 4]],
+                "backward": [["all_reduce", x.numel() * 4]]}
     lin1, lin2 = mlp(seed)
     x, w = tp_data(seed, 0)
     x.requires_grad_()
     y = lin1(x)
     (y * torch.cat([w, w], dim=-1)).sum().backward()
-    h = torch.randn(3, 5, FFN, generator=torch.Generator().manual_seed(seed + 7), requires_grad=True)
+    h = torch.randn(3, 5, FFN, generator=torch.Generator().manual_seed(seed + 7),
+                    requires_grad=True)
     y2 = lin2(h)
     (y2 * w).sum().backward()
     for rank in range(world_size):
@@ -129,7 +133,8 @@ def sp_expected(seed: int, t: int, passes: int = SP_PASSES) -> dict[str, Any]:
             "outputs": [o.chunk(t, dim=1)[r] for o in outputs],
             "input grads": [g.chunk(t, dim=1)[r] for g in input_grads],
             "grads": {"norm.weight": norm.weight.grad, "norm.bias": norm.bias.grad,
-                      "linear1.weight": lin1.weight.grad[cols], "linear1.bias": lin1.bias.grad[cols],
+                      "linear1.weight": lin1.weight.grad[cols],
+                      "linear1.bias": lin1.bias.grad[cols],
                       "linear2.weight": lin2.weight.grad[:, cols], "linear2.bias": lin2.bias.grad}})
     return {"ranks": ranks, "saved": saved, "nbytes": nbytes}
 
