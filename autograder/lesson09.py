@@ -109,7 +109,9 @@ def _masked(mask_tokens: Any, tokens: torch.Tensor, seed: int, **kwargs: Any) ->
     return {"result": "a pair", "inputs": plain(out[0]), "labels": plain(out[1])}
 
 
-def _check_pair(got: dict[str, Any], tokens: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_pair(
+    got: dict[str, Any], tokens: torch.Tensor, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     if got["result"] != "a pair":
         raise CheckFailed(f"{where}: mask_tokens must return (inputs, labels)", expected="a pair",
                           got=got["result"])
@@ -118,11 +120,14 @@ def _check_pair(got: dict[str, Any], tokens: torch.Tensor, where: str) -> tuple[
         if not isinstance(t, torch.Tensor) or t.shape != tokens.shape or t.dtype != torch.int64:
             raise CheckFailed(f"{where}: {name} must be an int64 tensor shaped like tokens",
                               expected=f"int64 {tuple(tokens.shape)}",
-                              got=f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+                              got=f"{getattr(t, 'dtype', type(t).__name__)} "
+                                  f"{tuple(getattr(t, 'shape', ()))}")
     return got["inputs"], got["labels"]
 
 
-def _check_selection(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor, where: str) -> None:
+def _check_selection(
+    inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor, where: str
+) -> None:
     """What labels say was selected: never a special token (and not simply everything)."""
     # Each failure names its cause, so a later case that trips on the same one is shown as
     # following from the first (results.settle), and says which tensor holds the mistake.
@@ -130,7 +135,8 @@ def _check_selection(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.T
     special = torch.isin(tokens, torch.tensor(_specials(alphabet)))
     chosen = labels != -100
     labelled = chosen[~special].float().mean().item() if (~special).any() else 0.0
-    if (chosen & special).any() and labelled > 0.9 and torch.equal(inputs[special], tokens[special]):
+    if ((chosen & special).any() and labelled > 0.9
+            and torch.equal(inputs[special], tokens[special])):
         # Every position labelled and no special token touched: labels were never set to -100.
         raise CheckFailed(f"{where}: labels hold a token at {labelled:.0%} of the residues and at "
                           "every special token, where inputs left them alone",
@@ -150,7 +156,9 @@ def _check_selection(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.T
                                  "padding_idx before choosing.")
 
 
-def _check_invariants(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor, where: str) -> None:
+def _check_invariants(
+    inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor, where: str
+) -> None:
     alphabet = _alphabet()
     _check_selection(inputs, labels, tokens, where)
     special = torch.isin(tokens, torch.tensor(_specials(alphabet)))
@@ -202,7 +210,8 @@ def _check_invariants(inputs: torch.Tensor, labels: torch.Tensor, tokens: torch.
         tok = inputs[outside][0].item()
         raise CheckFailed(f"{where}: a selected position became {alphabet.get_tok(tok)!r} "
                           f"(index {tok}), which is neither <mask> nor a canonical amino acid",
-                          expected="<mask> or one of ACDEFGHIKLMNPQRSTVWY", got=alphabet.get_tok(tok),
+                          expected="<mask> or one of ACDEFGHIKLMNPQRSTVWY",
+                          got=alphabet.get_tok(tok),
                           cause="replacement outside the amino acids",
                           hint="A random replacement is a plausible residue: one of the 20 "
                                "canonical amino acids, never a special or rare token.",
@@ -268,7 +277,8 @@ def _compare_frequencies(got: Any, expected: dict[str, Any]) -> None:
                                 "mask_prob=0.3": _uniform_tokens(seed + 7)})
 def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
     return {"mask_prob=0.15": _masked(mask_tokens, _uniform_tokens(seed), seed),
-            "mask_prob=0.3": _masked(mask_tokens, _uniform_tokens(seed + 7), seed + 1, mask_prob=0.3)}
+            "mask_prob=0.3": _masked(mask_tokens, _uniform_tokens(seed + 7), seed + 1,
+                                     mask_prob=0.3)}
 
 
 def _compare_independent(got: Any, tokens: torch.Tensor) -> None:
@@ -310,7 +320,8 @@ def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
 
 
 @MASK.case("the same generator state gives the same output; another seed another one",
-           expect=lambda seed: {"same seed, same output": True, "another seed, another output": True},
+           expect=lambda seed: {"same seed, same output": True,
+                                "another seed, another output": True},
            hint="Reproducible masking: the output depends only on the generator given, not on "
                 "torch's global random state.",
            recipe="Pass generator=generator to every torch.rand / torch.randint call.")
@@ -326,7 +337,8 @@ def _(mask_tokens: Any, seed: int) -> dict[str, Any]:
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(isinstance(a[k], torch.Tensor) and isinstance(b[k], torch.Tensor) and torch.equal(a[k], b[k])
+    return all(isinstance(a[k], torch.Tensor) and isinstance(b[k], torch.Tensor)
+               and torch.equal(a[k], b[k])
                for k in ("inputs", "labels"))
 
 
@@ -346,7 +358,9 @@ def _nothing_maskable(seed: int) -> dict[str, torch.Tensor]:
             "a batch of no sequences": torch.empty(0, len(row), dtype=torch.int64)}
 
 
-def _guarded_mask(mask_tokens: Any, tokens: torch.Tensor, seed: int, **kwargs: Any) -> dict[str, Any]:
+def _guarded_mask(
+    mask_tokens: Any, tokens: torch.Tensor, seed: int, **kwargs: Any
+) -> dict[str, Any]:
     try:
         return _masked(mask_tokens, tokens, seed, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported by the edge's case
@@ -360,8 +374,8 @@ def _mask_edges(mask_tokens: Any, seed: int) -> dict[str, Any]:
         out[name] = _guarded_mask(mask_tokens, tokens, seed)
     for prob in OUT_OF_RANGE:
         try:
-            mask_tokens(_peptide_tokens(seed, 4).clone(), _alphabet(), torch.Generator().manual_seed(seed),
-                        mask_prob=prob)
+            mask_tokens(_peptide_tokens(seed, 4).clone(), _alphabet(),
+                        torch.Generator().manual_seed(seed), mask_prob=prob)
             out[f"mask_prob = {prob}"] = {"returned": "a result"}
         except Exception as e:  # noqa: BLE001 - what it raised is the answer
             out[f"mask_prob = {prob}"] = {"raised": type(e).__name__, "message": str(e)[:300]}
@@ -422,7 +436,8 @@ def _compare_out_of_range(got: Any, expected: Any) -> None:
 
 
 MASK.case("mask_prob = 0: nothing selected, inputs unchanged (256 real peptides)", weight=0.5,
-          uses=_mask_edges, compare=_compare_mask_prob_zero, expect=lambda seed: _peptide_tokens(seed))
+          uses=_mask_edges, compare=_compare_mask_prob_zero,
+          expect=lambda seed: _peptide_tokens(seed))
 MASK.case("nothing maskable: rows of only cls, eos and pad keep labels -100, and a batch of no "
           "sequences gives empty int64 results", weight=0.5, uses=_mask_edges,
           compare=_compare_nothing_maskable, expect=_nothing_maskable)
@@ -468,7 +483,8 @@ def layouts(seed: int) -> dict[str, tuple[list[int], int, int]]:
     g = torch.Generator().manual_seed(seed)
     mixed = (torch.randint(5, 60, (37,), generator=g)).tolist()
     return {
-        "AMPvsUniProt (5,200 peptides), 1024 tokens, 4 ranks": (peptide_lengths("AMPvsUniProt"), 1024, 4),
+        "AMPvsUniProt (5,200 peptides), 1024 tokens, 4 ranks":
+            (peptide_lengths("AMPvsUniProt"), 1024, 4),
         "AMPvsTMset (412 peptides), 600 tokens, 3 ranks": (peptide_lengths("AMPvsTMset"), 600, 3),
         "one sequence longer than max_tokens, 4 ranks": (mixed[:20] + [300] + mixed[20:], 120, 4),
         "all the same length, 4 ranks": ([17] * 45, 100, 4),
@@ -482,7 +498,8 @@ def _deal(token_budget_batches: Any, lengths: list[int], max_tokens: int, world_
           seed: int, epoch: int) -> list[Any]:
     out = []
     for rank in range(world_size):
-        got = token_budget_batches(list(lengths), max_tokens, rank, world_size, seed=seed, epoch=epoch)
+        got = token_budget_batches(list(lengths), max_tokens, rank, world_size, seed=seed,
+                                   epoch=epoch)
         try:
             out.append([[int(i) for i in b] for b in got])
         except TypeError:
@@ -505,8 +522,8 @@ def _check_deal(where: str, got: Any, fair: list[list[int]], world_size: int) ->
                           expected=[per_rank] * world_size, got=counts,
                           hint="Every rank must get the same number of batches: a rank with "
                                "fewer steps leaves the others waiting in a collective.",
-                          recipe="Build all batches first, then deal them: pad the shuffled list by "
-                                 "repeating its start until it divides by world_size.")
+                          recipe="Build all batches first, then deal them: pad the shuffled "
+                                 "list by repeating its start until it divides by world_size.")
     want = {tuple(sorted(b)) for b in fair}
     have = [tuple(sorted(b)) for batches in got for b in batches]
     missing, extra = want - set(have), set(have) - want
@@ -530,7 +547,8 @@ def _check_deal(where: str, got: Any, fair: list[list[int]], world_size: int) ->
     lo, hi = total // len(want), -(-total // len(want))
     if any(not lo <= c <= hi for c in copies.values()):
         raise CheckFailed(f"{where}: some batches are repeated more than others need",
-                          expected=f"each batch {lo} or {hi} times", got=sorted(set(copies.values())),
+                          expected=f"each batch {lo} or {hi} times",
+                          got=sorted(set(copies.values())),
                           hint="Padding to a multiple of world_size repeats batches evenly, as "
                                "DistributedSampler does: no batch appears twice more than another.",
                           recipe="Pad as DistributedSampler does: repeat the start of the shuffled "
@@ -562,8 +580,9 @@ _budget_case("adversarial lengths: one over-long sequence, all equal, fewer batc
                     "as many times as needed to reach a multiple of world_size.")
 
 
-_DETERMINISM = ("the same (seed, epoch) gives the same batches", "another epoch deals another order",
-                "another seed deals another order", "not in length order")
+_DETERMINISM = ("the same (seed, epoch) gives the same batches",
+                "another epoch deals another order", "another seed deals another order",
+                "not in length order")
 
 
 @BUDGET.case("the deal is shuffled by (seed, epoch) and deterministic",
@@ -581,7 +600,8 @@ def _(token_budget_batches: Any, seed: int) -> dict[str, bool]:
             "another epoch deals another order": first != deal(seed, 1),
             "another seed deals another order": first != deal(seed + 1, 0),
             "not in length order": any(
-                [max(lengths[i] for i in b) for b in r] != sorted(max(lengths[i] for i in b) for b in r)
+                [max(lengths[i] for i in b) for b in r]
+                != sorted(max(lengths[i] for i in b) for b in r)
                 for r in first)}
 
 
@@ -594,7 +614,8 @@ def _compare_padding(got: Any, expected: dict[str, Any]) -> None:
     ours = padded_tokens(lengths, [list(b) for b in distinct])
     if not ours * 2 <= expected["random"]:
         raise CheckFailed("token-budget batches must hold at least 2x fewer padding tokens than "
-                          "random batches of the same mean size", expected=f"<= {expected['random'] // 2}",
+                          "random batches of the same mean size",
+                          expected=f"<= {expected['random'] // 2}",
                           got=ours)
 
 
@@ -622,8 +643,10 @@ RING = task(
                # (context parallelism)
                "torch.nn.functional.scaled_dot_product_attention",
                "torch._scaled_dot_product_flash_attention_for_cpu",
-               "torch._scaled_dot_product_attention_math", "torch._scaled_dot_product_efficient_attention",
-               "torch._scaled_dot_product_flash_attention", "torch._scaled_dot_product_cudnn_attention",
+               "torch._scaled_dot_product_attention_math",
+               "torch._scaled_dot_product_efficient_attention",
+               "torch._scaled_dot_product_flash_attention",
+               "torch._scaled_dot_product_cudnn_attention",
                "torch.nn.attention", "torch.distributed.tensor.experimental.context_parallel",
                "torch.distributed.tensor.experimental._attention",
                "torch.distributed.tensor.experimental._context_parallel"),
@@ -638,15 +661,17 @@ RING = task(
            "for them before the next step. For a block: scores = q k^T / sqrt(d), padded keys "
            "at -inf; m' = max(m, the block's row max); rescale o and l by exp(m - m'), then add "
            "exp(scores - m') times v to o and its row sums to l. Where m' is still -inf (every "
-           "key so far is padding), subtract 0 instead, so no nan appears. Return o / l, dividing by "
-           "1 where l is 0 (a query with no real key: SDPA gives 0 there). With a group, turn "
-           "the neighbours' group ranks into global ranks.",
+           "key so far is padding), subtract 0 instead, so no nan appears. Return o / l, "
+           "dividing by 1 where l is 0 (a query with no real key: SDPA gives 0 there). With a "
+           "group, turn the neighbours' group ranks into global ranks.",
 )
 
 BATCH, HEADS, CHUNK, DIM = 2, 2, 8, 8  # q, k, v on each rank: (BATCH, HEADS, CHUNK, DIM)
 
 
-def ring_inputs(seed: int, world_size: int, dtype: torch.dtype, padded: bool | str) -> dict[str, Any]:
+def ring_inputs(
+    seed: int, world_size: int, dtype: torch.dtype, padded: bool | str
+) -> dict[str, Any]:
     """The whole sequence: q, k, v ``(B, H, W*CHUNK, D)`` and the key padding mask ``(B, L)``.
 
     Chunks get very different scales (uneven-looking content: the running max moves), and
@@ -656,7 +681,8 @@ def ring_inputs(seed: int, world_size: int, dtype: torch.dtype, padded: bool | s
     """
     g = torch.Generator().manual_seed(seed * 31 + world_size)
     length = world_size * CHUNK
-    q, k, v = (torch.randn(BATCH, HEADS, length, DIM, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(BATCH, HEADS, length, DIM, generator=g, dtype=torch.float64)
+               for _ in range(3))
     scale = torch.tensor([0.2, 2.5, 0.7, 4.0, 1.0, 3.0][:world_size], dtype=torch.float64)
     k = k * scale.repeat_interleave(CHUNK)[None, None, :, None]
     mask = None
@@ -749,7 +775,8 @@ def _compare_all_padding(got: Any, expected: dict[str, Any]) -> None:
             if isinstance(have, torch.Tensor) and have.shape == want[:, :, :CHUNK].shape \
                     and not torch.isfinite(have[1]).all():
                 raise CheckFailed(
-                    f"{world_size} rank{'s' if world_size > 1 else ''}, rank {rank}: sequence 1 is all padding, so its queries "
+                    f"{world_size} rank{'s' if world_size > 1 else ''}, rank {rank}: "
+                    "sequence 1 is all padding, so its queries "
                     "have no key to attend to, and your output there is not finite",
                     expected="0 there, as scaled_dot_product_attention returns",
                     got=short(have[1]),
@@ -968,7 +995,8 @@ def _compare_bad_chunks(got: Any, expected: Any) -> None:
 def _compare_values(got: Any, expected: dict[str, Any]) -> None:
     for name, (want, _, _, tol) in expected.items():
         have = got[name]["output"]
-        if not isinstance(have, torch.Tensor) or have.shape != want.shape or have.dtype != want.dtype:
+        if (not isinstance(have, torch.Tensor) or have.shape != want.shape
+                or have.dtype != want.dtype):
             raise CheckFailed(f"{name}: expected the whole output (L, L, c_z)",
                               expected=f"{want.dtype} {tuple(want.shape)}",
                               got=f"{getattr(have, 'dtype', type(have).__name__)} "
@@ -997,7 +1025,8 @@ CHUNKED.bound("largest tensor chunked(module, z, 4) allocates on an L = 48 pair 
                      "as one matrix product of the block's queries with its keys, never as a "
                      "broadcast product summed afterwards.",
               expect="chunked_largest_bound", uses=_run_chunked, weight=1.25,
-              pick=lambda got: {"measured": [got["largest bytes"]]} if isinstance(got, dict) else got)
+              pick=lambda got: ({"measured": [got["largest bytes"]]} if isinstance(got, dict)
+                                else got))
 CHUNKED.bound("peak bytes of chunked(module, z, 4) on an L = 48 pair representation (fp32)",
               formula="1.25 · (2·heads·chunk·L² + 2·L²·c_z + heads·L²) · 4 bytes: one block's "
                       "logits and softmax, the output and its concatenation, the bias",
@@ -1011,5 +1040,6 @@ CHUNKED.bound("peak bytes of chunked(module, z, 4) on an L = 48 pair representat
                      "only the bias is built for every row.",
               expect="chunked_peak_bound", uses=_run_chunked, weight=1.25,
               pick=lambda got: {"measured": [got["peak bytes"]]} if isinstance(got, dict) else got)
-CHUNKED.case(f"chunk_size below 1 ({BAD_CHUNKS[0]}, {BAD_CHUNKS[1]}): a ValueError naming chunk_size",
+CHUNKED.case(f"chunk_size below 1 ({BAD_CHUNKS[0]}, {BAD_CHUNKS[1]}): "
+             "a ValueError naming chunk_size",
              weight=0.5, uses=_run_chunked, compare=_compare_bad_chunks, expect=lambda seed: None)

@@ -94,7 +94,8 @@ print(tokenize(["GLWSKIK", "ACD"], esm_alphabet))
 # %%
 sequences, labels, class_names = load_peptides("AMPvsUniProt")
 lengths = [len(s) + 2 for s in sequences]  # + <cls> and <eos>
-print(f"{len(sequences)} peptides, classes {class_names}, lengths {min(lengths)}-{max(lengths)} tokens")
+print(f"{len(sequences)} peptides, classes {class_names}, "
+      f"lengths {min(lengths)}-{max(lengths)} tokens")
 fig, ax = plt.subplots(figsize=(6, 2.5))
 for label, name in enumerate(class_names):
     ax.hist([n for n, y in zip(lengths, labels.tolist()) if y == label], bins=range(5, 180, 4),
@@ -121,7 +122,8 @@ for name in ESM2_FAMILY:
     params = esm2_parameter_count(name)
     state = params * BYTES_PER_PARAMETER
     gpus = next(n for n in (1, 2, 4, 8, 16, 32, 64, 128) if state / n < GPU_BYTES / 2)
-    print(f"{name:22} {params / 1e6:7.0f}M {state / 1e9:8.1f} GB  {gpus} GPU{'s' if gpus > 1 else ''}")
+    print(f"{name:22} {params / 1e6:7.0f}M {state / 1e9:8.1f} GB  "
+          f"{gpus} GPU{'s' if gpus > 1 else ''}")
 
 # %% [markdown]
 # Up to 650M the training state fits on one 80 GB GPU with room for activations, so DDP
@@ -181,7 +183,8 @@ def mask_tokens(tokens, alphabet, generator, mask_prob=0.15):
     ### BEGIN SOLUTION
     if not 0 <= mask_prob <= 1:
         raise ValueError(f"mask_prob must be a probability in [0, 1], got {mask_prob}")
-    special = (tokens == alphabet.cls_idx) | (tokens == alphabet.eos_idx) | (tokens == alphabet.padding_idx)
+    special = ((tokens == alphabet.cls_idx) | (tokens == alphabet.eos_idx)
+               | (tokens == alphabet.padding_idx))
     selected = (torch.rand(tokens.shape, generator=generator) < mask_prob) & ~special
     split = torch.rand(tokens.shape, generator=generator)  # one draw decides 80 / 10 / 10
     canonical = torch.tensor([alphabet.get_idx(a) for a in CANONICAL])
@@ -256,7 +259,8 @@ def token_budget_batches(lengths, max_tokens, rank, world_size, seed=0, epoch=0)
         batches.append(current)
     if not batches:
         return []
-    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    order = torch.randperm(len(batches),
+                           generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     total = math.ceil(len(order) / world_size) * world_size
     order = (order * math.ceil(total / len(order)))[:total]  # pad with the start of the order
     return [batches[b] for b in order[rank::world_size]]
@@ -283,7 +287,8 @@ for name, pad in waste.items():
     print(f"{name:20} {pad:7d} padding tokens = {pad / (real + pad):.1%} of the tokens computed")
 # Batching each rank's share separately instead: the counts drift apart.
 shares = [order[r::world_size] for r in range(world_size)]
-per_rank = [len(token_budget_batches([lengths[i] for i in share], budget, 0, 1)) for share in shares]
+per_rank = [len(token_budget_batches([lengths[i] for i in share], budget, 0, 1))
+            for share in shares]
 print("batches per rank when each rank batches its own share:", per_rank)
 fig, ax = plt.subplots(figsize=(5, 2.2))
 ax.barh(list(waste), [100 * p / (real + p) for p in waste.values()], color=["tab:red", "tab:green"])
@@ -305,9 +310,9 @@ plt.show()
 #    (Lesson 05), the order torchtitan uses;
 # 3. runs forward under [`torch.autocast`](https://pytorch.org/docs/stable/amp.html) in
 #    bf16 and computes the loss in fp32. That pays only where the hardware multiplies bf16:
-#    NVIDIA GPUs from Ampere (A100) on, and CPUs with AVX512-BF16 or AMX. Elsewhere the CPU emulates bf16 and a
-#    step runs several times slower than in fp32, so `BF16` below turns autocast on only
-#    where the CPU has those instructions (`bf16=True` forces it);
+#    NVIDIA GPUs from Ampere (A100) on, and CPUs with AVX512-BF16 or AMX. Elsewhere the CPU
+#    emulates bf16 and a step runs several times slower than in fp32, so `BF16` below turns
+#    autocast on only where the CPU has those instructions (`bf16=True` forces it);
 # 4. takes its token-budget batches from Task 9.2 and masks them with Task 9.1.
 #
 # The loss is averaged over the masked tokens of all ranks (one small all-reduce per step) and
@@ -320,13 +325,15 @@ STEPS, SPEED_STEPS = 200, 20  # training steps; steps of each short run for toke
 BF16 = cpu_has_native_bf16()  # bf16 autocast only where this CPU multiplies bf16 in hardware
 print("bf16 autocast:", "on" if BF16 else "off (this CPU has no AVX512-BF16 or AMX: bf16 would "
       "be emulated, several times slower than fp32; on a GPU, train with bf16=True)")
-TRAIN = [i for i in range(len(sequences)) if i % 5]  # 4 in 5 for pretraining (and the probe's training set)
+# 4 in 5 for pretraining (and the probe's training set)
+TRAIN = [i for i in range(len(sequences)) if i % 5]
 TEST = [i for i in range(len(sequences)) if i % 5 == 0]  # 1 in 5 held out for the probe
 
 
 def train_mlm(strategy="fsdp2", steps=STEPS, max_tokens=1024, lr=4e-3, checkpointing=True,
               bf16=BF16, seed=0):
-    """One rank's MLM training; returns per-step global losses, tokens/s and rank 0's full weights."""
+    """One rank's MLM training; returns per-step global losses, tokens/s and rank 0's full
+    weights."""
     import time
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -360,7 +367,8 @@ def train_mlm(strategy="fsdp2", steps=STEPS, max_tokens=1024, lr=4e-3, checkpoin
             inputs, targets = mask_tokens(tokens, vocab, generator)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = trained(inputs)["logits"]  # (B, T, 33)
-            loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+            loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                       reduction="sum")
             count = (targets != -100).sum()
             (loss_sum / count.clamp(min=1)).backward()
             optimizer.step()
@@ -372,7 +380,8 @@ def train_mlm(strategy="fsdp2", steps=STEPS, max_tokens=1024, lr=4e-3, checkpoin
             step += 1
         epoch += 1
     seconds = time.perf_counter() - start
-    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v
+             for k, v in model.state_dict().items()}
     return {"losses": losses, "tokens": tokens_seen, "seconds": seconds,
             "state": state if rank == 0 else None}
 
@@ -437,11 +446,13 @@ def embed_on_rank(state, indices):
         model.load_state_dict(state)
     model.eval()
     out = {}
-    batches = token_budget_batches([lengths[i] for i in indices], 4096, dist.get_rank(), dist.get_world_size())
+    batches = token_budget_batches([lengths[i] for i in indices], 4096, dist.get_rank(),
+                                   dist.get_world_size())
     for batch in batches:
         tokens = tokenize([sequences[indices[j]] for j in batch], esm_alphabet)
         with torch.no_grad():
-            rep = model(tokens, repr_layers=[len(model.layers)])["representations"][len(model.layers)]
+            rep = model(tokens,
+                        repr_layers=[len(model.layers)])["representations"][len(model.layers)]
         residue = (tokens > 3).unsqueeze(-1)  # not cls, pad, eos, unk
         for j, vector in zip(batch, (rep * residue).sum(1) / residue.sum(1)):
             out[indices[j]] = vector
@@ -473,7 +484,8 @@ def probe_accuracy(train_x, test_x, steps=100):
 
     def closure():
         opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(train_x @ w + b, y_train) + 1e-3 * w.square().sum()
+        loss = (F.binary_cross_entropy_with_logits(train_x @ w + b, y_train)
+                + 1e-3 * w.square().sum())
         loss.backward()
         return loss
 
@@ -605,7 +617,8 @@ def ring_attention(q, k, v, key_padding_mask=None, group=None):
         if key_padding_mask is not None:
             scores.masked_fill_(block[2][:, None, None, :], -math.inf)
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
-        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all-pad rows so far
+        # all-pad rows so far
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = scores.sub_(shift).exp_()  # in place: one block-sized buffer per step
         rescale = torch.exp(m - shift)  # the old terms, re-expressed against the new max
         s = s * rescale + p.sum(dim=-1, keepdim=True)
@@ -640,7 +653,8 @@ def plain_attention(q, k, v):
 def gather_attention(q, k, v):
     """All-gather K and V, then plain attention of this rank's queries over all of them."""
     world = dist.get_world_size()
-    ks, vs = [torch.empty_like(k) for _ in range(world)], [torch.empty_like(v) for _ in range(world)]
+    ks = [torch.empty_like(k) for _ in range(world)]
+    vs = [torch.empty_like(v) for _ in range(world)]
     dist.all_gather(ks, k)
     dist.all_gather(vs, v)
     return plain_attention(q, torch.cat(ks, 2), torch.cat(vs, 2))
@@ -699,8 +713,8 @@ plt.show()
 # updates cost L³·c operations; **triangle attention** (Algorithm 13 and 14 of the AF2
 # supplement) lets edge ij attend to every edge ik with a bias from edge jk:
 #
-# $$a^h_{ijk} = \mathrm{softmax}_k\Big(\tfrac{1}{\sqrt c}\, q^h_{ij}\cdot k^h_{ik} + b^h_{jk}\Big), \qquad
-# o^h_{ij} = g^h_{ij} \odot \textstyle\sum_k a^h_{ijk} v^h_{ik}.$$
+# $$a^h_{ijk} = \mathrm{softmax}_k\Big(\tfrac{1}{\sqrt c}\, q^h_{ij}\cdot k^h_{ik} + b^h_{jk}\Big),
+# \qquad o^h_{ij} = g^h_{ij} \odot \textstyle\sum_k a^h_{ijk} v^h_{ik}.$$
 #
 # The logits `a` are **heads · L³** numbers: for L = 384, 4 heads in fp32 that is 864 MiB per
 # triangle attention, for L = 1024 16 GiB, and the Evoformer has 48 blocks with two each.
@@ -725,7 +739,8 @@ alphafold_memory_widget()
 
 # %%
 module = TriangleAttentionStartingNode(c_z=16, c=8, heads=4)
-print(f"{'L':>4} {'chunk':>5}  {'predicted logits':>16}  {'largest tensor measured':>23}  {'peak measured':>13}")
+print(f"{'L':>4} {'chunk':>5}  {'predicted logits':>16}  {'largest tensor measured':>23}  "
+      f"{'peak measured':>13}")
 for length in (32, 64, 96):
     z = torch.randn(length, length, 16)
     predicted = alphafold_pair_memory(length, c_z=16, heads=4, c=8)
@@ -772,7 +787,8 @@ def chunked(module, z, chunk_size):
     def attend(z_rows):  # a function, so that one block's tensors are freed before the next's
         rows = z_rows.shape[0]
         x = module.norm(z_rows)  # (rows, L, c_z)
-        q, k, v = module.qkv(x).view(rows, length, 3, h, c).permute(2, 0, 3, 1, 4)  # (rows, h, L, c)
+        # (rows, h, L, c)
+        q, k, v = module.qkv(x).view(rows, length, 3, h, c).permute(2, 0, 3, 1, 4)
         logits = q @ k.transpose(-1, -2) / math.sqrt(c) + bias  # (rows, h, L_j, L_k)
         o = logits.softmax(dim=-1) @ v  # over the edges ik of each row i: (rows, h, L, c)
         g = torch.sigmoid(module.gate(x)).view(rows, length, h, c).transpose(1, 2)
@@ -792,7 +808,8 @@ length = 96
 z = torch.randn(length, length, 16)
 with torch.no_grad():
     whole = module(z)
-print(f"{'chunk':>5}  {'predicted logits':>16}  {'largest measured':>16}  {'peak measured':>13}  max |diff|")
+print(f"{'chunk':>5}  {'predicted logits':>16}  {'largest measured':>16}  "
+      f"{'peak measured':>13}  max |diff|")
 for chunk in (96, 32, 8, 1):
     fresh = TriangleAttentionStartingNode(c_z=16, c=8, heads=4)
     with torch.no_grad(), LiveBytes() as live:

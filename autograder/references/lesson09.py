@@ -70,7 +70,8 @@ def sdpa(inputs: dict[str, Any]) -> torch.Tensor:
     """torch's SDPA on the whole sequence in one process. ``mask``: True = padding."""
     mask = inputs["mask"]
     attn_mask = None if mask is None else ~mask[:, None, None, :]  # True = take part
-    return F.scaled_dot_product_attention(inputs["q"], inputs["k"], inputs["v"], attn_mask=attn_mask)
+    return F.scaled_dot_product_attention(inputs["q"], inputs["k"], inputs["v"],
+                                          attn_mask=attn_mask)
 
 
 def sdpa_on_the_whole_sequence(seed: int, world_size: int) -> dict[str, Any]:

@@ -34,8 +34,8 @@ mask_special_tokens = _masking((_SELECT, _SELECT.replace(" & ~special", "")))
 # --------------------------------------------------------------------------- task 9.2
 
 _SORTED = "    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):\n"
-_SHUFFLE = ("    order = torch.randperm(len(batches), "
-            "generator=torch.Generator().manual_seed(seed + "
+_SHUFFLE = ("    order = torch.randperm(len(batches),\n"
+            "                           generator=torch.Generator().manual_seed(seed + "
             "epoch)).tolist()\n")
 _PAD = ("    order = (order * math.ceil(total / len(order)))[:total]  # pad with the start of "
         "the order\n")
