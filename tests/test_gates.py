@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from autograder import gates
+from autograder import course, gates
 from autograder.checking import run_checks
 from autograder.loading import load_tasks
 from autograder.registry import get_task, lesson_tasks
@@ -373,8 +373,8 @@ def test_solutions_are_no_rewritten_copies_and_only_the_solution_shaped_referenc
             if isinstance(value, (types.FunctionType, type)) and value.__module__ == module.__name__:
                 references[f"{module.__name__}.{value.__qualname__}"] = likeness.shape(value)
     matched = set()
-    for path in sorted((Path(__file__).parents[1] / "solutions").glob("[0-9][0-9]_*.py")):
-        tasks = lesson_tasks(int(path.name[:2]))
+    for spec in course.LESSONS:
+        path, tasks = spec.source, lesson_tasks(spec.number)
         if not tasks:
             continue
         solution = load_tasks(path)
