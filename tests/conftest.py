@@ -109,14 +109,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @functools.cache
 def solutions(lesson: int) -> ModuleType:
-    assert lesson in SOURCES, f"lesson {lesson:02d} has checks but no solutions/{lesson:02d}_*.py"
-    return load_tasks(SOURCES[lesson])
+    return load_tasks(course.lesson(lesson).source)
 
 
 @functools.cache
 def stubs(lesson: int) -> ModuleType:
-    assert lesson in SOURCES, f"lesson {lesson:02d} has checks but no solutions/{lesson:02d}_*.py"
-    notebook = ROOT / "lessons" / f"{SOURCES[lesson].stem}.ipynb"
+    notebook = course.lesson(lesson).notebook
     assert notebook.exists(), f"{notebook.name} is missing: run `kit build`"
     return load_tasks(notebook)
 
