@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch.distributed import all_reduce as all_reduce_imported_early
 from torch.distributed import broadcast as broadcast_imported_early
 
+from bugs import edited_solution
+
 # --------------------------------------------------------------------------- 1.1 tree_broadcast
 
 
@@ -32,19 +34,9 @@ def broadcast_chain(tensor: torch.Tensor, src: int = 0) -> None:
         dist.send(tensor, (rank + 1) % world_size)
 
 
-def broadcast_ignores_src(tensor: torch.Tensor, src: int = 0) -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    mask = 1  # a correct binomial tree, but always rooted at rank 0
-    while mask < world_size:
-        if rank & mask:
-            dist.recv(tensor, rank - mask)
-            break
-        mask <<= 1
-    mask >>= 1
-    while mask > 0:
-        if rank + mask < world_size:
-            dist.send(tensor, rank + mask)
-        mask >>= 1
+broadcast_ignores_src = edited_solution(1, (  # a correct binomial tree, always rooted at rank 0
+    "    vrank = (rank - src) % world_size  # the source is vrank 0\n",
+    "    src = 0\n    vrank = rank\n")).tree_broadcast
 
 
 def broadcast_with_collective(tensor: torch.Tensor, src: int = 0) -> None:
@@ -53,139 +45,76 @@ def broadcast_with_collective(tensor: torch.Tensor, src: int = 0) -> None:
 
 # --------------------------------------------------------------------------- 1.2 ring_all_reduce
 
-
-def _ring(tensor: torch.Tensor, chunks: list[torch.Tensor], *, gather: bool = True) -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    for step in range(world_size - 1):
-        out, into = chunks[(rank - step) % world_size], chunks[(rank - step - 1) % world_size]
-        incoming = torch.empty_like(into)
-        for req in (dist.isend(out, right), dist.irecv(incoming, left)):
-            req.wait()
-        into.add_(incoming)
-    for step in range(world_size - 1 if gather else 0):
-        out, into = chunks[(rank + 1 - step) % world_size], chunks[(rank - step) % world_size]
-        for req in (dist.isend(out, right), dist.irecv(into, left)):
-            req.wait()
+_CHUNKS = ("    chunks = tensor.view(-1).tensor_split(world_size)"
+           "  # p views (n,) -> sizes n//p or n//p + 1\n")
+_END = "            handle.wait()\n    ### END SOLUTION"
 
 
-def ring_skips_last_chunk(tensor: torch.Tensor) -> None:
-    world_size = dist.get_world_size()
-    flat = tensor.view(-1)
-    size = flat.numel() // world_size  # the n % p leftover elements are never reduced
-    _ring(tensor, [flat[i * size:(i + 1) * size] for i in range(world_size)])
+def _ring(*edits: tuple[str, str]):
+    return edited_solution(1, *edits).ring_all_reduce
 
 
-def ring_without_all_gather(tensor: torch.Tensor) -> None:
-    _ring(tensor, list(tensor.view(-1).tensor_split(dist.get_world_size())), gather=False)
-
-
-def ring_with_torch_chunk(tensor: torch.Tensor) -> None:
-    # torch.chunk makes ceil(n / ceil(n / p)) chunks: fewer than p when n < p (3 on 5 ranks) or
-    # for 42 elements on 8 ranks (7 of 6), so ranks index past the end
-    _ring(tensor, list(tensor.view(-1).chunk(dist.get_world_size())))
-
-
-def ring_averages(tensor: torch.Tensor) -> None:
-    _ring(tensor, list(tensor.view(-1).tensor_split(dist.get_world_size())))
-    if tensor.is_floating_point():
-        tensor.div_(dist.get_world_size())  # all_reduce's default op is SUM, not mean
+ring_skips_last_chunk = _ring((_CHUNKS, (  # the n % p leftover elements are never reduced
+    "    size = tensor.numel() // world_size\n"
+    "    chunks = [tensor.view(-1)[i * size:(i + 1) * size] for i in range(world_size)]\n")))
+ring_without_all_gather = _ring((
+    "for step in range(world_size - 1):  # all-gather", "for step in range(0):  # all-gather"))
+# torch.chunk makes ceil(n / ceil(n / p)) chunks: fewer than p when n < p (3 on 5 ranks) or
+# for 42 elements on 8 ranks (7 of 6), so ranks index past the end
+ring_with_torch_chunk = _ring((_CHUNKS, "    chunks = tensor.view(-1).chunk(world_size)\n"))
+ring_averages = _ring((_END, (  # all_reduce's default op is SUM, not mean
+    "            handle.wait()\n"
+    "    if tensor.is_floating_point():\n"
+    "        tensor.div_(world_size)\n"
+    "    ### END SOLUTION")))
 
 
 def ring_calls_all_reduce(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor)
 
 
-def ring_on_a_copy(tensor: torch.Tensor) -> torch.Tensor:
-    result = tensor.clone()  # the caller's tensor is never changed
-    _ring(result, list(result.view(-1).tensor_split(dist.get_world_size())))
-    return result
-
+ring_on_a_copy = _ring(
+    (_CHUNKS, "    tensor = tensor.clone()  # the caller's tensor is never changed\n" + _CHUNKS),
+    (_END, "            handle.wait()\n    return tensor\n    ### END SOLUTION"))
 
 # --------------------------------------------------------------------------- 1.3 store_barrier
 
-
-def barrier_not_reusable(store: dist.Store, rank: int, world_size: int, name: str) -> None:
-    count = store.add(name, 1)
-    if count == world_size:  # only the first use ever sets the key; later uses pass at once
-        store.set(f"{name}/done", "1")
-    store.wait([f"{name}/done"])
+_OPEN = ("    if arrived == (use + 1) * world_size:  # the last rank of this use opens the gate\n"
+         '        store.set(f"{name}/open/{use}", "1")\n')
+_WAIT = '    store.wait([f"{name}/open/{use}"])\n'
 
 
-def barrier_counts_ever(store: dist.Store, rank: int, world_size: int, name: str) -> None:
-    store.add(name, 1)
-    while store.add(name, 0) < world_size:  # true once, then never again
-        pass
+def _barrier(*edits: tuple[str, str]):
+    return edited_solution(1, *edits).store_barrier
 
 
-def barrier_off_by_one(store: dist.Store, rank: int, world_size: int, name: str) -> None:
-    count = store.add(f"{name}/arrived", 1)
-    use = (count - 1) // world_size
-    if count >= use * world_size + world_size - 1:  # leaves when all but one arrived
-        store.set(f"{name}/done/{use}", "1")
-    store.wait([f"{name}/done/{use}"])
-
-
-def barrier_only_rank0_waits(store: dist.Store, rank: int, world_size: int, name: str) -> None:
-    count = store.add(f"{name}/arrived", 1)
-    use = (count - 1) // world_size
-    if count == (use + 1) * world_size:
-        store.set(f"{name}/done/{use}", "1")
-    if rank == 0:  # the others leave at once
-        store.wait([f"{name}/done/{use}"])
-
+barrier_not_reusable = _barrier((  # only the first use ever sets the key; later ones pass
+    "    use = (arrived - 1) // world_size", "    use = 0"))
+barrier_counts_ever = _barrier((_OPEN + _WAIT, (  # true once, then never again
+    '    while store.add(f"{name}/arrived", 0) < world_size:\n'
+    "        pass\n")))
+barrier_off_by_one = _barrier((  # leaves when all but one arrived
+    "    if arrived == (use + 1) * world_size:", "    if arrived >= use * world_size + world_size - 1:"))
+barrier_only_rank0_waits = _barrier((_WAIT, "    if rank == 0:  # the others leave at once\n    " + _WAIT))
 
 # --------------------------------------------------------------------------- 1.4 cost model
+# The check finds ring_all_reduce_time beside fit_alpha_beta, as one notebook cell defines both:
+# each bug is the solution's fit_alpha_beta, with one of the two functions edited.
+
+_SOLVED = edited_solution(1)
+_FIT = ("    beta = ((n - n.mean()) * (t - t.mean())).sum() / ((n - n.mean()) ** 2).sum()\n"
+        "    alpha = t.mean() - beta * n.mean()\n")
+_TIME = "    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta\n"
 
 
-def _good_fit(nbytes, seconds) -> tuple[float, float]:
-    x = torch.as_tensor(nbytes, dtype=torch.float64)
-    t = torch.as_tensor(seconds, dtype=torch.float64)
-    beta = ((x - x.mean()) * (t - t.mean())).sum() / ((x - x.mean()) ** 2).sum()
-    return (t.mean() - beta * x.mean()).item(), beta.item()
-
-
-def _good_time(nbytes, world_size, alpha, beta) -> float:
-    p = world_size
-    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+def _fit(*edits: tuple[str, str]):
+    return edited_solution(1, *edits).fit_alpha_beta
 
 
 def _pair(fit, time_model) -> types.FunctionType:
     """``fit`` with ``ring_all_reduce_time`` beside it, as one notebook cell defines both."""
     return types.FunctionType(fit.__code__, {**fit.__globals__, "ring_all_reduce_time": time_model},
                               fit.__name__, fit.__defaults__, fit.__closure__)
-
-
-def _fit_through_origin(nbytes, seconds) -> tuple[float, float]:
-    x = torch.as_tensor(nbytes, dtype=torch.float64)
-    t = torch.as_tensor(seconds, dtype=torch.float64)
-    return 0.0, ((x * t).sum() / (x * x).sum()).item()  # no latency term at all
-
-
-def _fit_two_points(nbytes, seconds) -> tuple[float, float]:
-    x, t = list(map(float, nbytes)), list(map(float, seconds))
-    beta = (t[-1] - t[0]) / (x[-1] - x[0])  # the line through the end points
-    return t[0] - beta * x[0], beta
-
-
-def _fit_swapped(nbytes, seconds) -> tuple[float, float]:
-    alpha, beta = _good_fit(nbytes, seconds)
-    return beta, alpha
-
-
-def _time_without_factor_two(nbytes, world_size, alpha, beta) -> float:
-    p = world_size  # only the reduce-scatter half
-    return (p - 1) * alpha + (p - 1) / p * nbytes * beta
-
-
-def _time_whole_buffer_per_step(nbytes, world_size, alpha, beta) -> float:
-    p = world_size  # each step sends the whole buffer, not one chunk of it
-    return 2 * (p - 1) * (alpha + nbytes * beta)
-
-
-def _time_one_latency(nbytes, world_size, alpha, beta) -> float:
-    p = world_size  # latency paid once, not once per step
-    return alpha + 2 * (p - 1) / p * nbytes * beta
 
 
 # --------------------------------------------------------------------------- exploits
@@ -270,6 +199,25 @@ def _time_from_kit(nbytes, world_size, alpha, beta) -> float:
     return costmodel.ring_all_reduce_time(nbytes, world_size, alpha, beta)
 
 
+_BUGS_1_4 = [
+    ("fits a line through the origin", _fit((_FIT, (  # no latency term at all
+        "    beta = (n * t).sum() / (n * n).sum()\n    alpha = beta * 0\n")))),
+    ("fits through the first and last point", _fit((_FIT, (  # the line through the end points
+        "    beta = (t[-1] - t[0]) / (n[-1] - n[0])\n    alpha = t[0] - beta * n[0]\n")))),
+    ("returns (beta, alpha)", _fit(("return alpha.item(), beta.item()",
+                                   "return beta.item(), alpha.item()"))),
+    ("predicts only the reduce-scatter half", _fit((
+        _TIME, "    return (p - 1) * alpha + (p - 1) / p * nbytes * beta\n"))),
+    ("sends the whole buffer in every step", _fit((  # not one chunk of it
+        _TIME, "    return 2 * (p - 1) * (alpha + nbytes * beta)\n"))),
+    ("pays the latency once", _fit((  # not once per step
+        _TIME, "    return alpha + 2 * (p - 1) / p * nbytes * beta\n"))),
+    ("calls the grader's least-squares reference",
+     _pair(_fit_by_the_grader, _SOLVED.ring_all_reduce_time)),
+    ("predicts with kit.lessons.costmodel.ring_all_reduce_time",
+     _pair(_SOLVED.fit_alpha_beta, _time_from_kit)),
+]
+
 BUGS = {
     "1.1": [
         ("sends from src to every rank in turn (p - 1 rounds)", broadcast_loop_from_src),
@@ -301,14 +249,5 @@ BUGS = {
         ("lets ranks go when all but one arrived", barrier_off_by_one),
         ("only rank 0 waits", barrier_only_rank0_waits),
     ],
-    "1.4": [
-        ("fits a line through the origin", _pair(_fit_through_origin, _good_time)),
-        ("fits through the first and last point", _pair(_fit_two_points, _good_time)),
-        ("returns (beta, alpha)", _pair(_fit_swapped, _good_time)),
-        ("predicts only the reduce-scatter half", _pair(_good_fit, _time_without_factor_two)),
-        ("sends the whole buffer in every step", _pair(_good_fit, _time_whole_buffer_per_step)),
-        ("pays the latency once", _pair(_good_fit, _time_one_latency)),
-        ("calls the grader's least-squares reference", _pair(_fit_by_the_grader, _good_time)),
-        ("predicts with kit.lessons.costmodel.ring_all_reduce_time", _pair(_good_fit, _time_from_kit)),
-    ],
+    "1.4": _BUGS_1_4,
 }
