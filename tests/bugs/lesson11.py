@@ -7,6 +7,8 @@ implementation with one step replaced, written as a student would write it.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -107,149 +109,77 @@ def _conv(*edits):
 
 
 _TABLE = "table = torch.cat([h, received[:, :-1]])"
+_EXCHANGE = ("received = HaloExchange.apply(payload, [len(t) for t in plan.recv],\n"
+             "                                      [len(t) for t in plan.send])")
 
 
-class _Exchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, recv_sizes, send_sizes):
-        ctx.sizes = (recv_sizes, send_sizes)
-        out = rows.new_empty(sum(recv_sizes), *rows.shape[1:])
-        dist.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        recv_sizes, send_sizes = ctx.sizes
-        home = grad.new_empty(sum(send_sizes), *grad.shape[1:])
-        dist.all_to_all_single(home, grad.contiguous(), send_sizes, recv_sizes)
-        return home, None, None
+def _halo_from(cheat):
+    """The solution's HaloGCNConv with its halo rows (features, then 1/sqrt(degree), in
+    plan.recv order) got by ``cheat(h, dinv, plan, own, HaloExchange)``, written into the
+    notebook beside it, instead of by HaloExchange."""
+    defs = "".join(inspect.getsource(f) + "\n\n" for f in (_pick, cheat))
+    return _conv(("class HaloGCNConv(nn.Module):", defs + "class HaloGCNConv(nn.Module):"),
+                 (_EXCHANGE, f"received = {cheat.__name__}(h, dinv, plan, own, HaloExchange)"))
 
 
-class _Conv(nn.Module):
-    """HaloGCNConv with its steps as methods, for the cheats that replace the exchange or the
-    table (the solution is one forward)."""
-
-    def __init__(self, in_channels, out_channels):
-        super().__init__()
-        self.lin = nn.Linear(in_channels, out_channels, bias=False)
-        self.bias = nn.Parameter(torch.zeros(out_channels))
-
-    def loops(self, n_own):
-        return torch.arange(n_own)
-
-    def own_degree(self, dst_row, n_own, dtype):
-        return torch.bincount(dst_row, minlength=n_own).to(dtype) + 1
-
-    def halo(self, h, dinv, plan, own, local_graph):
-        """(features, inverse sqrt degrees) of the halo rows, in plan.recv order."""
-        send_rows = torch.searchsorted(own, torch.cat(plan.send))
-        payload = torch.cat([h[send_rows], dinv[send_rows, None]], dim=1)
-        received = _Exchange.apply(payload, [len(t) for t in plan.recv],
-                                   [len(t) for t in plan.send])
-        return received[:, :-1], received[:, -1].detach()
-
-    def transform_first(self, x):
-        return self.lin(x)
-
-    def aggregate(self, table, ids, src, dst_row, norm_src, dinv, n_own):
-        order = torch.argsort(ids)
-        src_row = order[torch.searchsorted(ids[order], src)]
-        loops = self.loops(n_own)
-        rows_src = torch.cat([src_row, loops])
-        rows_dst = torch.cat([dst_row, torch.arange(n_own)[:loops.numel()]])
-        norm = norm_src[rows_src] * dinv[rows_dst]
-        return table.new_zeros(n_own, table.shape[1]).index_add(0, rows_dst,
-                                                                table[rows_src] * norm[:, None])
-
-    def add_bias(self, out):
-        return out + self.bias
-
-    def forward(self, x_local, plan, local_graph):
-        own, edge_index = local_graph
-        src, dst = edge_index
-        n_own = own.numel()
-        dst_row = torch.searchsorted(own, dst)
-        dinv = self.own_degree(dst_row, n_own, x_local.dtype).rsqrt()
-        h = self.transform_first(x_local)
-        h_halo, dinv_halo = self.halo(h, dinv, plan, own, local_graph)
-        table = torch.cat([h, h_halo])
-        ids = torch.cat([own, *plan.recv])
-        out = self.aggregate(table, ids, src, dst_row, torch.cat([dinv, dinv_halo]), dinv, n_own)
-        return self.add_bias(out)
+def _pick(rows, gids, plan):
+    """The rows of ``rows`` (global ids ``gids``) in plan.recv order."""
+    sort = gids.sort()
+    return rows[sort.indices[torch.searchsorted(sort.values, torch.cat(plan.recv))]]
 
 
-class AllGathersTheHalo(_Conv):
+def all_gather_halo(h, dinv, plan, own, exchange):
     """Every rank's transformed rows all-gathered, then the halo rows picked out."""
-
-    def halo(self, h, dinv, plan, own, local_graph):
-        world_size = dist.get_world_size()
-        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
-        dist.all_gather(sizes, torch.tensor([own.numel()]))
-        width = h.shape[1] + 1
-        most = int(max(s.item() for s in sizes))
-        mine = torch.cat([h, dinv[:, None]], 1)
-        padded = torch.cat([mine, mine.new_zeros(most - own.numel(), width)])
-        rows = [torch.empty_like(padded) for _ in range(world_size)]
-        ids = [torch.empty(most, dtype=torch.long) for _ in range(world_size)]
-        dist.all_gather(rows, padded.detach())
-        dist.all_gather(ids, torch.cat([own, own.new_zeros(most - own.numel())]))
-        table = torch.cat([r[:int(s)] for r, s in zip(rows, sizes)])
-        gids = torch.cat([i[:int(s)] for i, s in zip(ids, sizes)])
-        where = torch.argsort(gids)[torch.searchsorted(gids.sort().values, torch.cat(plan.recv))]
-        return table[where, :-1], table[where, -1]
+    n = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([own.numel()]))
+    most = int(max(s.item() for s in sizes))
+    mine = torch.cat([h, dinv[:, None]], 1)
+    padded = torch.cat([mine, mine.new_zeros(most - own.numel(), mine.shape[1])])
+    rows = [torch.empty_like(padded) for _ in range(n)]
+    ids = [torch.empty(most, dtype=torch.long) for _ in range(n)]
+    dist.all_gather(rows, padded.detach())
+    dist.all_gather(ids, torch.cat([own, own.new_zeros(most - own.numel())]))
+    gids = torch.cat([i[:int(s)] for i, s in zip(ids, sizes)])
+    return _pick(torch.cat([r[:int(s)] for r, s in zip(rows, sizes)]), gids, plan)
 
 
-class GlobalTable(_Conv):
-    """Scatters own and halo rows into a table over all global ids, indexed by global id."""
-
-    def aggregate(self, table, ids, src, dst_row, norm_src, dinv, n_own):
-        n = int(torch.cat([ids, src]).max()) + 1  # every global id seen: about N
-        full = table.new_zeros(n, table.shape[1]).index_copy(0, ids, table)
-        full_norm = norm_src.new_zeros(n).index_copy(0, ids, norm_src)
-        own_ids = ids[:n_own]
-        srcs = torch.cat([src, own_ids])
-        rows_dst = torch.cat([dst_row, torch.arange(n_own)])
-        norm = full_norm[srcs] * dinv[rows_dst]
-        return table.new_zeros(n_own, table.shape[1]).index_add(0, rows_dst,
-                                                                full[srcs] * norm[:, None])
-
-
-class EveryRowToEveryRank(_Conv):
+def every_row_to_every_rank(h, dinv, plan, own, exchange):
     """An all-gather in disguise: all_to_all_single sends every own row to every rank."""
-
-    def halo(self, h, dinv, plan, own, local_graph):
-        world_size = dist.get_world_size()
-        counts = torch.tensor([own.numel()] * world_size)
-        theirs = torch.empty_like(counts)
-        dist.all_to_all_single(theirs, counts)
-        row = torch.cat([h, dinv[:, None], own[:, None].to(h.dtype)], 1)
-        payload = torch.cat([row] * world_size)
-        rows = _Exchange.apply(payload, theirs.tolist(), counts.tolist())
-        gids = rows[:, -1].detach().long()
-        where = torch.argsort(gids)[torch.searchsorted(gids.sort().values, torch.cat(plan.recv))]
-        return rows[where, :-2], rows[where, -2].detach()
+    n = dist.get_world_size()
+    counts = torch.tensor([own.numel()] * n)
+    theirs = torch.empty_like(counts)
+    dist.all_to_all_single(theirs, counts)
+    row = torch.cat([h, dinv[:, None], own[:, None].to(h.dtype)], 1)
+    rows = exchange.apply(torch.cat([row] * n), theirs.tolist(), counts.tolist())
+    return _pick(rows[:, :-1], rows[:, -1].detach().long(), plan)
 
 
-class PointToPoint(_Conv):
+def point_to_point(h, dinv, plan, own, exchange):
     """The halo exchanged with isend/irecv per peer instead of all_to_all_single (no backward
     exchange either: the received rows are leaves)."""
-
-    def halo(self, h, dinv, plan, own, local_graph):
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        payload = torch.cat([h, dinv[:, None]], 1).detach()
-        works, inbox = [], []
-        for s in range(world_size):
-            if s == rank:
-                continue
-            rows = payload[torch.searchsorted(own, plan.send[s])]
-            works.append(dist.isend(rows.contiguous(), s))
+    me = dist.get_rank()
+    payload = torch.cat([h, dinv[:, None]], 1).detach()
+    works, inbox = [], []
+    for s in range(dist.get_world_size()):
+        if s != me:
             box = payload.new_empty(len(plan.recv[s]), payload.shape[1])
-            works.append(dist.irecv(box, s))
+            works += [dist.isend(payload[torch.searchsorted(own, plan.send[s])].contiguous(), s),
+                      dist.irecv(box, s)]
             inbox.append(box)
-        for w in works:
-            w.wait()
-        received = torch.cat(inbox) if inbox else payload[:0]
-        return received[:, :-1], received[:, -1]
+    for w in works:
+        w.wait()
+    return torch.cat(inbox) if inbox else payload[:0]
+
+
+# a table over all global ids (about N rows), indexed by global id, not the own + halo rows
+_GLOBAL_TABLE = _conv((
+    "order = torch.argsort(ids)\n        src_row = order[torch.searchsorted(ids[order], src)]\n"
+    "        rows_src, rows_dst = torch.cat([src_row, loops]), torch.cat([dst_row, loops])",
+    "n = int(torch.cat([ids, src]).max()) + 1  # every global id seen: about N\n"
+    "        table = table.new_zeros(n, table.shape[1]).index_copy(0, ids, table)\n"
+    "        dinv_all = dinv_all.new_zeros(n).index_copy(0, ids, dinv_all)\n"
+    "        rows_src, rows_dst = torch.cat([src, own]), torch.cat([dst_row, loops])"))
 
 
 class LocalGCNConv(nn.Module):
@@ -263,13 +193,12 @@ class LocalGCNConv(nn.Module):
         self.lin, self.bias = self.inner.lin, self.inner.bias
 
     def forward(self, x_local, plan, local_graph):
-        own, edge_index = local_graph
-        send_rows = torch.searchsorted(own, torch.cat(plan.send))
-        halo = _Exchange.apply(x_local[send_rows], [len(t) for t in plan.recv],
-                               [len(t) for t in plan.send])
-        ids = torch.cat([own, *plan.recv])
-        order = torch.argsort(ids)
-        local = order[torch.searchsorted(ids[order], edge_index)]
+        own, edges = local_graph
+        sizes = [len(t) for t in plan.recv], [len(t) for t in plan.send]
+        rows = x_local[torch.searchsorted(own, torch.cat(plan.send))]
+        halo = edited_solution(11).HaloExchange.apply(rows, *sizes)
+        order = torch.argsort(ids := torch.cat([own, *plan.recv]))
+        local = order[torch.searchsorted(ids[order], edges)]
         return self.inner(torch.cat([x_local, halo]), local)[:own.numel()]
 
 
@@ -344,7 +273,7 @@ BUGS = {
             "dinv_all = torch.cat([dinv, received[:, -1].detach()])",
             "partial = (src[None, :] == torch.cat(plan.recv)[:, None]).sum(1).to(h.dtype) + 1\n"
             "        dinv_all = torch.cat([dinv, partial.rsqrt()])  # this rank's edges only"))),
-        ("the halo all-gathered", AllGathersTheHalo),
+        ("the halo all-gathered", _halo_from(all_gather_halo)),
         ("self-loops forgotten", _conv(
             ("loops = torch.arange(n_own)", "loops = torch.arange(0)"),
             ("minlength=n_own).to(x_local.dtype) + 1  # + the self-loop",
@@ -354,12 +283,12 @@ BUGS = {
              "h = x_local  # lin after the exchange"),
             (_TABLE, "table = self.lin(torch.cat([h, received[:, :-1]]))"),
             ("out = h.new_zeros(n_own, h.shape[1])", "out = h.new_zeros(n_own, table.shape[1])"))),
-        ("a table over all N global ids", GlobalTable),
+        ("a table over all N global ids", _GLOBAL_TABLE),
         ("received rows detached: no gradient goes home", _conv(
             (_TABLE, "table = torch.cat([h, received[:, :-1].detach()])"))),
         ("bias forgotten", _conv(("        return out + self.bias\n", "        return out\n"))),
-        ("all_to_all_single of every row to every rank", EveryRowToEveryRank),
+        ("all_to_all_single of every row to every rank", _halo_from(every_row_to_every_rank)),
         ("PyG's GCNConv on the local subgraph", LocalGCNConv),
-        ("the halo exchanged with isend/irecv", PointToPoint),
+        ("the halo exchanged with isend/irecv", _halo_from(point_to_point)),
     ],
 }
