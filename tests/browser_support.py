@@ -147,7 +147,9 @@ class LabServer:
             except OSError:
                 time.sleep(0.3)
         self.__exit__(None, None, None)
-        raise RuntimeError(f"JupyterLab did not answer within {self.startup_timeout} s:\n{self.log()}")
+        raise RuntimeError(
+            f"JupyterLab did not answer within {self.startup_timeout} s:\n{self.log()}"
+        )
 
     def __exit__(self, *exc: object) -> None:
         if self.proc.poll() is None:
@@ -415,7 +417,9 @@ def assert_readable(text: str) -> None:
 
 def assert_widgets_rendered(report: dict[str, Any], expected: int) -> None:
     """The kernel produced ``expected`` widgets and the page shows every one of them live."""
-    assert not report["failures"], f"widget placeholders or errors in the page: {report['failures']}"
+    assert not report["failures"], (
+        f"widget placeholders or errors in the page: {report['failures']}"
+    )
     assert report["rendered"] == expected, (
         f"the kernel produced {expected} widget(s) but the page shows {report['rendered']} live: "
         "without the widget extension JupyterLab falls back to the text repr")

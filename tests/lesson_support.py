@@ -61,6 +61,7 @@ def fails_exactly(task_id: str, impl: Any, prefix: str) -> tuple[list[Any], Any]
 
     report = run_checks(task_id, impl)
     failed = [c for c in report.cases if c.status != "passed"]
-    assert [c.name for c in failed] == [c.name for c in report.cases if c.name.startswith(prefix)], \
-        report.to_text()
+    assert [c.name for c in failed] == [
+        c.name for c in report.cases if c.name.startswith(prefix)
+    ], report.to_text()
     return failed, report

@@ -103,9 +103,17 @@ def tasks_and_checks(notebook: Path) -> list[int]:
 def test_lesson00_in_the_browser_shows_labelled_rank_output_errors_and_check_feedback(
         page: Any, server: LabServer, course: Path) -> None:
     notebook = course / course_spec.lesson(0).notebook.name
-    shown = [code_cell(notebook, text) for text in (
-        "%load_ext kit", "def hello", "def read_environment", "%%distributed -n 4", "def crash_on_rank_2",
-        "def skip_a_collective_on_rank_0")]
+    shown = [
+        code_cell(notebook, text)
+        for text in (
+            "%load_ext kit",
+            "def hello",
+            "def read_environment",
+            "%%distributed -n 4",
+            "def crash_on_rank_2",
+            "def skip_a_collective_on_rank_0",
+        )
+    ]
     open_and_run(page, server, course, notebook.stem, sorted(shown + tasks_and_checks(notebook)))
     hello = code_cell(notebook, "def hello")
     assert_rank_output(cell_outputs(page, hello), world_size=4)
@@ -115,7 +123,9 @@ def test_lesson00_in_the_browser_shows_labelled_rank_output_errors_and_check_fee
     assert "LaunchError" in crash and "rank 2" in crash and "corrupt batch" in crash, crash[:2000]
     hang = cell_outputs(page, code_cell(notebook, "def skip_a_collective_on_rank_0"))
     assert "LaunchTimeout" in hang and "Timed out after 5 s" in hang, hang[:2000]
-    assert "all_reduce" in hang and "barrier" in hang, f"the hang report names no collective:\n{hang}"
+    assert "all_reduce" in hang and "barrier" in hang, (
+        f"the hang report names no collective:\n{hang}"
+    )
     assert_readable(crash)
     assert_readable(hang)
 
@@ -222,7 +232,11 @@ SABOTAGE_CELLS = [
 def sabotage_notebook() -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in SABOTAGE_CELLS]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     return nb
 
 

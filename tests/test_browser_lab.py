@@ -85,7 +85,9 @@ def open_lab(browser: Any, course: Path, instructor: bool, name: str) -> dict[st
 
 def _status(server: LabServer, path: str) -> int:
     try:
-        req = urllib.request.Request(server.url + path, headers={"Authorization": f"token {server.token}"})
+        req = urllib.request.Request(
+            server.url + path, headers={"Authorization": f"token {server.token}"}
+        )
         with urllib.request.urlopen(req, timeout=20) as resp:
             return resp.status
     except urllib.error.HTTPError as e:
@@ -147,7 +149,9 @@ def run_kit_lab(*flags: str, seconds_after_kernel: float = 8.0) -> str:
                     return json.loads(resp.read() or b"null")
 
             deadline = time.monotonic() + 90
-            while not (m := re.search(r"/lab\?token=(\w+)", (home / "out").read_text(errors="replace"))):
+            while not (
+                m := re.search(r"/lab\?token=(\w+)", (home / "out").read_text(errors="replace"))
+            ):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     return (home / "out").read_text(errors="replace")  # the caller's asserts say
                 time.sleep(0.3)
@@ -166,9 +170,11 @@ def run_kit_lab(*flags: str, seconds_after_kernel: float = 8.0) -> str:
 
 
 # What a quiet start may print: kit's own line, the server's URL banner, and its stop on SIGTERM.
-ALLOWED = re.compile(r"^(Starting JupyterLab on .*|\[C [\d\- :.]+ ServerApp\] ?(received signal 15, "
-                     r"stopping)?|\s*|\s+To access the server, open this file in a browser:|"
-                     r"\s+file://\S+|\s+Or copy and paste one of these URLs:|\s+http://\S+)$")
+ALLOWED = re.compile(
+    r"^(Starting JupyterLab on .*|\[C [\d\- :.]+ ServerApp\] ?(received signal 15, "
+    r"stopping)?|\s*|\s+To access the server, open this file in a browser:|"
+    r"\s+file://\S+|\s+Or copy and paste one of these URLs:|\s+http://\S+)$"
+)
 
 
 def test_kit_lab_prints_the_url_and_nothing_a_student_cannot_act_on() -> None:
@@ -189,11 +195,19 @@ def test_a_warning_the_user_can_act_on_still_shows() -> None:
 def test_the_session_config_hides_only_the_instructor_plugins_and_keeps_validate() -> None:
     env = lab.lab_environment({}, instructor=False)
     folder = Path(env["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0])
-    assert json.loads((folder / "labconfig" / "page_config.json").read_text())["disabledExtensions"] == {
-        name: True for name in lab.INSTRUCTOR_PLUGINS}
+    assert json.loads((folder / "labconfig" / "page_config.json").read_text())[
+        "disabledExtensions"
+    ] == {name: True for name in lab.INSTRUCTOR_PLUGINS}
     assert "@jupyter/nbgrader:validate-assignment" not in lab.INSTRUCTOR_PLUGINS
-    instructor = Path(lab.lab_environment({}, instructor=True)["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0])
-    assert json.loads((instructor / "labconfig" / "page_config.json").read_text())["disabledExtensions"] == {}
+    instructor = Path(
+        lab.lab_environment({}, instructor=True)["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0]
+    )
+    assert (
+        json.loads((instructor / "labconfig" / "page_config.json").read_text())[
+            "disabledExtensions"
+        ]
+        == {}
+    )
     assert not any("jpserver_extensions" in a for a in lab.lab_command(ROOT, instructor=True))
     assert sum("jpserver_extensions" in a for a in lab.lab_command(ROOT)) == len(
         lab.INSTRUCTOR_SERVER_EXTENSIONS)
@@ -227,7 +241,11 @@ def test_feedback_boxes_align_code_spans_render_and_dependent_failures_say_so(
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in FEEDBACK_CELLS]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(nb, course / "feedback.ipynb")
     from browser_support import cell_outputs, run_all_cells, wait_until_done
 
@@ -240,7 +258,11 @@ def test_feedback_boxes_align_code_spans_render_and_dependent_failures_say_so(
             wait_until_done(page, timeout=180)
             stub, bug, masked = (cell_outputs(page, i) for i in range(3))
             assert "not implemented yet" in stub and "`" not in stub, stub
-            code = page.locator(".jp-Notebook .jp-Cell").nth(0).locator(".kit-check code", has_text="raise NotImplementedError(...)")
+            code = (
+                page.locator(".jp-Notebook .jp-Cell")
+                .nth(0)
+                .locator(".kit-check code", has_text="raise NotImplementedError(...)")
+            )
             assert code.count() == 1
             boxes = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".kit-expected-got code")
             assert boxes.count() >= 2, bug

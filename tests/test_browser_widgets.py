@@ -146,7 +146,9 @@ def test_lesson05_memory_calculator(page: Any, server: LabServer, course: Path) 
     assert readouts(state) == {"parameters": "7B", "world size": "8"}  # "7B", not "7.00e+9"
     assert_calculator_agrees(state)
     # log-spaced: the default 8 ranks sits well inside the slider, not at its left end
-    slider = cell.locator(".widget-slider", has=page.locator(".widget-label", has_text="world size"))
+    slider = cell.locator(
+        ".widget-slider", has=page.locator(".widget-label", has_text="world size")
+    )
     knob = slider.locator(".noUi-handle").first.bounding_box()
     track = slider.locator(".noUi-target").first.bounding_box()
     assert (knob["x"] + knob["width"] / 2 - track["x"]) / track["width"] > 0.2, (knob, track)
@@ -161,7 +163,9 @@ def test_lesson05_memory_calculator(page: Any, server: LabServer, course: Path) 
 # ---- Lesson 08: layouts of a 13B model ---------------------------------------------------
 
 # The lesson's own model (its cell `model_13b = Model(...)`), checked below against the source.
-MODEL_13B = "model_13b = Model(layers=40, hidden=5120, heads=40, seq=2048, batch=512, micro_batch=1)"
+MODEL_13B = (
+    "model_13b = Model(layers=40, hidden=5120, heads=40, seq=2048, batch=512, micro_batch=1)"
+)
 
 
 def layout_rows(cell: Any) -> list[dict[str, Any]]:
@@ -174,7 +178,9 @@ def assert_layouts_agree(cell: Any, state: dict[str, Any]) -> None:
     shown = readouts(state)
     model = Model(layers=int(shown["layers"]), hidden=int(shown["hidden"]), heads=40,
                   seq=int(shown["sequence"]), batch=512, micro_batch=1)
-    want = sorted(layout_table(model, int(shown["GPUs"])), key=lambda r: sum(r.comm_seconds.values()))
+    want = sorted(
+        layout_table(model, int(shown["GPUs"])), key=lambda r: sum(r.comm_seconds.values())
+    )
     rows = layout_rows(cell)
     assert len(rows) == len(want), (shown, rows)
     for row, r in zip(rows, want):
@@ -187,7 +193,10 @@ def assert_layouts_agree(cell: Any, state: dict[str, Any]) -> None:
 @pytest.mark.browser
 def test_lesson08_layout_table(page: Any, server: LabServer, course: Path) -> None:
     notebook = course / f"{STEMS[8]}.ipynb"
-    assert MODEL_13B in nbformat.read(notebook, as_version=4).cells[code_cell(notebook, "model_13b =")].source
+    assert (
+        MODEL_13B
+        in nbformat.read(notebook, as_version=4).cells[code_cell(notebook, "model_13b =")].source
+    )
     cell, index = show_widget(page, server, notebook, "model_13b =", "layout_widget(model_13b")
     state = controls(cell)
     assert_labels_whole(state, ["GPUs", "layers", "hidden", "sequence"])
@@ -214,12 +223,16 @@ def assert_pair_memory_agrees(state: dict[str, Any]) -> None:
     assert f"L={length}, c_z={c_z}, heads={heads}, {precision}" in text, text
     assert re.search(rf"pair representation\s+{re.escape(_format_bytes(full['pair']))}", text), text
     assert re.search(rf"unchunked\s+{re.escape(_format_bytes(full['logits']))}", text), text
-    assert re.search(rf"chunk={chunk or length}\s+{re.escape(_format_bytes(cut['logits']))}", text), text
+    assert re.search(
+        rf"chunk={chunk or length}\s+{re.escape(_format_bytes(cut['logits']))}", text
+    ), text
 
 
 @pytest.mark.browser
 def test_lesson09_pair_memory(page: Any, server: LabServer, course: Path) -> None:
-    cell, index = show_widget(page, server, course / f"{STEMS[9]}.ipynb", "alphafold_memory_widget()")
+    cell, index = show_widget(
+        page, server, course / f"{STEMS[9]}.ipynb", "alphafold_memory_widget()"
+    )
     state = controls(cell)
     assert_labels_whole(state, ["L (residues)", "c_z (pair channels)", "heads",
                                 "chunk rows (0 = unchunked)", "precision"])

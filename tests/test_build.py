@@ -67,7 +67,9 @@ def test_student_notebook_has_stubs_points_and_checksums(source):
             task = get_task(task_id)
             seen.add(task_id)
             assert "BEGIN SOLUTION" not in cell.source
-            assert re.search(rf'raise NotImplementedError\("Task {re.escape(task_id)}: \w', cell.source)
+            assert re.search(
+                rf'raise NotImplementedError\("Task {re.escape(task_id)}: \w', cell.source
+            )
             body = solved.source.split("### BEGIN SOLUTION")[1].split("### END SOLUTION")[0]
             for line in filter(str.strip, body.splitlines()):
                 assert line not in cell.source, f"solution line leaked into {source.name}: {line}"
@@ -102,7 +104,9 @@ def test_check_reports_stale_missing_and_orphan_lessons_with_the_fix(tmp_path, c
     source.write_text(source.read_text() + "\n# %% [markdown]\n# One more paragraph.\n")
     assert main_build(["--root", str(root), "--check"]) == 1
     err = capsys.readouterr().err
-    assert f"lessons/{course_spec.lesson(0).stem}.ipynb is stale" in err and "Run `kit build`" in err
+    assert (
+        f"lessons/{course_spec.lesson(0).stem}.ipynb is stale" in err and "Run `kit build`" in err
+    )
 
     (root / "lessons" / "07_gone.ipynb").write_text("{}")
     assert main_build(["--root", str(root), "--check"]) == 1
@@ -121,11 +125,26 @@ def test_an_edit_changes_only_the_edited_cell_ids(tmp_path):
 
 
 _BROKEN = [
-    ('tags=["check-0.2"]', 'tags=["check-0.9"]', "names no task of lesson 00.*autograder/lesson00.py"),
-    ('# %% tags=["check-0.2"]\ncheck("0.2", global_mean)', '# %%\nprint()',
-     r'task 0.2 \(global_mean\) has no cell tagged check-0.2'),
-    ('check("0.2", global_mean)', 'check("0.2", shard_range)', r'must call check\("0.2", global_mean\)'),
-    ("    ### BEGIN SOLUTION\n    base", "    base", "between ### BEGIN SOLUTION and ### END SOLUTION"),
+    (
+        'tags=["check-0.2"]',
+        'tags=["check-0.9"]',
+        "names no task of lesson 00.*autograder/lesson00.py",
+    ),
+    (
+        '# %% tags=["check-0.2"]\ncheck("0.2", global_mean)',
+        "# %%\nprint()",
+        r"task 0.2 \(global_mean\) has no cell tagged check-0.2",
+    ),
+    (
+        'check("0.2", global_mean)',
+        'check("0.2", shard_range)',
+        r'must call check\("0.2", global_mean\)',
+    ),
+    (
+        "    ### BEGIN SOLUTION\n    base",
+        "    base",
+        "between ### BEGIN SOLUTION and ### END SOLUTION",
+    ),
     ('# %% tags=["setup"]', "# %%", "no setup cell"),
     ("def shard_range(", "def shard_rnage(", "must define shard_range"),
 ]
@@ -181,8 +200,11 @@ def test_autograde_runs_only_the_definitions_of_demo_cells_and_shows_them_as_sub
                                       "\n\nclass Box:\n    size = 2")
     assert definitions_only("%%distributed -n 2\nprint(1)") == ""
     assert definitions_only("def broken(:\n") == ""
-    graded = {"setup": "import torch\nprint('setup runs')", "task-0.1": "x = f()\ndef shard_range(): ...",
-              "check-0.1": "check('0.1', shard_range)"}
+    graded = {
+        "setup": "import torch\nprint('setup runs')",
+        "task-0.1": "x = f()\ndef shard_range(): ...",
+        "check-0.1": "check('0.1', shard_range)",
+    }
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell(src, metadata={"tags": [tag]}) for tag, src in graded.items()]
         + [nbformat.v4.new_code_cell(demo), nbformat.v4.new_markdown_cell("launch(x)"),
@@ -209,7 +231,9 @@ def test_course_never_overwrites_an_edited_config_without_force(tmp_path, capsys
     assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
     config = course / "nbgrader_config.py"
     assert config.read_text() == _CONFIG and "= autograde_preprocessors()" in _CONFIG
-    assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0  # unchanged: fine
+    assert (
+        main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 0
+    )  # unchanged: fine
     config.write_text(_CONFIG + "c.Execute.timeout = 900  # an instructor's edit\n")
     assert main_course([str(course), "--root", str(ROOT), "--lessons", "00"]) == 2
     assert "--force" in capsys.readouterr().err and "900" in config.read_text()

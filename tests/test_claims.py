@@ -207,7 +207,9 @@ def test_lesson09_trains_in_bf16_only_where_the_cpu_multiplies_bf16_and_fp32_is_
 
     native = cpu_has_native_bf16()
     if platform.machine().lower() in ("x86_64", "amd64"):
-        assert native == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        assert native == (
+            torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        )
     if native:
         pytest.skip("this CPU multiplies bf16 in hardware: the lesson trains in bf16 here")
     threads = torch.get_num_threads()
@@ -373,8 +375,12 @@ def test_small_esm2_zeroes_mask_embeddings_and_rescales_by_the_observed_mask_rat
     residue, m = vocab.get_idx("A"), vocab.mask_idx
     # row 0: cls, 6 residues of which 2 masked, eos -> 2 / 8 of its non-padding tokens masked;
     # row 1: cls, 3 residues of which 1 masked, eos, 3 pads -> 1 / 5
-    tokens = torch.tensor([[vocab.cls_idx, residue, m, residue, m, residue, residue, vocab.eos_idx],
-                           [vocab.cls_idx, m, residue, residue, vocab.eos_idx] + [vocab.padding_idx] * 3])
+    tokens = torch.tensor(
+        [
+            [vocab.cls_idx, residue, m, residue, m, residue, residue, vocab.eos_idx],
+            [vocab.cls_idx, m, residue, residue, vocab.eos_idx] + [vocab.padding_idx] * 3,
+        ]
+    )
     with torch.no_grad():
         got = model(tokens, repr_layers=[0])["representations"][0]
         plain = model.embed_tokens(tokens)

@@ -45,6 +45,8 @@ def test_metis_cuts_several_times_fewer_edges_than_a_random_split_on_the_lessons
 
     data = peptide_graph()
     for parts in (2, 4, 8):
-        metis = partition_stats(data.edge_index, metis_partition(data.edge_index, data.num_nodes, parts), parts)
+        metis = partition_stats(
+            data.edge_index, metis_partition(data.edge_index, data.num_nodes, parts), parts
+        )
         rand = partition_stats(data.edge_index, random_partition(data.num_nodes, parts), parts)
         assert rand["edge_cut"] / metis["edge_cut"] > 2.5, parts

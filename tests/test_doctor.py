@@ -30,7 +30,11 @@ def test_blocking_problem_exits_non_zero_with_its_fix(monkeypatch, capsys):
 
 
 def test_warnings_do_not_block(monkeypatch, capsys):
-    monkeypatch.setattr(doctor, "check_cores", lambda n: doctor.Finding("CPU cores", doctor.WARN, "1 core", "close programs"))
+    monkeypatch.setattr(
+        doctor,
+        "check_cores",
+        lambda n: doctor.Finding("CPU cores", doctor.WARN, "1 core", "close programs"),
+    )
     assert doctor.main(["-n", "2"]) == 0
     assert "fix: close programs" in capsys.readouterr().out
 
@@ -62,9 +66,13 @@ def test_kit_lab_command_opens_the_first_lesson_and_starts_as_root(monkeypatch):
 
 def test_missing_mpi_is_a_warning_with_its_fix_and_never_blocks(monkeypatch, capsys):
     real_which = doctor.shutil.which
-    monkeypatch.setattr(doctor.shutil, "which", lambda name: None if name == "mpirun" else real_which(name))
+    monkeypatch.setattr(
+        doctor.shutil, "which", lambda name: None if name == "mpirun" else real_which(name)
+    )
     row = doctor.check_mpi()
-    assert row.status == doctor.WARN and "mpirun" in row.detail and "MPI cells will skip" in row.detail
+    assert (
+        row.status == doctor.WARN and "mpirun" in row.detail and "MPI cells will skip" in row.detail
+    )
     assert "openmpi-bin" in row.fix and ".[mpi]" in row.fix
     assert doctor.main(["-n", "2"]) == 0
     assert "MPI (optional)" in capsys.readouterr().out

@@ -43,9 +43,17 @@ def test_the_tests_pass_under_an_environment_unlike_a_terminal(tmp_path):
            if k not in {"HOME", "TERM", "COLUMNS", "LINES", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST"}
            and not k.startswith("LC_")}
     env.update(LANG="C", LC_ALL="C", TMPDIR=str(private))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SELECTION],
-                          cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          preexec_fn=_hostile, start_new_session=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SELECTION],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        preexec_fn=_hostile,
+        start_new_session=True,
+        timeout=600,
+    )
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     assert " passed" in tail and "deselected" not in tail and "no tests ran" not in tail, tail

@@ -99,9 +99,11 @@ TEST_FILES = sorted((ROOT / "tests").glob("test_lesson[0-9][0-9].py"))
 @pytest.mark.parametrize("path", TEST_FILES, ids=[p.name for p in TEST_FILES])
 def test_no_test_restates_a_tasks_name_or_points(path):
     """autograder/course.py states them once; a test that writes them again only goes stale."""
-    restated = [f"{path.name}:{line}: {task_id}: {value[:2]}"
-                for line, task_id, value in _registration_literals(path)
-                if any(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value[:2])]
+    restated = [
+        f"{path.name}:{line}: {task_id}: {value[:2]}"
+        for line, task_id, value in _registration_literals(path)
+        if any(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value[:2])
+    ]
     assert not restated, ("these restate the spec's task names or points (read course.task_spec "
                           "instead):\n" + "\n".join(restated))
 

@@ -33,8 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LIMITS = Limits(case_wall_s=30.0, memory=2 << 30, output=1 << 20, file_size=16 << 20)
 # What the probe finds as root on a machine without bubblewrap and whose sandbox uid cannot run
 # this Python: the worst case, every submission would run as root.
-NO_BWRAP = Isolation(False, False, "no namespaces: bubblewrap is not installed (apt-get install bubblewrap)"
-                     "; and uid 61000 cannot run python, so workers run as root")
+NO_BWRAP = Isolation(
+    False,
+    False,
+    "no namespaces: bubblewrap is not installed (apt-get install bubblewrap)"
+    "; and uid 61000 cannot run python, so workers run as root",
+)
 
 
 @pytest.fixture
@@ -46,16 +50,30 @@ def as_root_without_bwrap(monkeypatch):
 @pytest.fixture
 def as_a_user_without_bwrap(monkeypatch):
     monkeypatch.setattr(sandbox, "_is_root", lambda: False)
-    monkeypatch.setattr(sandbox, "_ISOLATION", [Isolation(
-        False, False, "not root: workers run as your user, with no namespaces and no uid of their own")])
+    monkeypatch.setattr(
+        sandbox,
+        "_ISOLATION",
+        [
+            Isolation(
+                False,
+                False,
+                "not root: workers run as your user, with no namespaces and no uid of their own",
+            )
+        ],
+    )
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]] | None:
     """Every file and folder under ``folder`` with its bytes and mtime (None: it does not exist)."""
     if not folder.exists():
         return None
-    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else b"<dir>", p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (
+            p.read_bytes() if p.is_file() else b"<dir>",
+            p.stat().st_mtime_ns,
+        )
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def _grade(*args: str) -> int:
@@ -65,29 +83,43 @@ def _grade(*args: str) -> int:
 def _assert_refused(code: int, err: str) -> None:
     assert code == 2, err
     assert "refusing to grade as root without a sandbox" in err, err
-    assert "bubblewrap" in err and "apt-get install bubblewrap" in err and "make grade-setup" in err, err
+    assert (
+        "bubblewrap" in err and "apt-get install bubblewrap" in err and "make grade-setup" in err
+    ), err
     assert "--unsandboxed" in err and "Nothing was graded or written" in err, err
 
 
-def test_as_root_without_bwrap_kit_grade_refuses_names_the_fix_and_writes_nothing(tmp_path, monkeypatch, capsys):
+def test_as_root_without_bwrap_kit_grade_refuses_names_the_fix_and_writes_nothing(
+    tmp_path, monkeypatch, capsys
+):
     # From the bwrap lookup up: the real probe runs, on a machine that seems to have no bubblewrap.
     real_which = sandbox.shutil.which
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
+    monkeypatch.setattr(
+        sandbox.shutil,
+        "which",
+        lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k),
+    )
     monkeypatch.setattr(sandbox, "_is_root", lambda: True)
     monkeypatch.setattr(sandbox, "_ISOLATION", [])
     started = []
-    monkeypatch.setattr(batch, "run_worker", lambda *a, **k: started.append(a) or pytest.fail("a worker started"))
+    monkeypatch.setattr(
+        batch, "run_worker", lambda *a, **k: started.append(a) or pytest.fail("a worker started")
+    )
     write_corpus(tmp_path / "subs", tmp_path / "out", ["correct"])
     code = _grade(str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00")
     captured = capsys.readouterr()
     _assert_refused(code, captured.err)
     assert "bubblewrap is not installed" in captured.err
-    assert not (tmp_path / "out").exists() and not started  # no grades.csv, records/, secret, nothing
+    assert (
+        not (tmp_path / "out").exists() and not started
+    )  # no grades.csv, records/, secret, nothing
     assert not (tmp_path / "grading-out").exists()
     assert sandbox.isolation().namespaces is False
 
 
-def test_a_refused_run_leaves_an_existing_output_folder_as_it_was(tmp_path, as_root_without_bwrap, capsys):
+def test_a_refused_run_leaves_an_existing_output_folder_as_it_was(
+    tmp_path, as_root_without_bwrap, capsys
+):
     out = tmp_path / "out"
     (out / "records").mkdir(parents=True)
     (out / "grades.csv").write_text("student,score\nalice,5\n")
@@ -101,8 +133,13 @@ def test_a_refused_run_leaves_an_existing_output_folder_as_it_was(tmp_path, as_r
 
 def test_the_python_api_refuses_too_unless_asked_explicitly(tmp_path, as_root_without_bwrap):
     write_corpus(tmp_path / "subs", tmp_path / "out", ["correct"])
-    with pytest.raises(SandboxUnavailable, match=r"(?s)bubblewrap.*apt-get install bubblewrap.*make grade-setup"):
-        grade_batch(discover([tmp_path / "subs"]), BatchConfig(tmp_path / "out", [0], workers=1, limits=LIMITS))
+    with pytest.raises(
+        SandboxUnavailable, match=r"(?s)bubblewrap.*apt-get install bubblewrap.*make grade-setup"
+    ):
+        grade_batch(
+            discover([tmp_path / "subs"]),
+            BatchConfig(tmp_path / "out", [0], workers=1, limits=LIMITS),
+        )
     assert not (tmp_path / "out").exists()
     work = sandbox.make_workdir()
     try:
@@ -115,35 +152,59 @@ def test_the_python_api_refuses_too_unless_asked_explicitly(tmp_path, as_root_wi
 
 def test_with_unsandboxed_it_grades_and_warns_loudly(tmp_path, as_root_without_bwrap, capsys):
     write_corpus(tmp_path / "subs", tmp_path / "out", ["correct"])
-    code = _grade(str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00", "--unsandboxed",
-                  "--workers", "1")
+    code = _grade(
+        str(tmp_path / "subs"),
+        "--out",
+        str(tmp_path / "out"),
+        "--lessons",
+        "00",
+        "--unsandboxed",
+        "--workers",
+        "1",
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.out + captured.err
     warning = [ln for ln in captured.err.splitlines() if "WARNING" in ln]
-    assert warning and "--unsandboxed" in warning[0] and "WITHOUT a sandbox" in warning[0], captured.err
+    assert warning and "--unsandboxed" in warning[0] and "WITHOUT a sandbox" in warning[0], (
+        captured.err
+    )
     assert "rewrite kit/ and autograder/" in captured.err and "make grade-setup" in captured.err
     rows = list(csv.DictReader((tmp_path / "out" / "grades.csv").open()))
     assert [(r["student"], r["score"]) for r in rows] == [("correct", "5.0")]
 
 
-def test_as_an_ordinary_user_without_bwrap_it_grades_with_one_line(tmp_path, as_a_user_without_bwrap, capsys):
+def test_as_an_ordinary_user_without_bwrap_it_grades_with_one_line(
+    tmp_path, as_a_user_without_bwrap, capsys
+):
     write_corpus(tmp_path / "subs", tmp_path / "out", ["correct"])
-    code = _grade(str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00", "--workers", "1")
+    code = _grade(
+        str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00", "--workers", "1"
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.out + captured.err
-    notes = [ln for ln in captured.out.splitlines() + captured.err.splitlines() if "isolation" in ln]
-    assert len(notes) == 1 and notes[0].startswith("kit grade: note: ") and "not root" in notes[0], captured
+    notes = [
+        ln for ln in captured.out.splitlines() + captured.err.splitlines() if "isolation" in ln
+    ]
+    assert (
+        len(notes) == 1 and notes[0].startswith("kit grade: note: ") and "not root" in notes[0]
+    ), captured
     assert "WARNING" not in captured.err and "refusing" not in captured.err
     assert (tmp_path / "out" / "grades.csv").is_file()
     assert sandbox.require_sandbox() is sandbox.isolation()  # no flag needed
 
 
-def test_kit_doctor_fails_the_grading_row_as_root_without_bwrap(as_root_without_bwrap, monkeypatch, capsys):
+def test_kit_doctor_fails_the_grading_row_as_root_without_bwrap(
+    as_root_without_bwrap, monkeypatch, capsys
+):
     from autograder.grade import doctor as grader_doctor
     from kit import doctor
 
     finding = grader_doctor.check_isolation()
-    assert finding.status == doctor.FAIL and "refuses" in finding.detail and "bubblewrap" in finding.detail
+    assert (
+        finding.status == doctor.FAIL
+        and "refuses" in finding.detail
+        and "bubblewrap" in finding.detail
+    )
     assert "make grade-setup" in finding.fix and "apt-get install bubblewrap" in finding.fix
     launched = []
     monkeypatch.setattr(doctor, "check_launch", lambda n: launched.append(n) or doctor.Finding(
@@ -156,8 +217,9 @@ def test_kit_doctor_fails_the_grading_row_as_root_without_bwrap(as_root_without_
     assert launched == [2]  # the course's own launch check still runs beside the grading row
 
 
-def test_a_notebook_that_writes_into_kit_is_never_run_as_root_without_a_sandbox(tmp_path, as_root_without_bwrap,
-                                                                                monkeypatch, capsys):
+def test_a_notebook_that_writes_into_kit_is_never_run_as_root_without_a_sandbox(
+    tmp_path, as_root_without_bwrap, monkeypatch, capsys
+):
     """The exploit class: as root with no sandbox, a setup cell that rewrites the grader's
     packages would run as root at load time. Refused before it runs, by every route."""
     token = secrets.token_hex(6)
@@ -177,12 +239,17 @@ def test_a_notebook_that_writes_into_kit_is_never_run_as_root_without_a_sandbox(
     (tmp_path / "subs" / "mallory.ipynb").write_text(json.dumps(nb))
     popen = []
     real_popen = sandbox.subprocess.Popen
-    monkeypatch.setattr(sandbox.subprocess, "Popen", lambda *a, **k: popen.append(a) or real_popen(*a, **k))
+    monkeypatch.setattr(
+        sandbox.subprocess, "Popen", lambda *a, **k: popen.append(a) or real_popen(*a, **k)
+    )
     try:
         code = _grade(str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00")
         _assert_refused(code, capsys.readouterr().err)
         with pytest.raises(SandboxUnavailable):
-            grade_batch(discover([tmp_path / "subs"]), BatchConfig(tmp_path / "out2", [0], workers=1, limits=LIMITS))
+            grade_batch(
+                discover([tmp_path / "subs"]),
+                BatchConfig(tmp_path / "out2", [0], workers=1, limits=LIMITS),
+            )
         # one notebook, which kit grade checks in its own process: refused as root unless trusted
         code = _grade(str(tmp_path / "subs" / "mallory.ipynb"), "--lessons", "00",
                       "--json", str(tmp_path / "one.json"))
@@ -193,8 +260,16 @@ def test_a_notebook_that_writes_into_kit_is_never_run_as_root_without_a_sandbox(
         try:
             copy = work / "lesson00.ipynb"
             copy.write_text(json.dumps(nb))
-            (work / "job.json").write_text(json.dumps({"seed": 0, "notebooks": [[0, str(copy)]],
-                                                       "cases": [["0.1", 0, "0-1-0"]], "reference_prints": {}}))
+            (work / "job.json").write_text(
+                json.dumps(
+                    {
+                        "seed": 0,
+                        "notebooks": [[0, str(copy)]],
+                        "cases": [["0.1", 0, "0-1-0"]],
+                        "reference_prints": {},
+                    }
+                )
+            )
             with pytest.raises(SandboxUnavailable):
                 sandbox.run_worker(work, LIMITS, cases=1)
         finally:
@@ -208,7 +283,9 @@ def test_a_notebook_that_writes_into_kit_is_never_run_as_root_without_a_sandbox(
     assert os.listdir(marker) == []
 
 
-def test_one_notebook_is_checked_in_process_as_root_only_when_trusted(tmp_path, monkeypatch, capsys):
+def test_one_notebook_is_checked_in_process_as_root_only_when_trusted(
+    tmp_path, monkeypatch, capsys
+):
     # Bubblewrap or not: one notebook is checked in kit grade's own process, so as root its code
     # would run as root. --unsandboxed (your own work) checks it; as another user, no flag needed.
     write_corpus(tmp_path / "subs", tmp_path / "out", ["correct"])
@@ -225,7 +302,9 @@ def test_one_notebook_is_checked_in_process_as_root_only_when_trusted(tmp_path, 
     assert json.loads(report.read_text())["score"] == 5
 
 
-def test_the_throughput_benchmark_refuses_before_any_work_unless_unsandboxed(as_root_without_bwrap, monkeypatch):
+def test_the_throughput_benchmark_refuses_before_any_work_unless_unsandboxed(
+    as_root_without_bwrap, monkeypatch
+):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("grading_throughput",

@@ -287,8 +287,11 @@ def test_lessons_1_to_4_name_the_mistake_the_data_shows(task_id, description, sa
 def test_ddp_without_the_initial_broadcast_is_one_failure_the_training_cases_follow(task_id):
     report, first = _first_failure(task_id, "no broadcast at construction")
     assert first.cause == "no broadcast" and "right after wrapping" in first.message
-    training = [c for c in report.cases if "equal one process" in c.name or c.name == "the same on 4 ranks"
-                or "1500-byte" in c.name]
+    training = [
+        c
+        for c in report.cases
+        if "equal one process" in c.name or c.name == "the same on 4 ranks" or "1500-byte" in c.name
+    ]
     assert training and all(c.follows == first.name for c in training)
     text = report.to_text()
     assert "Overlap:" not in text and "Buckets: few large" not in text
@@ -302,7 +305,9 @@ def _bug6(task_id, description):
 def test_6_1_a_loader_that_opens_every_file_is_told_so_once_and_is_not_called_forbidden():
     # It once scored 0 as "uses torch.distributed.checkpoint": the gate had wrapped
     # enum.Enum.__new__, which every Enum class of DCP holds, so torch.load's enums tripped it.
-    report = run_checks("6.1", _bug6("6.1", "offsets kept inside the piece files: every load opens every file"))
+    report = run_checks(
+        "6.1", _bug6("6.1", "offsets kept inside the piece files: every load opens every file")
+    )
     # half of 4 points: its values are right, its loads read every piece (the saving lost)
     assert report.status == "failed" and report.score == pytest.approx(2.0)
     opened, read = report.cases[-3], report.cases[-2]
@@ -319,7 +324,10 @@ def test_6_1_forbidden_use_is_said_once_and_every_other_case_follows():
 
 
 def test_6_2_one_key_for_every_rank_is_named_as_another_ranks_state():
-    report = run_checks("6.2", _bug6("6.2", "the RNG states are saved under one key on every rank (DCP keeps one copy)"))
+    report = run_checks(
+        "6.2",
+        _bug6("6.2", "the RNG states are saved under one key on every rank (DCP keeps one copy)"),
+    )
     ddp, fsdp = report.cases[0], report.cases[1]
     assert "is rank 1's, not its own" in ddp.message and "names the rank" in ddp.hint
     assert fsdp.follows == ddp.name

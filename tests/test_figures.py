@@ -69,7 +69,10 @@ def test_piece_overlaps_cover_each_loading_rank_once():
         for _, p, a, b in overlaps:
             so, sn = saved[p]
             assert so <= a < b <= so + sn  # from the piece that holds it
-    assert figures.piece_overlaps([(0, 4), (4, 0), (4, 4)], [(2, 4)]) == [(0, 0, 2, 4), (0, 2, 4, 6)]
+    assert figures.piece_overlaps([(0, 4), (4, 0), (4, 4)], [(2, 4)]) == [
+        (0, 0, 2, 4),
+        (0, 2, 4, 6),
+    ]
     text = _texts(figures.dcp_flow(saved, [(0, 11), (11, 11), (22, 10)], 32, "model.tok.weight"))
     assert "load rank 1: rows 11..22\nreads files 1, 2" in text and ".metadata last" in text
 
@@ -87,17 +90,34 @@ def test_fsdp2_shards_rows_as_torch_chunk_does_as_lesson06_figure_says():
 def test_triangle_geometry_labels_the_three_edges():
     fig = figures.triangle_geometry(length=8, i=1, j=5, k=3)
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
-    assert labels == ["z$_{ij}$: updated (query)", "z$_{ik}$: keys, values", "z$_{jk}$: bias b$_{jk}$"]
+    assert labels == [
+        "z$_{ij}$: updated (query)",
+        "z$_{ik}$: keys, values",
+        "z$_{jk}$: bias b$_{jk}$",
+    ]
     assert "output row i = 1 needs row i of z" in _texts(fig)
 
 
-@pytest.mark.parametrize("source, call, after, before", [
-    (course.lesson(8).stem, "figures.tensor_parallel_mlp(", "### f and g", "### Task 8.1"),
-    (course.lesson(8).stem, "figures.sequence_parallel_mlp(", "## 2. Sequence parallelism", "### Task 8.2"),
-    (course.lesson(6).stem, "figures.dcp_flow(", "At load time every rank says", "## 3. Task 6.1"),
-    (course.lesson(9).stem, "figures.ring_rotation(", "## 5. Long sequences", "### Task 9.3"),
-    (course.lesson(9).stem, "figures.triangle_geometry(", "## 6. AlphaFold 2", "### Task 9.4"),
-])
+@pytest.mark.parametrize(
+    "source, call, after, before",
+    [
+        (course.lesson(8).stem, "figures.tensor_parallel_mlp(", "### f and g", "### Task 8.1"),
+        (
+            course.lesson(8).stem,
+            "figures.sequence_parallel_mlp(",
+            "## 2. Sequence parallelism",
+            "### Task 8.2",
+        ),
+        (
+            course.lesson(6).stem,
+            "figures.dcp_flow(",
+            "At load time every rank says",
+            "## 3. Task 6.1",
+        ),
+        (course.lesson(9).stem, "figures.ring_rotation(", "## 5. Long sequences", "### Task 9.3"),
+        (course.lesson(9).stem, "figures.triangle_geometry(", "## 6. AlphaFold 2", "### Task 9.4"),
+    ],
+)
 def test_each_lesson_draws_its_figure_where_its_prose_explains_it(source, call, after, before):
     text = (ROOT / "solutions" / f"{source}.py").read_text()
     assert text.count(call) == 1, f"{source} should call {call}...) once"

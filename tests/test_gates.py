@@ -89,7 +89,9 @@ def test_gate_names_what_was_used_and_where(task_id, module, what):
 
 
 def test_blocking_hook_gets_at_most_half_of_task_4_2():
-    report = run_checks("4.2", _bug("lesson04", "4.2", "all-reduces in the hook but blocks there (no overlap)"))
+    report = run_checks(
+        "4.2", _bug("lesson04", "4.2", "all-reduces in the hook but blocks there (no overlap)")
+    )
     assert report.score <= get_task("4.2").points / 2, report.to_text()
 
 
@@ -247,7 +249,9 @@ def test_a_forbidden_module_imported_at_run_time_is_caught(student_module, tmp_p
     sys.modules.pop("gate_library", None)
 
 
-def test_a_copy_of_the_graders_code_made_at_load_time_is_caught_anywhere_in_the_module(student_module):
+def test_a_copy_of_the_graders_code_made_at_load_time_is_caught_anywhere_in_the_module(
+    student_module,
+):
     module = student_module("""
         import importlib
         import types
@@ -336,11 +340,15 @@ def _relabelled(source: str, swap: tuple[int, int] | None = None) -> str:
 def test_a_reference_relabelled_reordered_and_reformatted_is_caught(student_module, monkeypatch):
     grader = _grader_module(monkeypatch)
     # names, constants, layout and the order of two independent statements all changed
-    module = student_module(_relabelled(_REFERENCE, swap=(0, 1)).replace("relabelled", "shard_range"))
+    module = student_module(
+        _relabelled(_REFERENCE, swap=(0, 1)).replace("relabelled", "shard_range")
+    )
     assert module.shard_range.__code__.co_code != grader.reference_balanced_split.__code__.co_code
     found = gates.check_source(_task(), module.shard_range)
     assert found is not None, "a relabelled copy of a reference passed"
-    assert "a rewritten copy of autograder.references.lesson99.reference_balanced_split" in found.what
+    assert (
+        "a rewritten copy of autograder.references.lesson99.reference_balanced_split" in found.what
+    )
     assert "100% of its statements" in found.what
 
 
@@ -370,7 +378,10 @@ def test_solutions_are_no_rewritten_copies_and_only_the_solution_shaped_referenc
         except ModuleNotFoundError:
             continue
         for value in vars(module).values():
-            if isinstance(value, (types.FunctionType, type)) and value.__module__ == module.__name__:
+            if (
+                isinstance(value, (types.FunctionType, type))
+                and value.__module__ == module.__name__
+            ):
                 references[f"{module.__name__}.{value.__qualname__}"] = likeness.shape(value)
     matched = set()
     for spec in course.LESSONS:
@@ -380,7 +391,9 @@ def test_solutions_are_no_rewritten_copies_and_only_the_solution_shaped_referenc
         solution = load_tasks(path)
         for task in tasks:
             impl = getattr(solution, task.name)
-            assert gates.check_source(task, impl) is None, f"{task.id}: {gates.check_source(task, impl)}"
+            assert gates.check_source(task, impl) is None, (
+                f"{task.id}: {gates.check_source(task, impl)}"
+            )
             mine = likeness.shape(impl) or {}
             matched |= {name for name, ref in references.items()
                         if ref and likeness.likeness(mine, ref) >= likeness.THRESHOLD}
@@ -438,7 +451,11 @@ def _registrations(path: Path) -> list[tuple[ast.Call, ast.stmt]]:
     found = []
     for stmt in ast.parse(path.read_text()).body:
         for node in ast.walk(stmt):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "task":
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "task"
+            ):
                 found.append((node, stmt))
     return found
 
@@ -470,7 +487,9 @@ def test_every_task_declares_what_it_forbids_or_says_why_nothing(path):
 
 def _forbidden_names() -> list[tuple[str, str]]:
     lessons = sorted(int(p.stem[len("lesson"):]) for p in LESSON_CHECKS)  # every lesson, 11-13 too
-    return [(t.id, name) for lesson in lessons for t in lesson_tasks(lesson) for name in t.forbidden]
+    return [
+        (t.id, name) for lesson in lessons for t in lesson_tasks(lesson) for name in t.forbidden
+    ]
 
 
 @pytest.mark.parametrize(("task_id", "name"), _forbidden_names())
@@ -504,9 +523,12 @@ print("LOADED", sorted(m for m in sys.modules if m.startswith("autograder.refere
 """
 
 
-@pytest.mark.parametrize(("prints", "relabelled"), [("with", False), ("without", False), ("with", True)])
-def test_a_pasted_reference_scores_zero_in_the_worker_with_the_parents_fingerprints(tmp_path, prints,
-                                                                                   relabelled):
+@pytest.mark.parametrize(
+    ("prints", "relabelled"), [("with", False), ("without", False), ("with", True)]
+)
+def test_a_pasted_reference_scores_zero_in_the_worker_with_the_parents_fingerprints(
+    tmp_path, prints, relabelled
+):
     # The worker never sees autograder/references/; the parent hands it the references'
     # fingerprints (hashes only), so a pasted copy of route scores 0 there as in check().
     import inspect
@@ -548,8 +570,13 @@ def test_fingerprints_are_the_same_in_every_process():
     code = ("import json; from autograder import gates; from autograder.registry import get_task; "
             "import autograder.references.lesson13; get_task('13.1'); "
             "print(json.dumps(gates.answer_fingerprints()))")
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "PYTHONHASHSEED": "12345"})
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    )
     theirs = json.loads(other.stdout.strip().splitlines()[-1])
     mine = {k: v for k, v in here.items() if v.startswith("autograder.references.lesson13")}
     assert mine and all(theirs.get(k) == v for k, v in mine.items()), (mine, theirs)

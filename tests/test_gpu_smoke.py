@@ -18,7 +18,12 @@ from autograder import course
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_smoke.py"
 # What the script's worker does for every lesson (process group, device), not a lesson's check.
-SET_UP_BY_WORKER = {"init_process_group", "set_device", "destroy_process_group", "int"}  # int(LOCAL_RANK)
+SET_UP_BY_WORKER = {
+    "init_process_group",
+    "set_device",
+    "destroy_process_group",
+    "int",
+}  # int(LOCAL_RANK)
 # A snippet's call the script makes under another name, to run on CPU as well.
 SAME_AS = {"cuda": "to"}  # model.cuda() is model.to(device) on a GPU rank
 
@@ -67,9 +72,13 @@ def test_the_script_makes_every_call_of_the_lessons_snippet(lesson):
     code = snippet_code(lesson)
     assert code.strip(), f"Lesson {lesson:02d}'s Running at scale has no ```python block"
     made = calls(_check_source(lesson))
-    missing = {c for c in calls(code) - SET_UP_BY_WORKER if c not in made and SAME_AS.get(c) not in made}
-    assert not missing, (f"Lesson {lesson:02d}'s snippet calls {sorted(missing)}, which "
-                         f"benchmarks/gpu_smoke.py's lesson{lesson:02d} does not: keep them the same")
+    missing = {
+        c for c in calls(code) - SET_UP_BY_WORKER if c not in made and SAME_AS.get(c) not in made
+    }
+    assert not missing, (
+        f"Lesson {lesson:02d}'s snippet calls {sorted(missing)}, which "
+        f"benchmarks/gpu_smoke.py's lesson{lesson:02d} does not: keep them the same"
+    )
 
 
 def test_calls_finds_what_a_snippet_calls():
@@ -79,11 +88,18 @@ def test_calls_finds_what_a_snippet_calls():
 
 @pytest.mark.slow
 def test_gpu_smoke_passes_on_two_gloo_ranks():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "2"], capture_output=True, text=True,
-                         timeout=900, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "2"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert [line[6:15] for line in lines] == [f"Lesson {n:02d}" for n in (*range(11), 12, 13)], lines
+    assert [line[6:15] for line in lines] == [f"Lesson {n:02d}" for n in (*range(11), 12, 13)], (
+        lines
+    )
     assert all(line.startswith("PASS") for line in lines), lines
     for n in (5, 7):  # the CUDA-only parts say what they skipped
         assert "CUDA only, skipped" in lines[n], lines[n]

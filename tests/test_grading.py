@@ -53,7 +53,9 @@ def corpus(tmp_path_factory):
 def test_adversarial_submission_gets_its_expected_status_and_score(corpus, name):
     _, _, expected, records, _ = corpus
     got = {t["task"]: (t["status"], t["score"]) for t in records[name]["tasks"]}
-    want = {task: (status, pytest.approx(score)) for task, (status, score) in expected[name].items()}
+    want = {
+        task: (status, pytest.approx(score)) for task, (status, score) in expected[name].items()
+    }
     assert got == want, json.dumps(records[name]["tasks"], indent=1)[:3000]
 
 
@@ -62,7 +64,9 @@ def test_every_submission_has_exactly_one_row_and_the_files_are_untouched(corpus
     rows = list(csv.DictReader((out / "grades.csv").open()))
     assert sorted(r["student"] for r in rows) == sorted(expected)
     for row in rows:
-        assert float(row["score"]) == pytest.approx(sum(s for _, s in expected[row["student"]].values()))
+        assert float(row["score"]) == pytest.approx(
+            sum(s for _, s in expected[row["student"]].values())
+        )
     assert {p.name: p.read_bytes() for p in (root / "submissions").iterdir()} == before
 
 
@@ -70,13 +74,18 @@ def test_a_submission_writing_into_the_output_folder_changes_no_grade(corpus):
     _, out, _, records, _ = corpus
     on_disk = json.loads((out / "records" / "correct.json").read_text())
     assert on_disk["score"] == records["correct"]["score"] == 5
-    assert "writer" not in load_records(out, json.loads((out / ".kit-grade" / "secret.json").read_text())["key"])
+    assert "writer" not in load_records(
+        out, json.loads((out / ".kit-grade" / "secret.json").read_text())["key"]
+    )
 
 
 def test_feedback_and_gradescope_results_say_why_points_were_lost(corpus):
     _, out, _, _, _ = corpus
     text = (out / "feedback" / "infinite_loop.txt").read_text()
-    assert "Task 0.1 shard_range: timeout: 5 of 5 checks failed, 0/2 points" in text and "did not finish within 12 s" in text
+    assert (
+        "Task 0.1 shard_range: timeout: 5 of 5 checks failed, 0/2 points" in text
+        and "did not finish within 12 s" in text
+    )
     results = json.loads((out / "gradescope" / "fork_bomb" / "results.json").read_text())
     assert results["score"] == 3 and [t["score"] for t in results["tests"]] == [0, 3]
     assert "processes" in results["tests"][0]["output"] or "signal" in results["tests"][0]["output"]
@@ -88,7 +97,9 @@ def test_a_resumed_run_keeps_signed_records_and_regrades_a_changed_submission(co
     again = grade_batch(subs, BatchConfig(out, [0], workers=2, limits=LIMITS, seed=1234))
     assert again == {k: v for k, v in records.items()}  # nothing regraded: same records
     (out / "records" / "stub.json").write_text(json.dumps({**records["stub"], "score": 5}))
-    assert "stub" not in load_records(out, json.loads((out / ".kit-grade" / "secret.json").read_text())["key"])
+    assert "stub" not in load_records(
+        out, json.loads((out / ".kit-grade" / "secret.json").read_text())["key"]
+    )
 
 
 class Rigged(int):
@@ -104,7 +115,9 @@ class Rigged(int):
 def test_results_that_are_not_plain_data_are_never_unpickled(tmp_path):
     import pickle
 
-    torch.save({"status": "ok", "data": [torch.tensor([1.0]), {"a": (1, "x", None)}]}, tmp_path / "ok.pt")
+    torch.save(
+        {"status": "ok", "data": [torch.tensor([1.0]), {"a": (1, "x", None)}]}, tmp_path / "ok.pt"
+    )
     assert read_result(tmp_path / "ok.pt")["data"][1] == {"a": (1, "x", None)}
     for name, data in [("rigged", [Rigged(3)]), ("parameter", torch.nn.Parameter(torch.ones(2)))]:
         with open(tmp_path / f"{name}.pt", "wb") as f:
@@ -136,7 +149,9 @@ def test_submission_forms_are_discovered(tmp_path):
     gs = tmp_path / "export"
     (gs / "submission_1").mkdir(parents=True)
     (gs / "submission_1" / f"{course.lesson(0).stem}.ipynb").write_text("{}")
-    (gs / "submission_metadata.yml").write_text("submission_1:\n  :submitters:\n  - :email: carol@uni.edu\n")
+    (gs / "submission_metadata.yml").write_text(
+        "submission_1:\n  :submitters:\n  - :email: carol@uni.edu\n"
+    )
     [carol] = discover([gs])
     assert carol.student == "carol@uni.edu"
     assert carol.notebook_for(0).name == f"{course.lesson(0).stem}.ipynb"
@@ -192,7 +207,9 @@ def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
         (student / f"{source.stem}.ipynb").write_text(render(source_notebook(source)))
         lessons.append(lesson_of(source))
     # Alone with 2 workers, the submission's lessons are split over both (split_lessons).
-    records = grade_batch(discover([student]), BatchConfig(tmp_path / "out", lessons, workers=2, seed=3))
+    records = grade_batch(
+        discover([student]), BatchConfig(tmp_path / "out", lessons, workers=2, seed=3)
+    )
     record = records["alice"]
     assert [t["status"] for t in record["tasks"]] == ["passed"] * len(record["tasks"]), \
         feedback_text(record)
@@ -204,17 +221,30 @@ def test_the_command_grades_a_folder_with_progress_and_every_output(tmp_path, ca
     from autograder.grade.notebook import main
 
     write_corpus(tmp_path / "subs", tmp_path / "out", ["correct", "stub"])
-    args = [str(tmp_path / "subs"), "--out", str(tmp_path / "out"), "--lessons", "00", "--gradescope"]
+    args = [
+        str(tmp_path / "subs"),
+        "--out",
+        str(tmp_path / "out"),
+        "--lessons",
+        "00",
+        "--gradescope",
+    ]
     assert main(args) == 0
     captured = capsys.readouterr()
     assert "graded 2 submission(s)" in captured.out and "2/2] graded, 0:00 left, " in captured.err
     assert re.search(r"graded, \d+:\d\d left, [\d.]+ per minute", captured.err), captured.err
     rows = list(csv.DictReader((tmp_path / "out" / "grades.csv").open()))
-    assert [(r["student"], r["0.1"], r["0.2"]) for r in rows] == [("correct", "2.0", "3.0"), ("stub", "0.0", "0.0")]
+    assert [(r["student"], r["0.1"], r["0.2"]) for r in rows] == [
+        ("correct", "2.0", "3.0"),
+        ("stub", "0.0", "0.0"),
+    ]
     nbgrader = list(csv.DictReader((tmp_path / "out" / "nbgrader-grades.csv").open()))
     assert [(r["assignment"], r["student_id"], r["score"]) for r in nbgrader] == \
         [("lesson00", "correct", "5.0"), ("lesson00", "stub", "0.0")]
-    assert json.loads((tmp_path / "out" / "gradescope" / "stub" / "results.json").read_text())["score"] == 0
+    assert (
+        json.loads((tmp_path / "out" / "gradescope" / "stub" / "results.json").read_text())["score"]
+        == 0
+    )
     assert main(args) == 0  # a second run regrades nothing
     assert "resuming: 2 of 2 submission(s) already graded" in capsys.readouterr().out
 
@@ -295,7 +325,9 @@ def test_split_lessons_balances_the_lessons_and_knows_every_lesson_with_checks()
     assert sorted(LESSON_SECONDS) == graded  # a new lesson needs its seconds for a fair split
     for parts in (1, 2, 3, 4):
         groups = split_lessons(graded, parts)
-        assert sorted(n for g in groups for n in g) == graded and all(g == sorted(g) for g in groups)
+        assert sorted(n for g in groups for n in g) == graded and all(
+            g == sorted(g) for g in groups
+        )
         assert len(groups) == parts
         loads = [sum(LESSON_SECONDS[n] for n in g) for g in groups]
         # longest-first greedy: no group exceeds the ideal share by more than the largest lesson

@@ -66,23 +66,37 @@ def _tree_digest() -> dict[str, tuple[str, int]]:
             if "__pycache__" in path.parts or not path.is_file():
                 continue
             info = path.stat()
-            digest[str(path.relative_to(ROOT))] = (f"{stat.S_IMODE(info.st_mode):o} "
-                                                   + hashlib.sha256(path.read_bytes()).hexdigest(), info.st_uid)
+            digest[str(path.relative_to(ROOT))] = (
+                f"{stat.S_IMODE(info.st_mode):o} " + hashlib.sha256(path.read_bytes()).hexdigest(),
+                info.st_uid,
+            )
     return digest
 
 
-TARGETED = {"autograder/registry.py", "autograder/lesson00.py", "autograder/grade/batch.py", "kit/__init__.py"}
+TARGETED = {
+    "autograder/registry.py",
+    "autograder/lesson00.py",
+    "autograder/grade/batch.py",
+    "kit/__init__.py",
+}
 
 
 def _being_edited() -> set[str]:
     """Files of autograder/ and kit/ that differ from the last commit: on a shared checkout, people
     may save them while the batch runs. A clean clone (CI) has none, and every file counts."""
     try:
-        done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "autograder", "kit"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all", "--", "autograder", "kit"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.SubprocessError):
         return set()
-    return {line[3:].strip() for line in done.stdout.splitlines()} if done.returncode == 0 else set()
+    return (
+        {line[3:].strip() for line in done.stdout.splitlines()} if done.returncode == 0 else set()
+    )
 
 
 class _Listener:
@@ -127,7 +141,12 @@ def _cmdlines() -> dict[int, tuple[int, str]]:
                 state = f.read().decode(errors="replace").rsplit(")", 1)[1].split()[0]
             if state == "Z":
                 continue
-            cmd = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = (
+                Path(f"/proc/{name}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
             found[int(name)] = (os.stat(f"/proc/{name}").st_uid, cmd)
         except (OSError, IndexError):
             continue
@@ -158,8 +177,10 @@ def graded(tmp_path_factory):
     procs_before = set(_cmdlines())
     start = time.monotonic()
     try:
-        records = grade_batch(discover([targets.submissions]),
-                              BatchConfig(targets.out, [0], workers=WORKERS, limits=LIMITS, seed=99))
+        records = grade_batch(
+            discover([targets.submissions]),
+            BatchConfig(targets.out, [0], workers=WORKERS, limits=LIMITS, seed=99),
+        )
         seconds = time.monotonic() - start
         out_listing = sorted(str(p.relative_to(targets.out)) for p in targets.out.rglob("*"))
         time.sleep(0.5)  # a process killed with its namespace is gone within the kernel's teardown
@@ -171,10 +192,22 @@ def graded(tmp_path_factory):
             path.unlink(missing_ok=True)
     secret = json.loads((targets.out / ".kit-grade" / "secret.json").read_text())
     write_outputs(targets.out, discover([targets.submissions]), records, gradescope=False)
-    return {"targets": targets, "expected": expected, "records": records, "secret": secret,
-            "tree_before": tree_before, "tree_after": _tree_digest(), "editing": editing, "subs_before": subs_before,
-            "listener": listener, "out_listing": out_listing, "procs_before": procs_before,
-            "procs_after": procs_after, "planted": planted, "seconds": seconds}
+    return {
+        "targets": targets,
+        "expected": expected,
+        "records": records,
+        "secret": secret,
+        "tree_before": tree_before,
+        "tree_after": _tree_digest(),
+        "editing": editing,
+        "subs_before": subs_before,
+        "listener": listener,
+        "out_listing": out_listing,
+        "procs_before": procs_before,
+        "procs_after": procs_after,
+        "planted": planted,
+        "seconds": seconds,
+    }
 
 
 def _attack_lines(record: dict) -> str:
@@ -204,8 +237,10 @@ def test_the_project_is_byte_identical_and_nothing_was_planted(graded):
         others = {k for k in changed if k not in TARGETED and not (
             (ROOT / k).is_file() and graded["targets"].token.encode() in (ROOT / k).read_bytes())}
         if others:
-            warnings.warn(f"changed during grading in this shared checkout, by people: {sorted(others)}",
-                          stacklevel=1)
+            warnings.warn(
+                f"changed during grading in this shared checkout, by people: {sorted(others)}",
+                stacklevel=1,
+            )
         changed -= others
     assert not changed, f"changed during grading: {sorted(changed)}"
     assert not graded["planted"], f"attack files (now removed): {graded['planted']}"
@@ -251,7 +286,9 @@ def test_no_signal_reaches_the_grader_or_another_worker(graded):
 def test_the_host_loopback_port_never_sees_a_connection(graded):
     assert graded["listener"].accepted == []
     lines = _attack_lines(graded["records"]["connects"])
-    assert "cannot connect to 127.0.0.1" in lines and "connected to" not in lines.replace("cannot connect to", ""), lines
+    assert "cannot connect to 127.0.0.1" in lines and "connected to" not in lines.replace(
+        "cannot connect to", ""
+    ), lines
 
 
 @pytest.mark.slow
@@ -288,10 +325,22 @@ def _sandboxed(work: Path, code: str, hide: tuple[Path, ...] = ()) -> subprocess
     os.chown(work, uid, uid)
     fd = sandbox.namespaces._offline_nsswitch()
     try:
-        cmd = sandbox.namespaces._namespaced(work, uid, [sys.executable, "-I", "-c", code], hide, fd)
-        return subprocess.run(cmd, pass_fds=(fd,), capture_output=True, text=True, timeout=300,
-                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work),
-                                   "TMPDIR": str(work), "GLOO_SOCKET_IFNAME": "lo"})
+        cmd = sandbox.namespaces._namespaced(
+            work, uid, [sys.executable, "-I", "-c", code], hide, fd
+        )
+        return subprocess.run(
+            cmd,
+            pass_fds=(fd,),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "HOME": str(work),
+                "TMPDIR": str(work),
+                "GLOO_SOCKET_IFNAME": "lo",
+            },
+        )
     finally:
         os.close(fd)
 
@@ -327,7 +376,9 @@ def test_four_forked_ranks_all_reduce_inside_the_sandbox_on_its_own_loopback(tmp
     assert "interfaces ['lo']" in done.stdout
     pids = json.loads(done.stdout.split("pids ", 1)[1].splitlines()[0])
     assert max(pids) < 50, pids  # its own PID namespace: none of the host's processes
-    assert "Warning" not in done.stdout + done.stderr and "[W" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert "Warning" not in done.stdout + done.stderr and "[W" not in done.stdout + done.stderr, (
+        done.stdout + done.stderr
+    )
 
 
 @pytest.mark.slow
@@ -335,7 +386,9 @@ def test_paths_to_hide_inside_the_project_are_empty_in_the_sandbox(tmp_path):
     if not (hasattr(os, "geteuid") and os.geteuid() == 0):
         pytest.skip("needs root")
     _need_namespaces()
-    hidden = ROOT / f".kit-isolation-test-{os.getpid()}"  # an output folder someone put in the project
+    hidden = (
+        ROOT / f".kit-isolation-test-{os.getpid()}"
+    )  # an output folder someone put in the project
     (hidden / "records").mkdir(parents=True)
     (hidden / "records" / "alice.json").write_text("{}")
     (hidden / "bob.ipynb").write_text('{"BOB": 1}')
@@ -348,7 +401,9 @@ def test_paths_to_hide_inside_the_project_are_empty_in_the_sandbox(tmp_path):
         # A hidden file is covered by /dev/null on a nodev mount: it cannot even be opened.
         bob = _sandboxed(tmp_path / "b", f"print(open({str(hidden / 'bob.ipynb')!r}).read())",
                          hide=(hidden / "bob.ipynb",))
-        assert "PermissionError" in bob.stderr and "BOB" not in bob.stdout + bob.stderr, bob.stdout + bob.stderr
+        assert "PermissionError" in bob.stderr and "BOB" not in bob.stdout + bob.stderr, (
+            bob.stdout + bob.stderr
+        )
     finally:
         for path in sorted(hidden.rglob("*"), reverse=True):
             path.rmdir() if path.is_dir() else path.unlink()
@@ -415,10 +470,22 @@ def test_a_submissions_worker_cannot_import_any_reference(tmp_path):
 
 def test_without_namespaces_grading_says_what_is_missing_in_one_line(monkeypatch):
     for found, words in [
-        (Isolation(False, True, "no namespaces: bubblewrap is not installed (apt-get install bubblewrap)"),
-         ["bubblewrap is not installed", "files, processes and network"]),
-        (Isolation(False, False, "not root: workers run as your user, with no namespaces and no uid of their own"),
-         ["not root", "read or write your files"]),
+        (
+            Isolation(
+                False,
+                True,
+                "no namespaces: bubblewrap is not installed (apt-get install bubblewrap)",
+            ),
+            ["bubblewrap is not installed", "files, processes and network"],
+        ),
+        (
+            Isolation(
+                False,
+                False,
+                "not root: workers run as your user, with no namespaces and no uid of their own",
+            ),
+            ["not root", "read or write your files"],
+        ),
     ]:
         monkeypatch.setattr(sandbox, "_ISOLATION", [found])
         note = isolation_note()
@@ -432,7 +499,11 @@ def test_kit_doctor_reports_the_isolation_this_machine_gives(monkeypatch, capsys
     from autograder.grade import doctor as grader_doctor
     from kit import doctor
 
-    monkeypatch.setattr(sandbox, "_ISOLATION", [Isolation(False, True, "no namespaces: bubblewrap is not installed")])
+    monkeypatch.setattr(
+        sandbox,
+        "_ISOLATION",
+        [Isolation(False, True, "no namespaces: bubblewrap is not installed")],
+    )
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     finding = grader_doctor.check_isolation()  # kit grade refuses here (tests/test_fail_closed.py)
     assert finding.status == doctor.FAIL and "bubblewrap is not installed" in finding.detail
@@ -443,7 +514,11 @@ def test_kit_doctor_reports_the_isolation_this_machine_gives(monkeypatch, capsys
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(sandbox, "_ISOLATION", [Isolation(False, False, "not root: ...")])
     assert grader_doctor.check_isolation().status == doctor.OK  # a student's laptop: nothing to fix
-    monkeypatch.setattr(doctor, "check_launch", lambda n: doctor.Finding("launch + all_reduce", doctor.OK, "skipped"))
+    monkeypatch.setattr(
+        doctor,
+        "check_launch",
+        lambda n: doctor.Finding("launch + all_reduce", doctor.OK, "skipped"),
+    )
     grader_doctor.main(["-n", "2"])
     assert "grading isolation" in capsys.readouterr().out  # `kit doctor` shows the row
 
@@ -452,10 +527,14 @@ def test_two_graders_on_one_machine_never_share_a_uid(tmp_path):
     """Every process of a worker's uid is killed after it: a second grader must take other uids."""
     code = ("from autograder.grade import sandbox; import sys; "
             "print(sandbox._uid(0), sandbox._uid(1)); sys.stdout.flush(); sys.stdin.read()")
-    first = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         held = set(map(int, first.stdout.readline().split()))
-        second = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-c", code], input="", capture_output=True, text=True, timeout=120
+        )
         assert second.returncode == 0, second.stderr
         assert len(held) == 2 and not held & set(map(int, second.stdout.split()))
     finally:
@@ -477,7 +556,9 @@ class _FakeCgroups:
 def test_the_process_count_reads_the_pids_cgroup_once_the_worker_is_in_it(monkeypatch):
     """The poll loop's count: /proc is scanned until the worker's pids cgroup holds it, then never."""
     scans = []
-    monkeypatch.setattr(sandbox.processes, "_members", lambda pid, uid: scans.append(pid) or [pid, 7, 8, 9])
+    monkeypatch.setattr(
+        sandbox.processes, "_members", lambda pid, uid: scans.append(pid) or [pid, 7, 8, 9]
+    )
     waiting = _FakeCgroups([])  # the worker has not joined yet (or joining failed)
     counter = sandbox.processes._ProcessCounter(100, 61000, waiting)
     assert counter.count() == 4 and len(scans) == 1
@@ -491,7 +572,9 @@ def test_the_process_count_reads_the_pids_cgroup_once_the_worker_is_in_it(monkey
 
 def test_a_workers_pids_cgroup_counts_what_a_scan_of_proc_counts(tmp_path):
     """As root with cgroup v1's pids controller: the cgroup holds every process a worker forks."""
-    cgroups = sandbox.processes._Cgroups(f"kit-grade-{os.getpid()}-test-{secrets.token_hex(3)}", Limits())
+    cgroups = sandbox.processes._Cgroups(
+        f"kit-grade-{os.getpid()}-test-{secrets.token_hex(3)}", Limits()
+    )
     if "pids" not in cgroups.controllers:
         cgroups.remove()
         pytest.skip("no pids cgroup can be made here (needs root and cgroup v1's pids controller)")
@@ -501,9 +584,20 @@ def test_a_workers_pids_cgroup_counts_what_a_scan_of_proc_counts(tmp_path):
             "        time.sleep(60); os._exit(0)\n"
             "print('ready', flush=True); time.sleep(60)\n")
     # Joins the cgroup before it runs any Python, as the sandbox's shell does before bwrap.
-    proc = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$1"; exec "$2" -c "$3"', "sh",
-                             str(cgroups.controllers["pids"] / "cgroup.procs"), sys.executable, code],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            "/bin/sh",
+            "-c",
+            'echo $$ > "$1"; exec "$2" -c "$3"',
+            "sh",
+            str(cgroups.controllers["pids"] / "cgroup.procs"),
+            sys.executable,
+            code,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         counter = sandbox.processes._ProcessCounter(proc.pid, None, cgroups)

@@ -63,7 +63,10 @@ def test_each_launch_gets_its_own_os_chosen_port():
 
 def test_kernel_environment_and_signal_handlers_are_untouched():
     env_before = dict(os.environ)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD)}
+    handlers = {
+        s: signal.getsignal(s)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD)
+    }
     kit.launch(lambda: os.environ["RANK"], world_size=2)
     with pytest.raises(LaunchError):
         kit.launch(lambda: 1 / 0, world_size=2)
@@ -106,7 +109,9 @@ def test_output_is_labelled_by_rank_and_captured(capsys):
     result = kit.launch(talk, world_size=2)
     out, err = capsys.readouterr()
     assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
-    assert "[rank 1] to stderr" in err and "[rank 0] from C level" in err  # terminal: stderr stays stderr
+    assert (
+        "[rank 1] to stderr" in err and "[rank 0] from C level" in err
+    )  # terminal: stderr stays stderr
     assert "hello from 1" in result.outputs[1] and "from C level" in result.outputs[1]
 
 
@@ -165,7 +170,10 @@ def test_rank_failure_stops_all_ranks_within_5_s(kind):
     echoed = {f.rank for f in err.failures if f.consequence}
     stopped = [r for r in (0, 1, 3) if r not in echoed]
     if stopped:
-        assert f"{', '.join(map(str, stopped))} {'was' if len(stopped) == 1 else 'were'} stopped" in str(err)
+        assert (
+            f"{', '.join(map(str, stopped))} {'was' if len(stopped) == 1 else 'were'} stopped"
+            in str(err)
+        )
 
 
 def test_exception_traceback_points_at_user_code():
@@ -453,7 +461,9 @@ def test_interrupt_leaves_no_rank_behind_and_next_launch_works(tmp_path, inherit
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        pytest.fail(f"the script did not exit within 90 s of SIGINT\nstdout:\n{out}\nstderr:\n{err}")
+        pytest.fail(
+            f"the script did not exit within 90 s of SIGINT\nstdout:\n{out}\nstderr:\n{err}"
+        )
     assert "interrupted" in out and "[0, 1]" in out, f"stdout:\n{out}\nstderr:\n{err}"
     time.sleep(0.2)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
@@ -519,7 +529,9 @@ def test_kernel_death_takes_the_ranks_with_it(tmp_path):
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
-    assert not [p for p in pids if alive(p)], [(p, psutil.Process(p).status(), psutil.Process(p).ppid()) for p in pids if alive(p)]
+    assert not [p for p in pids if alive(p)], [
+        (p, psutil.Process(p).status(), psutil.Process(p).ppid()) for p in pids if alive(p)
+    ]
 
 
 def _rank_with_a_worker_then_fail(pid_file):

@@ -199,7 +199,9 @@ def test_interrupt_leaves_no_process_and_next_launch_works(kernel):
     time.sleep(0.5)
     kernel.km.interrupt_kernel()  # the notebook's stop button
     reply = kernel.reply(msg_id, timeout=60)
-    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert (
+        reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    )
     gone, alive = psutil.wait_procs(ranks, timeout=5)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     shown = kernel.run("list(kit.launch(lambda: dist.get_rank(), world_size=2))")

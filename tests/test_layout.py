@@ -24,7 +24,9 @@ def _autograder_imports(path: Path) -> list[tuple[int, str | None]]:
 
     def visit(node: ast.AST, func: str | None) -> None:
         for child in ast.iter_child_nodes(node):
-            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            inner = (
+                child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            )
             names = []
             if isinstance(child, ast.Import):
                 names = [a.name for a in child.names]

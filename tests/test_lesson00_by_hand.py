@@ -98,7 +98,9 @@ def test_section_runs_headless_and_shows_the_spawn_failure_and_the_timings():
     result = executed_lesson(SOURCE)
     assert result.ok, str(result.failure)
     cells = result.notebook.cells
-    start = next(i for i, c in enumerate(cells) if c.cell_type == "markdown" and SECTION in c.source)
+    start = next(
+        i for i, c in enumerate(cells) if c.cell_type == "markdown" and SECTION in c.source
+    )
     stop = next(i for i, c in enumerate(cells) if i > start and c.cell_type == "markdown"
                 and NEXT_SECTION in c.source)
     outputs = [o for c in cells[start:stop] for o in c.get("outputs", [])]

@@ -149,7 +149,9 @@ def test_ring_prediction_has_bus_bandwidth_one_over_beta_when_latency_is_zero(p,
         if p == 1:
             assert seconds == 0.0
         else:
-            assert costmodel.bus_bandwidth("all_reduce", nbytes, seconds, p) == pytest.approx(1 / beta)
+            assert costmodel.bus_bandwidth("all_reduce", nbytes, seconds, p) == pytest.approx(
+                1 / beta
+            )
 
 
 def test_ring_prediction_pays_latency_once_per_step():

@@ -36,9 +36,15 @@ def torchrun_layouts(draw):
     nnodes = draw(st.integers(1, 4))
     local_world_size = draw(st.integers(1, 8))
     node, local = draw(st.integers(0, nnodes - 1)), draw(st.integers(0, local_world_size - 1))
-    return {"RANK": str(node * local_world_size + local), "LOCAL_RANK": str(local),
-            "WORLD_SIZE": str(nnodes * local_world_size), "LOCAL_WORLD_SIZE": str(local_world_size),
-            "GROUP_RANK": str(node), "MASTER_ADDR": "node0", "MASTER_PORT": str(draw(st.integers(1, 65535)))}
+    return {
+        "RANK": str(node * local_world_size + local),
+        "LOCAL_RANK": str(local),
+        "WORLD_SIZE": str(nnodes * local_world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node),
+        "MASTER_ADDR": "node0",
+        "MASTER_PORT": str(draw(st.integers(1, 65535))),
+    }
 
 
 @settings(max_examples=150, deadline=None)
@@ -214,7 +220,9 @@ def test_lesson02_runs_headless_and_shows_each_failure_it_discusses():
     assert "rank 1: killed at step 3" in printed and "resuming at step 3" in printed
     assert "identical to the uninterrupted run: True" in printed
     assert "two nodes == one process: True" in printed
-    assert "broadcast (3, 4): returned [1.0, 2.0, 3.0, 8.0]" in printed  # plain gloo: silently wrong
+    assert (
+        "broadcast (3, 4): returned [1.0, 2.0, 3.0, 8.0]" in printed
+    )  # plain gloo: silently wrong
     assert "hung: a rank never returned" in printed and "SIGABRT" in printed
     assert "Timed out waiting 2000ms" in printed
     assert "Rank 2 failed to pass monitoredBarrier" in printed
@@ -223,7 +231,9 @@ def test_lesson02_runs_headless_and_shows_each_failure_it_discusses():
     results = json.dumps([c.get("outputs", []) for c in result.notebook.cells])
     assert "Mismatch(index=3, ranks=[2]" in results
     checks_out = check_outputs(result)
-    scores = [o["data"]["text/plain"] for o in checks_out if o.get("output_type") == "execute_result"]
+    scores = [
+        o["data"]["text/plain"] for o in checks_out if o.get("output_type") == "execute_result"
+    ]
     assert scores == ["3.0", "4.0", "3.0"]
 
 

@@ -32,12 +32,16 @@ STUDENT = course.lesson(LESSON).notebook
 
 def test_wrapping_distributed_sampler_fails_only_the_own_implementation_case():
     wrapped = dict(BUGS["3.1"])["wraps torch's DistributedSampler"]
-    assert failed_cases("3.1", wrapped) == ["iterates on its own (does not wrap torch's DistributedSampler)"]
+    assert failed_cases("3.1", wrapped) == [
+        "iterates on its own (does not wrap torch's DistributedSampler)"
+    ]
 
 
 def test_sampler_search_reports_the_smallest_differing_case():
     # Pads once only: wrong exactly when the padding (total_size - N) is longer than the dataset.
-    bug = dict(BUGS["3.1"])["pads once only: too short when the dataset is smaller than the padding"]
+    bug = dict(BUGS["3.1"])[
+        "pads once only: too short when the dataset is smaller than the padding"
+    ]
     case = next(c for c in get_task("3.1").cases if c.name.startswith("hypothesis"))
     got = case.run(bug, 0)
     n, replicas, *_ = got["smallest failure"]["params"]
@@ -77,7 +81,9 @@ def _every_length_on_rank(gather_unpadded, lengths):
     out = []
     for n in lengths:
         values = torch.arange(n * 2, dtype=torch.float64).reshape(n, 2)  # (n, 2)
-        sampler = DistributedSampler(range(n), dist.get_world_size(), dist.get_rank(), shuffle=False)
+        sampler = DistributedSampler(
+            range(n), dist.get_world_size(), dist.get_rank(), shuffle=False
+        )
         out.append(gather_unpadded(values[list(sampler)], n))
     return out
 
@@ -102,7 +108,9 @@ def test_naive_padded_accuracy_differs_from_single_process_but_gathered_equals_i
         idx = list(DistributedSampler(range(n), world_size, dist.get_rank(), shuffle=False))
         counts = torch.tensor([correct[idx].sum().item(), len(idx)], dtype=torch.float64)
         dist.all_reduce(counts)
-        return (counts[0] / counts[1]).item(), gather_unpadded(correct[idx], n).double().mean().item()
+        return (counts[0] / counts[1]).item(), gather_unpadded(
+            correct[idx], n
+        ).double().mean().item()
 
     naive, exact = run_ranks(on_rank, (solution.gather_unpadded,), world_size=world_size,
                              echo=False)[0]
@@ -167,7 +175,11 @@ def test_lesson03_runs_headless_with_its_solutions_and_shows_the_bugs_it_teaches
     assert len(draws) == 4
     assert draws[0] == draws[1]  # 2 ranks seeded alike draw alike without seed_worker ...
     assert draws[2] != draws[3]  # ... and differently with it
-    noise = [ast.literal_eval(line.split(":", 1)[1]) for line in printed.splitlines() if line.startswith("sample, noise:")]
+    noise = [
+        ast.literal_eval(line.split(":", 1)[1])
+        for line in printed.splitlines()
+        if line.startswith("sample, noise:")
+    ]
     assert [n for _, n in noise[0]][0::2] == [n for _, n in noise[0]][1::2]  # workers 0, 1 alike
     assert len({n for _, n in noise[1]}) == 6  # reseeded from the worker's seed: all different
     check_outputs(result)
@@ -186,6 +198,7 @@ def test_a_seed_worker_that_requires_rank_fails_the_world_size_1_case_naming_the
         "requires RANK: a plain python run (world size 1) raises KeyError"])
     failed = [c for c in report.cases if c.status != "passed"]
     assert [c.name for c in failed] == [
-        "world size 1: RANK unset (a plain python run), one worker: rank 0's streams"], report.to_text()
+        "world size 1: RANK unset (a plain python run), one worker: rank 0's streams"
+    ], report.to_text()
     assert "world size 1 (RANK unset" in failed[0].message and "KeyError" in failed[0].message
     assert "default of 0" in failed[0].hint

@@ -55,7 +55,9 @@ def test_summing_instead_of_averaging_is_named_in_the_feedback():
 
 def test_tied_weight_reduced_twice_fails_only_the_counting_case():
     bug = dict(BUGS["4.1"])["reduces the tied weight twice (module by module)"]
-    assert failed_cases("4.1", bug) == [c.name for c in get_task("4.1").cases if "at most one" in c.name]
+    assert failed_cases("4.1", bug) == [
+        c.name for c in get_task("4.1").cases if "at most one" in c.name
+    ]
 
 
 # --------------------------------------------------------------------------- the bucket plan
@@ -112,8 +114,11 @@ def _grads_after_steps(wrapper, options, steps=2):
 
 
 @settings(max_examples=6, deadline=None)
-@given(world_size=st.integers(1, 4), which=st.sampled_from(["NaiveDDP", "OverlappedDDP", "BucketedDDP"]),
-       cap_kib=st.sampled_from([1, 16, 64, 1024]))
+@given(
+    world_size=st.integers(1, 4),
+    which=st.sampled_from(["NaiveDDP", "OverlappedDDP", "BucketedDDP"]),
+    cap_kib=st.sampled_from([1, 16, 64, 1024]),
+)
 def test_solutions_give_torch_ddp_gradients_on_a_transformer(solution, world_size, which, cap_kib):
     options = {"bucket_size_mb": cap_kib / 1024} if which == "BucketedDDP" else {}
     ours = run_ranks(_grads_after_steps, (getattr(solution, which), options),
@@ -165,7 +170,9 @@ def test_lesson04_runs_headless_with_its_solutions_and_shows_what_it_claims():
     # torch DDP's own bucket all-reduces, issued by its C++ Reducer, are on the timeline
     reducer = next(line for line in printed.splitlines() if line.startswith("torch DDP "))
     assert "routes ['c++']" in reducer and int(reducer.split()[2]) >= 2
-    accumulated = next(line for line in printed.splitlines() if "each micro-batch's backward" in line)
+    accumulated = next(
+        line for line in printed.splitlines() if "each micro-batch's backward" in line
+    )
     silent, last = accumulated.split(": [")[1].rstrip("]").rsplit(", ", 1)
     assert silent == "0, 0, 0" and int(last) >= 1  # no_sync: only the last backward communicates
     assert "find_unused_parameters=True: ['two steps done', 'two steps done']" in printed
@@ -228,7 +235,9 @@ def _torch_ddp_steps(steps: int, cap_mb: float) -> list[list[tuple[str, str, int
     from kit.trace import region, trace
 
     torch.manual_seed(0)
-    model = DDP(TinyTransformer(vocab=64, dim=64, layers=2, heads=4, context=32), bucket_cap_mb=cap_mb)
+    model = DDP(
+        TinyTransformer(vocab=64, dim=64, layers=2, heads=4, context=32), bucket_cap_mb=cap_mb
+    )
     per_step = []
     for step in range(steps):
         x, y = token_batch(4, 32, 64, seed=10 * step + dist.get_rank())
@@ -237,8 +246,13 @@ def _torch_ddp_steps(steps: int, cap_mb: float) -> list[list[tuple[str, str, int
             with region("backward"):
                 loss.backward()
         backward = next(e for e in t.events if e.op == "backward")
-        per_step.append([(e.op, e.route, e.nbytes, e.async_op, backward.start <= e.start <= backward.end)
-                         for e in t.events if e.kind == "collective"])
+        per_step.append(
+            [
+                (e.op, e.route, e.nbytes, e.async_op, backward.start <= e.start <= backward.end)
+                for e in t.events
+                if e.kind == "collective"
+            ]
+        )
         model.zero_grad()
     return per_step
 
@@ -246,15 +260,19 @@ def _torch_ddp_steps(steps: int, cap_mb: float) -> list[list[tuple[str, str, int
 def test_torch_ddp_reducer_all_reduces_are_traced_inside_backward_as_cpp_route():
     cap_mb = 0.05
     steps = run_ranks(_torch_ddp_steps, (3, cap_mb), {}, world_size=2, timeout=120, echo=False)
-    grad_bytes = sum(p.numel() * p.element_size()
-                     for p in TinyTransformer(vocab=64, dim=64, layers=2, heads=4, context=32).parameters())
+    grad_bytes = sum(
+        p.numel() * p.element_size()
+        for p in TinyTransformer(vocab=64, dim=64, layers=2, heads=4, context=32).parameters()
+    )
     for rank_steps in steps:
         for step, events in enumerate(rank_steps):
             reduces = [e for e in events if e[0] == "all_reduce"]
             # issued by the C++ Reducer (no Python dist.* call), async, during backward
             assert reduces and all(route == "c++" and is_async and inside
                                    for _, route, _, is_async, inside in reduces), (step, events)
-            assert sum(nbytes for _, _, nbytes, _, _ in reduces) == grad_bytes  # every gradient once
+            assert (
+                sum(nbytes for _, _, nbytes, _, _ in reduces) == grad_bytes
+            )  # every gradient once
         # after the first step DDP rebuilds its buckets under the cap: several all-reduces
         assert len([e for e in rank_steps[-1] if e[0] == "all_reduce"]) >= 2
 

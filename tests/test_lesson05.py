@@ -192,7 +192,9 @@ def _torch_clips_the_sharded_model(seed: int, labels: tuple[str, ...]) -> dict[s
     rows = lesson05.CLIP_PER_RANK
     x, y = lesson05._clip_batch(seed, world_size, rows)
     x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-    out: dict[str, Any] = {"local rows": {n: p.to_local().shape[0] for n, p in model.named_parameters()}}
+    out: dict[str, Any] = {
+        "local rows": {n: p.to_local().shape[0] for n, p in model.named_parameters()}
+    }
     for label, norm_type, max_norm in lesson05.CLIP_CALLS:
         if label not in labels:
             continue
@@ -209,8 +211,12 @@ def test_task_5_5_reference_equals_torch_clipping_the_fsdp2_shards(world_size):
     expected = (references.clip_expected_2 if world_size == 2 else references.clip_expected_4)(3)
     preload_modules(lesson05.PRELOAD)
     # torch 2.13's own inf norm raises on a rank holding an empty shard (below): not on 4 ranks
-    labels = tuple(label for label, _, _ in lesson05.CLIP_CALLS if world_size == 2 or label != "inf")
-    ranks = run_ranks(_torch_clips_the_sharded_model, (3, labels), world_size=world_size, echo=False)
+    labels = tuple(
+        label for label, _, _ in lesson05.CLIP_CALLS if world_size == 2 or label != "inf"
+    )
+    ranks = run_ranks(
+        _torch_clips_the_sharded_model, (3, labels), world_size=world_size, echo=False
+    )
     for label in labels:
         for norm, grads in (run[label] for run in ranks):
             assert norm == pytest.approx(expected[label]["norm"].item(), rel=1e-12)
@@ -234,7 +240,9 @@ def test_torch_clip_grad_norm_inf_raises_on_a_rank_with_an_empty_shard():
     with pytest.raises(LaunchError, match="infinity norm on an empty tensor") as failed:
         run_ranks(_torch_clips_the_sharded_model, (3, ("inf",)), world_size=4, echo=False,
                   timeout=60)
-    raised = {f.rank for f in failed.value.failures if "infinity norm on an empty tensor" in f.summary}
+    raised = {
+        f.rank for f in failed.value.failures if "infinity norm on an empty tensor" in f.summary
+    }
     assert raised == {2, 3}  # the others only lose their peers
 
 
@@ -275,8 +283,12 @@ MEMORY_BUGS = {
 }
 
 
-@pytest.mark.parametrize(("task_id", "bug"), list(MEMORY_BUGS), ids=[f"{t}: {b}" for t, b in MEMORY_BUGS])
-def test_a_bug_that_keeps_the_memory_fails_only_its_bound_naming_the_saving_lost(bugs, task_id, bug):
+@pytest.mark.parametrize(
+    ("task_id", "bug"), list(MEMORY_BUGS), ids=[f"{t}: {b}" for t, b in MEMORY_BUGS]
+)
+def test_a_bug_that_keeps_the_memory_fails_only_its_bound_naming_the_saving_lost(
+    bugs, task_id, bug
+):
     task = get_task(task_id)
     bounds = MEMORY_BUGS[(task_id, bug)]
     names = {f"{b.what} is within {b.formula}": b.what for b in task.bounds}
@@ -366,14 +378,22 @@ def test_lesson05_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert len(rows) == 9, printed  # 3 schemes x (params, grads, optimizer)
     for scheme, kind, counted, formula in rows:
         assert math.isclose(float(counted), float(formula), rel_tol=0.03), (scheme, kind)
-    assert "reshard_after_forward=True: {'all_gather_single': 10, 'reduce_scatter_single': 5}" in printed
-    assert "reshard_after_forward=False: {'all_gather_single': 5, 'reduce_scatter_single': 5}" in printed
+    assert (
+        "reshard_after_forward=True: {'all_gather_single': 10, 'reduce_scatter_single': 5}"
+        in printed
+    )
+    assert (
+        "reshard_after_forward=False: {'all_gather_single': 5, 'reduce_scatter_single': 5}"
+        in printed
+    )
     assert "prefetch=False: 38 all-gathers, 0 of them started ahead" in printed
     assert "prefetch=True: 38 all-gathers, 18 of them started ahead" in printed
     yours, torchs = (re.search(rf"{who}: norm ([\d.]+), collectives \[(.*)\]", printed).groups()
                      for who in ("yours", "torch"))
     assert yours[0] == torchs[0] and yours[1] == "('all_reduce', 4)"  # one float32 element
-    n_grads = sum(1 for _ in TinyTransformer(vocab=256, dim=64, layers=4, heads=4, context=32).parameters())
+    n_grads = sum(
+        1 for _ in TinyTransformer(vocab=256, dim=64, layers=4, heads=4, context=32).parameters()
+    )
     assert torchs[1] == f"('all_reduce', {4 * n_grads})"  # torch's: one element per gradient
     step = re.search(r"train_step, rank 0: (\{.*\})", printed).group(1)
     assert "'all_reduce': 1" in step and "'reduce_scatter_single': 5" in step  # 4 blocks + root

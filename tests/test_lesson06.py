@@ -49,7 +49,9 @@ def _save_piece(save_shards, folder, tensor, sizes):
 
 @settings(max_examples=8, deadline=None)
 @given(data=st.data(), total=st.integers(0, 300), save_ws=st.integers(1, 4))
-def test_hand_made_shards_round_trip_any_split_onto_any_other(solution, tmp_path_factory, data, total, save_ws):
+def test_hand_made_shards_round_trip_any_split_onto_any_other(
+    solution, tmp_path_factory, data, total, save_ws
+):
     folder = str(tmp_path_factory.mktemp("shards"))
     tensor = torch.arange(total, dtype=torch.float64) * 1.5
     save_sizes = _split(total, data.draw(st.lists(st.integers(0, total), min_size=save_ws - 1,
@@ -106,7 +108,9 @@ def test_dcp_keeps_one_copy_of_a_key_every_rank_saves(tmp_path):
 
 def _change_while_saving(folder):
     w = torch.arange(100, dtype=torch.float32)
-    future = dcp.async_save({"w": w}, checkpoint_id=folder, process_group=dist.new_group(backend="gloo"))
+    future = dcp.async_save(
+        {"w": w}, checkpoint_id=folder, process_group=dist.new_group(backend="gloo")
+    )
     w.zero_()
     future.result()
     back = {"w": torch.full((100,), -1.0)}
@@ -162,7 +166,9 @@ def test_a_fresh_optimizer_has_no_state_until_get_state_dict_creates_it():
 @settings(max_examples=25, deadline=None)
 @given(numel=st.integers(1, 300), cuts=st.lists(st.integers(0, 300), max_size=4),
        seed=st.integers(0, 2**16))
-def test_the_lessons_adamw_updates_any_split_of_a_tensor_bit_for_bit_as_the_whole(numel, cuts, seed):
+def test_the_lessons_adamw_updates_any_split_of_a_tensor_bit_for_bit_as_the_whole(
+    numel, cuts, seed
+):
     """make_optimizer's foreach AdamW: FSDP2 shards of any size train exactly alike, which an
     exact resume on another number of ranks needs, and exactly as the single-tensor AdamW does.
     torch's fused AdamW does not (its vector loop and its scalar tail round differently: 57 of
@@ -186,8 +192,10 @@ def test_the_lessons_adamw_updates_any_split_of_a_tensor_bit_for_bit_as_the_whol
     whole = train([numel])
     assert not torch.equal(whole, start)
     assert torch.equal(train(_split(numel, cuts)), whole)
-    single = train(_split(numel, cuts), lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3,
-                                                                    weight_decay=0.01, foreach=False))
+    single = train(
+        _split(numel, cuts),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01, foreach=False),
+    )
     assert torch.equal(single, whole)
 
 
@@ -253,8 +261,9 @@ def test_a_loop_that_tests_for_the_end_after_the_step_fails_the_after_the_last_s
     report = run_checks("6.3", dict(bugs["6.3"])[
         "tests for the end after the step: resumed at total_steps it trains one step more"])
     failed = [c for c in report.cases if c.status != "passed"]
-    assert [c.name for c in failed] == [next(c.name for c in report.cases
-                                             if c.name.startswith("after the last step"))], report.to_text()
+    assert [c.name for c in failed] == [
+        next(c.name for c in report.cases if c.name.startswith("after the last step"))
+    ], report.to_text()
     assert failed[0].message.startswith("after the last step (the newest complete checkpoint is "
                                         "step-000008"), failed[0].message
     assert "called train_step at steps [8]" in failed[0].message

@@ -46,7 +46,10 @@ def test_lesson07_gates_name_what_each_task_reimplements():
 def test_format_table_matches_torch_finfo():
     rows = {r["format"]: r for r in format_table()}
     assert rows["fp16"]["max"] == 65504.0 and rows["fp16"]["eps"] == 2.0**-10
-    assert rows["bf16"]["eps"] == 2.0**-7 and rows["bf16"]["smallest normal"] == torch.finfo(torch.float32).tiny
+    assert (
+        rows["bf16"]["eps"] == 2.0**-7
+        and rows["bf16"]["smallest normal"] == torch.finfo(torch.float32).tiny
+    )
     assert rows["tf32"]["eps"] == rows["fp16"]["eps"] and rows["tf32"]["max"] == rows["fp32"]["max"]
 
 
@@ -54,8 +57,12 @@ def test_format_table_matches_torch_finfo():
 
 
 @settings(max_examples=25, deadline=None)
-@given(inf_steps=st.sets(st.integers(0, 11), max_size=5), nan_steps=st.sets(st.integers(0, 11), max_size=2),
-       interval=st.integers(1, 4), clip=st.sampled_from([None, 0.3]))
+@given(
+    inf_steps=st.sets(st.integers(0, 11), max_size=5),
+    nan_steps=st.sets(st.integers(0, 11), max_size=2),
+    interval=st.integers(1, 4),
+    clip=st.sampled_from([None, 0.3]),
+)
 def test_scaler_follows_torch_grad_scaler_for_any_overflow_pattern(solution, inf_steps, nan_steps,
                                                                    interval, clip):
     kwargs = {"inf_steps": tuple(inf_steps), "nan_steps": tuple(nan_steps), "clip": clip}
@@ -93,7 +100,9 @@ def test_saved_bytes_skip_weights_and_count_a_shared_storage_once(solution):
         return (q * k * v).sum()
 
     t = torch.randn(4, 12, requires_grad=True)
-    assert solution.saved_activation_bytes(three_views, t * 1.0) == 4 * 12 * 4 + 4 * 4 * 4  # t's storage once, q * k
+    assert (
+        solution.saved_activation_bytes(three_views, t * 1.0) == 4 * 12 * 4 + 4 * 4 * 4
+    )  # t's storage once, q * k
 
 
 # --------------------------------------------------------------------------- task 7.3
@@ -180,7 +189,8 @@ def test_compile_ready_matches_eager_with_inductor_too(solution):
 
 
 def test_compile_ready_compiles_twice_over_three_sequence_lengths_and_a_python_range_once_per_length(
-        solution, bugs):
+    solution, bugs
+):
     """The second length makes T dynamic (automatic dynamic shapes), the third reuses that graph;
     positions built from range(T) pin T, and the third length compiles again. Only the dynamic
     shapes case catches that: the values are right."""
@@ -208,7 +218,9 @@ RESOURCE_BUGS = {
 
 
 @pytest.mark.parametrize(("task_id", "bug"), list(RESOURCE_BUGS), ids=[b for _, b in RESOURCE_BUGS])
-def test_a_bug_that_loses_the_saving_fails_its_bound_and_passes_every_value_case(bugs, task_id, bug):
+def test_a_bug_that_loses_the_saving_fails_its_bound_and_passes_every_value_case(
+    bugs, task_id, bug
+):
     task = get_task(task_id)
     what, lost, other_resource_cases = RESOURCE_BUGS[(task_id, bug)]
     (bound,) = [b for b in task.bounds if b.what == what]
@@ -235,9 +247,12 @@ def test_a_forward_hidden_in_an_opaque_call_scores_0_and_the_feedback_names_the_
 
 def test_lesson07_states_what_each_task_bounds():
     bounds = {t.id: [(b.what, b.unit) for b in t.bounds] for t in lesson_tasks(7)}
-    assert bounds == {"7.1": [], "7.2": [],  # a loss scaler and a meter bound nothing
-                      "7.3": [("bytes kept after the forward with every block checkpointed", "bytes")],
-                      "7.4": [("model FLOPs the captured graph does not show", "FLOPs")]}
+    assert bounds == {
+        "7.1": [],
+        "7.2": [],  # a loss scaler and a meter bound nothing
+        "7.3": [("bytes kept after the forward with every block checkpointed", "bytes")],
+        "7.4": [("model FLOPs the captured graph does not show", "FLOPs")],
+    }
 
 
 # --------------------------------------------------------------------------- the lesson
@@ -250,7 +265,10 @@ def test_lesson07_runs_headless_with_its_solutions_and_shows_what_it_claims():
     formula = [line for line in printed.splitlines() if line.startswith("T=")]
     assert len(formula) == 4 and all(line.split()[3] == line.split()[6] for line in formula)
     # the constants derived from the student's count: Korthikanti's 16 values, + (2 * 2 + a) per token
-    assert "derived: alpha = 64 bytes (16 fp32 values) per token and hidden unit, beta = 32 bytes" in printed
+    assert (
+        "derived: alpha = 64 bytes (16 fp32 values) per token and hidden unit, beta = 32 bytes"
+        in printed
+    )
     memory = [float(line.split(":")[1].split()[0]) for line in printed.splitlines()
               if line.split(":")[0].strip() in ("none", "every 4", "every 2", "every 1")]
     assert len(memory) == 4 and memory == sorted(memory, reverse=True) and memory[0] > 4 * memory[3]

@@ -70,7 +70,9 @@ def _ours_and_torchs_mlp(column_cls, row_cls, hidden=8):
     for model in (ours, theirs):
         y = model(x)
         y.pow(3).mean().backward()
-        outputs.append(torch.Tensor(y.detach()).clone() if not hasattr(y, "wait") else y.wait().clone())
+        outputs.append(
+            torch.Tensor(y.detach()).clone() if not hasattr(y, "wait") else y.wait().clone()
+        )
     grads = {}
     for name, layer in (("column", 0), ("row", 2)):
         for p in ("weight", "bias"):
@@ -82,8 +84,13 @@ def _ours_and_torchs_mlp(column_cls, row_cls, hidden=8):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_layers_equal_torch_colwise_and_rowwise_parallel(solution, world_size):
-    results = run_ranks(_ours_and_torchs_mlp, (solution.ColumnParallelLinear, solution.RowParallelLinear),
-                        world_size=world_size, echo=False, preload=DTENSOR)
+    results = run_ranks(
+        _ours_and_torchs_mlp,
+        (solution.ColumnParallelLinear, solution.RowParallelLinear),
+        world_size=world_size,
+        echo=False,
+        preload=DTENSOR,
+    )
     for outputs, grads in results:
         torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
         for name, (ours, theirs) in grads.items():
@@ -152,7 +159,9 @@ def _gpipe_vs_schedule_gpipe(gpipe, m, hidden=6):
     else:
         schedule.step()
     loss = gpipe(mine, list(x.chunk(m)), list(y.chunk(m)), F.mse_loss)
-    grads = [(a.grad.clone(), b.grad.clone()) for a, b in zip(mine.parameters(), theirs.parameters())]
+    grads = [
+        (a.grad.clone(), b.grad.clone()) for a, b in zip(mine.parameters(), theirs.parameters())
+    ]
     their_loss = torch.stack(losses).mean().detach() if losses else None
     return grads, loss, their_loss
 
@@ -221,14 +230,31 @@ def _torch_interleaved_order(rank, p, m, v):
             for a in ops if a is not None]
 
 
-@pytest.mark.parametrize("p,v,m", [(1, 3, 2), (2, 2, 2), (2, 3, 6), (4, 2, 4), (4, 2, 8), (4, 3, 12),
-                                   (3, 4, 9), (1, 1, 1), (4, 2, 1), (4, 2, 3), (4, 2, 6), (4, 3, 10),
-                                   (3, 2, 8), (5, 2, 7)])
+@pytest.mark.parametrize(
+    "p,v,m",
+    [
+        (1, 3, 2),
+        (2, 2, 2),
+        (2, 3, 6),
+        (4, 2, 4),
+        (4, 2, 8),
+        (4, 3, 12),
+        (3, 4, 9),
+        (1, 1, 1),
+        (4, 2, 1),
+        (4, 2, 3),
+        (4, 2, 6),
+        (4, 3, 10),
+        (3, 2, 8),
+        (5, 2, 7),
+    ],
+)
 def test_interleaved_one_f_one_b_is_the_order_torch_schedule_interleaved_1f1b_computes(solution, p,
                                                                                       v, m):
     for stage in range(p):
-        assert solution.interleaved_one_f_one_b(stage, p, m, v) == _torch_interleaved_order(stage, p,
-                                                                                            m, v)
+        assert solution.interleaved_one_f_one_b(stage, p, m, v) == _torch_interleaved_order(
+            stage, p, m, v
+        )
 
 
 @settings(max_examples=60, deadline=None)
@@ -258,12 +284,16 @@ def test_interleaved_order_matches_torch_on_any_shape_and_refuses_what_torch_ref
     assert orders == [_torch_interleaved_order(s, p, m, v) for s in range(p)]
     run = simulate_schedule(orders, forward=1.0, backward=1.0, chunks=v)
     r = m // rounds
-    assert all(peak <= (p - s - 1) * 2 + (v - 1) * r + 1 for s, peak in enumerate(run.peak_in_flight))
+    assert all(
+        peak <= (p - s - 1) * 2 + (v - 1) * r + 1 for s, peak in enumerate(run.peak_in_flight)
+    )
     if m % p == 0:
         assert (run.makespan - 2 * v * m) / (2 * v * m) == pytest.approx((p - 1) / (v * m))
 
 
-@pytest.mark.parametrize("args", [(0, 0, 4, 2), (0, 2, 0, 2), (0, 2, 4, 0), (2, 2, 4, 2), (-1, 2, 4, 2)])
+@pytest.mark.parametrize(
+    "args", [(0, 0, 4, 2), (0, 2, 0, 2), (0, 2, 4, 0), (2, 2, 4, 2), (-1, 2, 4, 2)]
+)
 def test_interleaved_one_f_one_b_names_an_argument_out_of_range(solution, args):
     with pytest.raises(ValueError, match="num_stages, chunks and num_microbatches"):
         solution.interleaved_one_f_one_b(*args)
@@ -362,7 +392,8 @@ def test_layout_costs_follow_the_formulas_they_cite():
         s * b * h * 2, 2, net.alpha_intra, net.beta_intra))
     layouts = layout_table(model, 8, net)
     assert {(r.dp, r.tp, r.pp) for r in layouts} == {
-        (dp, tp, 8 // (dp * tp)) for dp in (1, 2, 4, 8) for tp in (1, 2, 4, 8) if 8 % (dp * tp) == 0}
+        (dp, tp, 8 // (dp * tp)) for dp in (1, 2, 4, 8) for tp in (1, 2, 4, 8) if 8 % (dp * tp) == 0
+    }
 
 
 # --------------------------------------------------------------------------- the lesson
@@ -374,9 +405,15 @@ def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
     printed = printed_text(result)
     assert "sum of the 4 partial results + bias equals the MLP: True" in printed
     assert printed.count("rank 0: all_reduce of 262 kB") == 2  # one forward, one backward
-    assert "head-parallel attention equals the unsharded one: True | forward collectives: ['all_reduce']" in printed
-    kept = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in printed.splitlines()
-            if line.endswith(" kB") and line.split()[0] in ("unsharded", "tensor", "sequence")}
+    assert (
+        "head-parallel attention equals the unsharded one: True | forward collectives: ['all_reduce']"
+        in printed
+    )
+    kept = {
+        line.rsplit(None, 2)[0].strip(): float(line.split()[-2])
+        for line in printed.splitlines()
+        if line.endswith(" kB") and line.split()[0] in ("unsharded", "tensor", "sequence")
+    }
     assert kept["unsharded"] > kept["tensor parallel"] > kept["sequence parallel"]
     assert printed.count("same output as yours: True") == 1 and "same as yours: True" in printed
     assert "gradient equals one process: True" in printed
@@ -386,7 +423,9 @@ def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert "Schedule1F1B: gradients equal gpipe's on every stage: True" in printed
     assert "GPipe: activations held at most [8, 8, 8, 8] per stage" in printed
     assert "1F1B: activations held at most [4, 3, 2, 1] per stage" in printed
-    assert "1F1B: bubble 0.3750 of the work (formula 0.3750); peak in flight [4, 3, 2, 1]" in printed
+    assert (
+        "1F1B: bubble 0.3750 of the work (formula 0.3750); peak in flight [4, 3, 2, 1]" in printed
+    )
     assert ("interleaved 1F1B, 2 chunks: bubble 0.1875 of the work (formula 0.1875); "
             "peak in flight [11, 9, 7, 5]") in printed
     import re
@@ -405,16 +444,27 @@ def test_checks_pass_with_spawned_ranks_as_on_macos(solution, monkeypatch):
 # --------------------------------------------------------------------------- the meter's bounds
 
 # Each mistake gives the right values and the right collectives, so only the meter sees it.
-FULL_WEIGHTS = [("8.1", "keeps the whole weights and multiplies by them on every rank",
-                 ("tensor parallelism's 1/t of the weights per rank is lost",
-                  "tensor parallelism's 1/t of the compute per rank is lost")),
-                ("8.2", "keeps the whole weights and runs the full-width MLP on every rank",
-                 ("the 1/t of the weights per rank is lost", "the 1/t of the compute per rank is lost"))]
+FULL_WEIGHTS = [
+    (
+        "8.1",
+        "keeps the whole weights and multiplies by them on every rank",
+        (
+            "tensor parallelism's 1/t of the weights per rank is lost",
+            "tensor parallelism's 1/t of the compute per rank is lost",
+        ),
+    ),
+    (
+        "8.2",
+        "keeps the whole weights and runs the full-width MLP on every rank",
+        ("the 1/t of the weights per rank is lost", "the 1/t of the compute per rank is lost"),
+    ),
+]
 
 
 @pytest.mark.parametrize("task_id,bug,lost", FULL_WEIGHTS, ids=["8.1", "8.2"])
-def test_a_layer_keeping_the_whole_weights_fails_only_the_bounds_naming_the_lost_share(bugs, task_id,
-                                                                                      bug, lost):
+def test_a_layer_keeping_the_whole_weights_fails_only_the_bounds_naming_the_lost_share(
+    bugs, task_id, bug, lost
+):
     import re
 
     task = get_task(task_id)

@@ -123,7 +123,9 @@ def test_esm2_parameter_counts_match_the_published_sizes():
 
 
 def test_pretrained_weights_are_never_downloaded(tmp_path):
-    with pytest.raises(FileNotFoundError, match="dl.fbaipublicfiles.com/fair-esm/models/esm2_t6_8M_UR50D.pt"):
+    with pytest.raises(
+        FileNotFoundError, match="dl.fbaipublicfiles.com/fair-esm/models/esm2_t6_8M_UR50D.pt"
+    ):
         load_pretrained_esm2("esm2_t6_8M_UR50D", path=tmp_path / "missing.pt")
 
 
@@ -131,8 +133,13 @@ def test_pretrained_weights_are_never_downloaded(tmp_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 80), min_size=0, max_size=60), max_tokens=st.integers(1, 300),
-       world_size=st.integers(1, 5), seed=st.integers(0, 3), epoch=st.integers(0, 3))
+@given(
+    lengths=st.lists(st.integers(1, 80), min_size=0, max_size=60),
+    max_tokens=st.integers(1, 300),
+    world_size=st.integers(1, 5),
+    seed=st.integers(0, 3),
+    epoch=st.integers(0, 3),
+)
 def test_token_budget_batches_are_fair_esm_batches_dealt_evenly(solution, lengths, max_tokens,
                                                                 world_size, seed, epoch):
     from esm.data import FastaBatchedDataset
@@ -150,9 +157,13 @@ def test_mask_tokens_at_probability_0_and_1(solution):
     vocab = alphabet()
     tokens = tokenize(load_peptides("AMPvsTMset")[0][:50], vocab)
     special = (tokens == vocab.cls_idx) | (tokens == vocab.eos_idx) | (tokens == vocab.padding_idx)
-    inputs, labels = solution.mask_tokens(tokens, vocab, torch.Generator().manual_seed(0), mask_prob=0.0)
+    inputs, labels = solution.mask_tokens(
+        tokens, vocab, torch.Generator().manual_seed(0), mask_prob=0.0
+    )
     assert torch.equal(inputs, tokens) and (labels == -100).all()
-    inputs, labels = solution.mask_tokens(tokens, vocab, torch.Generator().manual_seed(0), mask_prob=1.0)
+    inputs, labels = solution.mask_tokens(
+        tokens, vocab, torch.Generator().manual_seed(0), mask_prob=1.0
+    )
     assert torch.equal(labels != -100, ~special)
 
 
@@ -162,17 +173,23 @@ def _ring_in_groups(ring_attention, length_per_rank, dtype):
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
     g = torch.Generator().manual_seed(rank // 2)
-    q, k, v = (torch.randn(2, 3, 2 * length_per_rank, 4, generator=g, dtype=dtype) for _ in range(3))
+    q, k, v = (
+        torch.randn(2, 3, 2 * length_per_rank, 4, generator=g, dtype=dtype) for _ in range(3)
+    )
     mask = torch.zeros(2, 2 * length_per_rank, dtype=torch.bool)
     mask[0, -3:] = True
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask[:, None, None, :])
     mine = slice((rank % 2) * length_per_rank, (rank % 2 + 1) * length_per_rank)
-    got = ring_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], key_padding_mask=mask[:, mine], group=group)
+    got = ring_attention(
+        q[:, :, mine], k[:, :, mine], v[:, :, mine], key_padding_mask=mask[:, mine], group=group
+    )
     return (got - want[:, :, mine]).abs().max().item()
 
 
 def test_ring_attention_works_on_a_subgroup(solution):
-    errors = run_ranks(_ring_in_groups, (solution.ring_attention, 5, torch.float64), world_size=4, echo=False)
+    errors = run_ranks(
+        _ring_in_groups, (solution.ring_attention, 5, torch.float64), world_size=4, echo=False
+    )
     assert max(errors) < 1e-12
 
 
@@ -180,12 +197,16 @@ def _ring_vs_sdpa(ring_attention, chunk, heads, dim, seed, density=0.3):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seed)
     length = chunk * world_size
-    q, k, v = (torch.randn(2, heads, length, dim, generator=g, dtype=torch.float64) * 3 for _ in range(3))
+    q, k, v = (
+        torch.randn(2, heads, length, dim, generator=g, dtype=torch.float64) * 3 for _ in range(3)
+    )
     # skewed padding: none, some, nearly all, all (a sequence with no key: SDPA gives 0 there)
     mask = torch.rand(2, length, generator=g) < density
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask[:, None, None, :])
     mine = slice(rank * chunk, (rank + 1) * chunk)
-    got = ring_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], key_padding_mask=mask[:, mine])
+    got = ring_attention(
+        q[:, :, mine], k[:, :, mine], v[:, :, mine], key_padding_mask=mask[:, mine]
+    )
     return (got - want[:, :, mine]).abs().max().item()
 
 
@@ -193,8 +214,9 @@ def _ring_vs_sdpa(ring_attention, chunk, heads, dim, seed, density=0.3):
 @given(world_size=st.integers(1, 4), chunk=st.integers(1, 6), heads=st.integers(1, 3),
        dim=st.sampled_from([1, 4, 16]), seed=st.integers(0, 100),
        density=st.sampled_from([0.0, 0.3, 0.9, 1.0]))
-def test_ring_attention_equals_sdpa_for_any_shape_and_padding(solution, world_size, chunk, heads, dim, seed,
-                                                              density):
+def test_ring_attention_equals_sdpa_for_any_shape_and_padding(
+    solution, world_size, chunk, heads, dim, seed, density
+):
     errors = run_ranks(_ring_vs_sdpa, (solution.ring_attention, chunk, heads, dim, seed, density),
                        world_size=world_size, echo=False)
     assert max(errors) < 1e-10  # nan fails it too
@@ -218,7 +240,9 @@ def test_chunked_equals_the_whole_module(solution, length, chunk_size):
     module = TriangleAttentionStartingNode(c_z=8, c=4, heads=2, dtype=torch.float64)
     z = torch.randn(length, length, 8, dtype=torch.float64)
     with torch.no_grad():
-        torch.testing.assert_close(solution.chunked(module, z, chunk_size), module(z), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            solution.chunked(module, z, chunk_size), module(z), rtol=0, atol=1e-12
+        )
     assert module.rows_seen == [length]  # only module(z) itself: chunked writes its own attention
 
 
@@ -232,7 +256,9 @@ BOUND_ONLY = [("9.3", "keeps every block it received (right values and traffic)"
 
 
 @pytest.mark.parametrize("task_id,bug,lost", BOUND_ONLY, ids=["9.3", "9.4"])
-def test_a_mistake_that_keeps_what_the_technique_frees_fails_only_its_bound(bugs, task_id, bug, lost):
+def test_a_mistake_that_keeps_what_the_technique_frees_fails_only_its_bound(
+    bugs, task_id, bug, lost
+):
     task = get_task(task_id)
     report = run_checks(task_id, dict(bugs[task_id])[bug])
     bounds = [c for c in report.cases if " is within " in c.name]
@@ -241,7 +267,9 @@ def test_a_mistake_that_keeps_what_the_technique_frees_fails_only_its_bound(bugs
     for bound in bounds:
         assert bound.status == "failed" and bound.points == 0, report.to_text()
         assert lost in bound.message, bound.message
-        assert float(re.search(r"holds ([\d.]+)x the bound", bound.message)[1]) >= 2.0, bound.message
+        assert float(re.search(r"holds ([\d.]+)x the bound", bound.message)[1]) >= 2.0, (
+            bound.message
+        )
     value_share = sum(task.case_points(c) for c in task.cases if " is within " not in c.name)
     # right values with the saving thrown away keep at most half of the points (issue 45)
     assert report.score == pytest.approx(min(value_share, task.points / 2))
@@ -254,23 +282,32 @@ def test_a_mistake_that_keeps_what_the_technique_frees_fails_only_its_bound(bugs
 def test_lesson09_runs_headless_with_its_solutions_and_shows_what_it_claims():
     result = run_headless(LESSON, timeout=600, budget=360)  # the lesson's budget on 2 quiet cores
     printed = printed_text(result)
-    loss = re.search(r"MLM loss ([\d.]+) \(first 10\) -> ([\d.]+) \(last 10\); perplexity ([\d.]+)", printed)
+    loss = re.search(
+        r"MLM loss ([\d.]+) \(first 10\) -> ([\d.]+) \(last 10\); perplexity ([\d.]+)", printed
+    )
     assert loss and float(loss[2]) < float(loss[1]) and float(loss[3]) < 20  # better than uniform
-    pads = dict(re.findall(r"^(random, fixed size|token budget)\s+(\d+) padding tokens", printed, re.M))
+    pads = dict(
+        re.findall(r"^(random, fixed size|token budget)\s+(\d+) padding tokens", printed, re.M)
+    )
     assert int(pads["token budget"]) * 2 <= int(pads["random, fixed size"])
     per_rank = re.search(r"(\[\d+, \d+, \d+, \d+\]) batches per rank", printed)
     assert len(set(json.loads(per_rank[1]))) == 1
     assert re.search(r"FSDP2 / DDP: [\d.]+x", printed)
     assert re.search(r"ESM-2, pretrained\s+test accuracy 0\.\d+", printed)
-    peaks = {name: [float(x) for x in re.findall(r"L=\d+:\s+([\d.]+) MiB", line)]
-             for name, line in re.findall(r"^(ring|all-gather K/V|one process, whole sequence)\s+(.*)$",
-                                         printed, re.M)}
+    peaks = {
+        name: [float(x) for x in re.findall(r"L=\d+:\s+([\d.]+) MiB", line)]
+        for name, line in re.findall(
+            r"^(ring|all-gather K/V|one process, whole sequence)\s+(.*)$", printed, re.M
+        )
+    }
     assert all(r < a < w for r, a, w in zip(peaks["ring"], peaks["all-gather K/V"],
                                             peaks["one process, whole sequence"]))
     assert "never downloads weights" in printed
     from kit.lessons.precision import cpu_has_native_bf16
 
-    assert re.search(r"^bf16 autocast: (on|off)\b", printed, re.M)[1] == ("on" if cpu_has_native_bf16() else "off")
+    assert re.search(r"^bf16 autocast: (on|off)\b", printed, re.M)[1] == (
+        "on" if cpu_has_native_bf16() else "off"
+    )
     check_outputs(result)
 
 

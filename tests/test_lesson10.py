@@ -141,7 +141,9 @@ def test_deepchem_order_puts_the_later_of_two_equal_sets_first():
 @given(n=st.integers(2, 300), levels=st.integers(1, 6), p=st.floats(0.01, 0.9),
        fraction=st.sampled_from([0.01, 0.02, 0.05, 0.1, 0.3]),
        alpha=st.sampled_from([1.0, 20.0, 80.0]), seed=st.integers(0, 10_000))
-def test_metrics_equal_rdkit_for_any_screen_with_ties(solution, n, levels, p, fraction, alpha, seed):
+def test_metrics_equal_rdkit_for_any_screen_with_ties(
+    solution, n, levels, p, fraction, alpha, seed
+):
     # n >= 2 and fraction <= 0.3 keep ceil(n * fraction) < n, where RDKit returns a value.
     g = torch.Generator().manual_seed(seed)
     labels = torch.rand(n, generator=g) < p
@@ -215,7 +217,9 @@ def test_data_files_ship_in_the_wheels():
 def test_lesson10_runs_headless_with_its_solutions_and_shows_what_it_claims():
     result = run_headless(LESSON, timeout=600, budget=300)  # the lesson's budget on 2 cores
     printed = printed_text(result)
-    assert "scaffold   sizes" in printed and " 0.0% of test molecules have a scaffold seen" in printed
+    assert (
+        "scaffold   sizes" in printed and " 0.0% of test molecules have a scaffold seen" in printed
+    )
     assert "same on every rank: True" in printed
     for n in (1, 2, 4):
         assert f"{n} rank(s):" in printed

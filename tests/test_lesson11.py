@@ -55,7 +55,9 @@ NEEDS_PYG_LIB = pytest.mark.skipif(
     "NeighborLoader cannot sample here; neither installs from PyPI")
 
 
-@pytest.mark.parametrize(("task_id", "name"), [(t.id, n) for t in lesson_tasks(11) for n in t.forbidden])
+@pytest.mark.parametrize(
+    ("task_id", "name"), [(t.id, n) for t in lesson_tasks(11) for n in t.forbidden]
+)
 def test_every_forbidden_name_of_lesson11_resolves(task_id, name):
     from autograder import gates
 
@@ -131,7 +133,9 @@ def test_hop_zero_edges_equal_pyg_neighbor_loader_with_random_fanouts(solution):
 def test_neighbor_loader_is_pygs_own_where_pyg_lib_is_installed(solution):
     from torch_geometric.loader import NeighborLoader
 
-    loader = neighbor_loader(peptide_graph(), [5, 5], sample=solution.sample_neighbors, batch_size=32)
+    loader = neighbor_loader(
+        peptide_graph(), [5, 5], sample=solution.sample_neighbors, batch_size=32
+    )
     assert isinstance(loader, NeighborLoader)
 
 
@@ -168,12 +172,16 @@ def _plans(halo_plan, part, edge_index):
 
 @settings(max_examples=6, deadline=None)
 @given(world_size=st.integers(2, 4), seed=st.integers(0, 1000), skew=st.integers(0, 3))
-def test_solution_plans_equal_the_whole_graph_plan_for_any_partition(solution, world_size, seed, skew):
+def test_solution_plans_equal_the_whole_graph_plan_for_any_partition(
+    solution, world_size, seed, skew
+):
     edge_index = directed_graph(seed, 120, most=6)
     g = torch.Generator().manual_seed(seed)
     part = torch.randint(0, world_size, (120,), generator=g)
     part[: 30 * skew] = 0  # more and more of the nodes on rank 0
-    got = run_ranks(_plans, (solution.halo_plan, part, edge_index), world_size=world_size, echo=False)
+    got = run_ranks(
+        _plans, (solution.halo_plan, part, edge_index), world_size=world_size, echo=False
+    )
     for rank in range(world_size):
         want = full_graph_plan(edge_index, part, rank, world_size)
         assert got[rank] == [[t.tolist() for t in want.recv], [t.tolist() for t in want.send]]
@@ -187,8 +195,12 @@ def test_the_two_whole_graph_plans_agree():
     for name, part in plan_partitions(0).items():
         for rank in range(PLAN_RANKS):
             fast = full_graph_plan(edge_index, part, rank, PLAN_RANKS)
-            assert [t.tolist() for t in fast.recv] == [t.tolist() for t in brute[name][rank]["recv"]]
-            assert [t.tolist() for t in fast.send] == [t.tolist() for t in brute[name][rank]["send"]]
+            assert [t.tolist() for t in fast.recv] == [
+                t.tolist() for t in brute[name][rank]["recv"]
+            ]
+            assert [t.tolist() for t in fast.send] == [
+                t.tolist() for t in brute[name][rank]["send"]
+            ]
 
 
 # --------------------------------------------------------------------------- 11.3
@@ -322,7 +334,9 @@ def test_lesson11_runs_headless_with_its_solutions_and_shows_what_it_claims():
     diffs = re.search(r"max \|HaloGCNConv - GCNConv\| per rank: \[(.*)\]", printed).group(1)
     assert max(float(d) for d in diffs.split(",")) < 1e-5
     # equal step counts on every rank, for every world size
-    assert all(len(set(m.split(", "))) == 1 for m in re.findall(r"on every rank \(\[(.*?)\]\)", printed))
+    assert all(
+        len(set(m.split(", "))) == 1 for m in re.findall(r"on every rank \(\[(.*?)\]\)", printed)
+    )
     assert "AmazonProducts is not on this machine" in printed
     ratios = re.findall(r"METIS cuts (.*) fewer edges than a random split", printed)
     assert len(ratios) == 2 and all(float(r.rstrip("x")) > 2.5 for line in ratios

@@ -115,7 +115,9 @@ def test_solution_bytes_equal_the_recorder_on_3_ranks(solution):
                            preload=ref.TRAFFIC_PRELOAD))
     assert all(r == ranks[0] for r in ranks)
     for layout in LAYOUTS:
-        got = solution.step_traffic(layout, traffic_model(sizes), 3, sizes["batch"], sizes["seq_len"])
+        got = solution.step_traffic(
+            layout, traffic_model(sizes), 3, sizes["batch"], sizes["seq_len"]
+        )
         assert got == ranks[0][layout], layout
 
 
@@ -136,7 +138,9 @@ def test_one_rank_sends_nothing_under_fsdp_and_tp_and_the_check_names_that_regim
     assert measured["ddp"] and measured["zero1"]
     sizes = traffic_sizes(0)
     for layout in LAYOUTS:
-        got = solution.step_traffic(layout, traffic_model(sizes), 1, sizes["batch"], sizes["seq_len"])
+        got = solution.step_traffic(
+            layout, traffic_model(sizes), 1, sizes["batch"], sizes["seq_len"]
+        )
         assert got == measured[layout], layout
     with pytest.raises(ValueError, match="world_size"):
         solution.step_traffic("ddp", traffic_model(sizes), 0, 1, 1)
@@ -147,7 +151,9 @@ def test_one_rank_sends_nothing_under_fsdp_and_tp_and_the_check_names_that_regim
 
     report = run_checks("12.2", bug)
     one_rank = next(c for c in report.cases if c.name.startswith("one rank"))
-    assert one_rank.status != "passed" and "FSDP2 gathers and reduce-scatters nothing" in one_rank.hint
+    assert (
+        one_rank.status != "passed" and "FSDP2 gathers and reduce-scatters nothing" in one_rank.hint
+    )
     assert "fsdp on 1 ranks" in one_rank.message, one_rank.message
 
 
@@ -232,7 +238,9 @@ def _two_rank_traces(tmp_path):
     return profiling.load_traces(tmp_path), events
 
 
-def test_profiled_without_a_folder_keeps_the_trace_in_memory_and_leaves_no_file(tmp_path, monkeypatch):
+def test_profiled_without_a_folder_keeps_the_trace_in_memory_and_leaves_no_file(
+    tmp_path, monkeypatch
+):
     # Two runs profiling at once (two kernels, two checks of 12.3) once shared $TMPDIR/rank0.json.
     import tempfile
 
@@ -298,7 +306,9 @@ def test_plot_traces_draws_a_row_per_rank(tmp_path):
 def test_each_bug_is_caught_by_the_case_that_targets_it(bugs, task_id, bug, caught_by):
     impl = next(i for description, i in bugs[task_id] if description.startswith(bug))
     failed = failed_cases(task_id, impl)
-    assert failed and any(name.startswith(caught_by) or caught_by in name for name in failed), failed
+    assert failed and any(name.startswith(caught_by) or caught_by in name for name in failed), (
+        failed
+    )
     if task_id == "12.2" or bug.startswith(("counts a model", "the output layer counted",
                                             "the excess", "names a straggler")):
         assert all(name.startswith(caught_by) for name in failed), failed
@@ -341,8 +351,12 @@ def test_lesson12_runs_headless_and_shows_what_it_claims():
         f"rank{r}.json" for r in range(4)]
     assert "FlopCounterMode has a formula for the CPU flash kernel: False" in printed
     assert "training_flops equals FlopCounterMode: True" in printed
-    assert "(= FlopCounterMode's math count: True)" in printed  # Kaplan's 6N + PaLM's attention + head
-    buckets = re.findall(r"(\d+) DDP all-reduce\(s\) per step \(torch's assignment: (\d+)\)", printed)
+    assert (
+        "(= FlopCounterMode's math count: True)" in printed
+    )  # Kaplan's 6N + PaLM's attention + head
+    buckets = re.findall(
+        r"(\d+) DDP all-reduce\(s\) per step \(torch's assignment: (\d+)\)", printed
+    )
     assert len(buckets) == 3 and all(a == b for a, b in buckets) and buckets[-1][0] == "2", buckets
     assert "fsdp 0.91 s/0 GB (the batch's 256 sequences do not cover 512 replicas)" in printed
     assert "ddp" in printed and "112 GB (does not fit)" in printed  # 7B under DDP: 16 B x 7e9

@@ -128,7 +128,9 @@ def test_reference_loss_and_its_gradient_match_the_closed_form(T, E, data):
     logits = torch.randn(T, E, generator=g, dtype=torch.float64, requires_grad=True)
     expert = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     kept = torch.rand(T, k, generator=g) > 0.3
-    routing = Routing(expert, torch.zeros(T, k, dtype=torch.float64), torch.where(kept, 0, -1), kept)
+    routing = Routing(
+        expert, torch.zeros(T, k, dtype=torch.float64), torch.where(kept, 0, -1), kept
+    )
     loss = ref.load_balancing_loss(logits, routing, E)
     f = torch.bincount(expert.reshape(-1), minlength=E).double() / (T * k)
     p = torch.softmax(logits.detach(), dim=-1)
@@ -243,7 +245,9 @@ def test_an_idle_rank_that_skips_the_backward_all_to_all_is_a_finding_not_a_time
     collapse = [c.name for c in hung if c.name.startswith("an input without grad")]
     assert collapse, "the case with an input that needs no grad did not catch it"
     # both fixes pass every case of the friendly runs: only the edges see the defect
-    assert all(c.status == "passed" for c in report.cases if c.name.startswith(("2 ranks", "4 ranks")))
+    assert all(
+        c.status == "passed" for c in report.cases if c.name.startswith(("2 ranks", "4 ranks"))
+    )
 
 
 def _one_rank_without_experts(impl):
@@ -331,10 +335,15 @@ def test_lesson13_runs_headless_and_shows_what_it_claims():
     assert "every rank equals the single-process layer: True" in printed
     for k in (2, 3, 4):
         assert f"({k}.0x the bytes of k=1)" in printed
-    without, with_aux = (line for line in printed.splitlines() if "aux loss" in line and "dropped" in line)
+    without, with_aux = (
+        line for line in printed.splitlines() if "aux loss" in line and "dropped" in line
+    )
     drop = [int(line.split("% dropped")[0].rsplit(" ", 1)[1]) for line in (without, with_aux)]
     assert drop[0] > 5 * max(drop[1], 1)  # collapse drops far more without the aux loss
-    assert "divided by the world size: router as one process: True, experts as one process: True" in printed
+    assert (
+        "divided by the world size: router as one process: True, experts as one process: True"
+        in printed
+    )
     assert "(their gradients 2.00x one process's)" in printed
     assert "grouped_mm equals the loop over experts: True" in printed
     check_outputs(result)

@@ -198,7 +198,9 @@ def test_what_others_write_to_stderr_while_the_profiler_starts_is_kept(capfd):
     import tempfile
 
     def start() -> None:
-        os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(
+            2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+        )
         os.write(2, b"a rank's own line\n")
 
     with tempfile.TemporaryFile(buffering=0) as spool:

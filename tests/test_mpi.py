@@ -37,8 +37,14 @@ def _in_ci() -> bool:
 
 def require_mpi() -> None:
     """Skip without mpirun and mpi4py; under CI, fail with the fix."""
-    missing = [name for name, found in (("mpirun", shutil.which("mpirun")),
-                                        ("mpi4py", importlib.util.find_spec("mpi4py"))) if not found]
+    missing = [
+        name
+        for name, found in (
+            ("mpirun", shutil.which("mpirun")),
+            ("mpi4py", importlib.util.find_spec("mpi4py")),
+        )
+        if not found
+    ]
     if missing:
         reason = (f"{' and '.join(missing)} not installed (apt-get install openmpi-bin "
                   "libopenmpi-dev; pip install -e '.[mpi]')")

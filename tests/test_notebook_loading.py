@@ -28,7 +28,9 @@ def _solved_notebook() -> dict:
     solved = {c.id: c.source for c in source_notebook(SOURCE).cells}
     nb = json.loads(LESSON.read_text())
     for cell in nb["cells"]:
-        cell["source"] = solved[cell["id"]] if cell["id"].startswith("task-") else "".join(cell["source"])
+        cell["source"] = (
+            solved[cell["id"]] if cell["id"].startswith("task-") else "".join(cell["source"])
+        )
     return nb
 
 
@@ -80,7 +82,9 @@ def test_deleted_metadata_falls_back_to_function_names(tmp_path):
     assert set(report.found) == {"0.1", "0.2"}
     assert "found by name" in report.found["0.1"]
     assert "setup" in report.missing  # the setup cell cannot be told apart without its tag...
-    assert float(module.global_mean.__globals__["torch"].tensor(1.0)) == 1.0  # ...its imports still load
+    assert (
+        float(module.global_mean.__globals__["torch"].tensor(1.0)) == 1.0
+    )  # ...its imports still load
     assert list(module.shard_range(3, 0, 5)) == [0]
 
 
@@ -160,7 +164,9 @@ def test_missing_file_names_the_path():
 def test_broken_json_names_the_file_and_the_fix(tmp_path):
     path = tmp_path / "00_broken.ipynb"
     path.write_text('{"cells": [')
-    with pytest.raises(NotebookError, match=r"00_broken.ipynb is not valid notebook JSON.*checkpoint"):
+    with pytest.raises(
+        NotebookError, match=r"00_broken.ipynb is not valid notebook JSON.*checkpoint"
+    ):
         load_tasks(path)
 
 

@@ -91,7 +91,9 @@ def test_a_mixed_folder_task_by_task_and_what_to_do_next(tmp_path, counted_runs)
     assert report.max_score == sum(t.max_score for lp in report.lessons for t in lp.tasks) > 2.75
     # the first task that does not pass, in lesson order, with the check it fails
     nxt = report.next_step()
-    assert nxt.startswith(f"Task 0.2 `global_mean` in lessons/{course.lesson(0).stem}.ipynb: fails '"), nxt
+    assert nxt.startswith(
+        f"Task 0.2 `global_mean` in lessons/{course.lesson(0).stem}.ipynb: fails '"
+    ), nxt
     table = report.table()
     assert "not implemented" in table and "not started" in table and "next: Task 0.2" in table
     assert "total: 2.75/" in table
@@ -162,5 +164,7 @@ def test_kit_progress_in_a_notebook_is_the_same_report(tmp_path):
     import kit
 
     report = kit.progress(_folder(tmp_path), lessons=[2], cache=tmp_path / "m.json")
-    assert [t.state for t in report.lessons[0].tasks] == ["not started"] * len(report.lessons[0].tasks)
+    assert [t.state for t in report.lessons[0].tasks] == ["not started"] * len(
+        report.lessons[0].tasks
+    )
     assert report.next_step().startswith("Start Lesson 02")

@@ -159,7 +159,9 @@ def test_tensor_mismatch_names_shape_dtype_and_the_world_size_slip():
     assert tensor_mismatch(want.clone(), want) is None
     assert "has shape (3, 2)" in tensor_mismatch(want.view(3, 2), want)
     assert "has dtype torch.float64" in tensor_mismatch(want.double(), want, dtype=True)
-    assert "is 4x the expected value: the sum over ranks" in tensor_mismatch(4 * want, want, world_size=4)
+    assert "is 4x the expected value: the sum over ranks" in tensor_mismatch(
+        4 * want, want, world_size=4
+    )
     assert "1/4 of the expected value" in tensor_mismatch(want / 4, want, world_size=4)
     assert "tolerance" in tensor_mismatch(want + 1, want)
     assert "expected a tensor" in tensor_mismatch([1, 2], want)

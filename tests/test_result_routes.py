@@ -84,7 +84,9 @@ def _notebooks(folder: Path) -> dict[str, Path]:
             at = next(i for i, c in enumerate(nb["cells"]) if c["id"] == "task-0-2")
             nb["cells"].insert(at, {"cell_type": "code", "id": "added-by-student", "metadata": {},
                                     "execution_count": None, "outputs": [], "source": HELPER_CELL})
-        paths[student] = folder / "submitted" / student / NAME / f"{NAME}.ipynb"  # nbgrader's layout
+        paths[student] = (
+            folder / "submitted" / student / NAME / f"{NAME}.ipynb"
+        )  # nbgrader's layout
         paths[student].parent.mkdir(parents=True)
         paths[student].write_text(json.dumps(nb, indent=1))
     return paths
@@ -100,8 +102,10 @@ def _by_check(path: Path) -> dict[str, tuple[str, float]]:
     defines nothing never reaches check() (its check cell raises NameError)."""
     module = load_tasks(path)
     missing = module.__load_report__.missing
-    reports = [unloaded(t, missing[t.id]) if t.id in missing else run_checks(t.id, getattr(module, t.name))
-               for t in lesson_tasks(0)]
+    reports = [
+        unloaded(t, missing[t.id]) if t.id in missing else run_checks(t.id, getattr(module, t.name))
+        for t in lesson_tasks(0)
+    ]
     return {r.task_id: (r.status, r.score) for r in reports}
 
 
@@ -119,7 +123,12 @@ def test_every_route_gives_the_same_status_and_points(tmp_path):
               "kit grade NOTEBOOK": {s: _by_kit_grade(p, tmp_path) for s, p in notebooks.items()}}
 
     out = tmp_path / "batch"
-    assert run_batch([str(tmp_path / "submissions" / "submitted")], out=out, lessons=[0], workers=2, seed=0) == 0
+    assert (
+        run_batch(
+            [str(tmp_path / "submissions" / "submitted")], out=out, lessons=[0], workers=2, seed=0
+        )
+        == 0
+    )
     routes["kit grade --out"] = {
         s: {t["task"]: (t["status"], t["score"]) for t in json.loads(
             (out / "records" / f"{s}.json").read_text())["tasks"]} for s in notebooks}
@@ -147,14 +156,19 @@ def test_every_route_gives_the_same_status_and_points(tmp_path):
 
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         for student, want in EXPECTED.items():
-            cells = {g.name: g.score for g in gb.find_submission_notebook(NAME, NAME, student).grades
-                     if g.name.startswith("check-")}
+            cells = {
+                g.name: g.score
+                for g in gb.find_submission_notebook(NAME, NAME, student).grades
+                if g.name.startswith("check-")
+            }
             got = {f"0.{name[-1]}": score for name, score in cells.items()}
             assert got == {tid: pytest.approx(points) for tid, (_, points) in want.items()}, \
                 f"nbgrader grades {student} differently"
 
     # autograde ran no demo code, and its graded notebook shows the demo cells as submitted
-    graded = json.loads((course / "autograded" / "helper_in_added_cell" / NAME / f"{NAME}.ipynb").read_text())
+    graded = json.loads(
+        (course / "autograded" / "helper_in_added_cell" / NAME / f"{NAME}.ipynb").read_text()
+    )
     submitted = json.loads(notebooks["helper_in_added_cell"].read_text())
     demos = [(c, s) for c, s in zip(graded["cells"], submitted["cells"], strict=True)
              if s["cell_type"] == "code" and not s["metadata"].get("tags")
@@ -163,4 +177,6 @@ def test_every_route_gives_the_same_status_and_points(tmp_path):
     for cell, as_submitted in demos:
         assert _text(cell["source"]) == _text(as_submitted["source"])
         text = "".join(_text(o.get("text", "")) for o in cell["outputs"])
-        assert "not run by nbgrader autograde" in text and "demo code ran" not in text, cell["outputs"]
+        assert "not run by nbgrader autograde" in text and "demo code ran" not in text, cell[
+            "outputs"
+        ]

@@ -24,7 +24,11 @@ LESSON00 = course.lesson(0).notebook
 def _notebook(tmp_path: Path, *sources: str) -> Path:
     nb = new_notebook(cells=[new_markdown_cell("# a test notebook")] +
                       [new_code_cell(s) for s in sources])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     path = tmp_path / "nb.ipynb"
     nbformat.write(nb, path)
     return path
@@ -110,7 +114,12 @@ def test_grade_reports_a_missing_task_and_takes_the_lesson_from_an_option(tmp_pa
     path.write_text(json.dumps(nb))
     assert grade_main([str(path), "--unsandboxed", "--json", str(tmp_path / "a.json")]) == 2
     assert "pass --lessons 00" in capsys.readouterr().err
-    assert grade_main([str(path), "--unsandboxed", "--lessons", "00", "--json", str(tmp_path / "a.json")]) == 0
+    assert (
+        grade_main(
+            [str(path), "--unsandboxed", "--lessons", "00", "--json", str(tmp_path / "a.json")]
+        )
+        == 0
+    )
     assert "missing 0.2: global_mean" in capsys.readouterr().out
     task = json.loads((tmp_path / "a.json").read_text())["tasks"][1]
     assert task["score"] == 0 and task["status"] == "missing"

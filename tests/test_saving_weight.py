@@ -62,32 +62,52 @@ NOT_A_SAVING = {
 # A seeded bug that throws the saving away (its values right, at least on the main cases): (task,
 # bug) -> words a failing saving case says of what was kept or sent that should not have been.
 THROWS_THE_SAVING_AWAY = {
-    ("5.2", "keeps every parameter's state on every rank, shows only its own in self.state"):
-        "optimizer state for parameters it does not own",
+    (
+        "5.2",
+        "keeps every parameter's state on every rank, shows only its own in self.state",
+    ): "optimizer state for parameters it does not own",
     ("5.5", "all-gathers the ranks' local sums"): "all_gather_into_tensor",
-    ("7.3", "forward runs fn with grad and keeps its output on ctx: every activation stays alive"):
-        "activations are kept although backward recomputes them",
-    ("8.1", "keeps the whole weights and multiplies by them on every rank"):
-        "keep the whole weights on every rank",
-    ("8.2", "keeps the whole weights and runs the full-width MLP on every rank"):
-        "keeps both whole weights on every rank",
+    (
+        "7.3",
+        "forward runs fn with grad and keeps its output on ctx: every activation stays alive",
+    ): "activations are kept although backward recomputes them",
+    (
+        "8.1",
+        "keeps the whole weights and multiplies by them on every rank",
+    ): "keep the whole weights on every rank",
+    (
+        "8.2",
+        "keeps the whole weights and runs the full-width MLP on every rank",
+    ): "keeps both whole weights on every rank",
     ("8.4", "GPipe's order: all forwards, then all backwards"): "activations held at once",
-    ("9.3", "keeps every block and attends over their concatenation"):
-        "every K/V block the rank received stays alive",
+    (
+        "9.3",
+        "keeps every block and attends over their concatenation",
+    ): "every K/V block the rank received stays alive",
     # one saving thrown away of several the task measures: the cap holds these to half
-    ("5.3", "all-reduces the gradients instead of reduce-scattering"):
-        "an all-reduce sends every rank the whole gradient",
-    ("5.3", "keeps the original full parameters after wrapping"):
-        "every rank still holds full parameters next to its shards",
+    (
+        "5.3",
+        "all-reduces the gradients instead of reduce-scattering",
+    ): "an all-reduce sends every rank the whole gradient",
+    (
+        "5.3",
+        "keeps the original full parameters after wrapping",
+    ): "every rank still holds full parameters next to its shards",
     ("6.1", "rank 0 gathers every piece and writes them all"): "a rank writes other ranks' pieces",
     ("6.1", "the loader reads every file"): "files of pieces outside that range",
-    ("9.3", "keeps every block it received (right values and traffic)"):
-        "every K/V block the rank received stays alive",
-    ("11.2", "every rank's edges sent to every rank through all_to_all_single"):
-        "anything more is the graph's edges",
+    (
+        "9.3",
+        "keeps every block it received (right values and traffic)",
+    ): "every K/V block the rank received stays alive",
+    (
+        "11.2",
+        "every rank's edges sent to every rank through all_to_all_single",
+    ): "anything more is the graph's edges",
     ("11.3", "all_to_all_single of every row to every rank"): "neither owns nor receives",
-    ("13.3", "sends every token to every rank through the all-to-alls (an all-gather by another name)"):
-        "expected one all-to-all of counts",
+    (
+        "13.3",
+        "sends every token to every rank through the all-to-alls (an all-gather by another name)",
+    ): "expected one all-to-all of counts",
 }
 
 
@@ -104,14 +124,17 @@ def test_every_task_of_lessons_05_to_13_is_classified_once():
         f"gone {sorted((set(SAVING_TASKS) | set(NOT_A_SAVING)) - ids)}")
 
 
-@pytest.mark.parametrize("task_id", sorted(SAVING_TASKS, key=lambda t: tuple(map(int, t.split(".")))))
+@pytest.mark.parametrize(
+    "task_id", sorted(SAVING_TASKS, key=lambda t: tuple(map(int, t.split("."))))
+)
 def test_a_saving_task_marks_its_saving_cases_and_they_weigh_at_least_half(task_id):
     task = get_task(task_id)
     assert task.saving_cases, f"task {task_id} marks no case saving=True (and states no bound)"
     share = task.saving_points() / task.points
     assert share >= 0.5 - 1e-9, (
         f"task {task_id}: its saving cases weigh {share:.0%} of its points, at least 50% is the rule: "
-        + ", ".join(f"{c.name[:40]!r} {task.case_points(c):.2f}" for c in task.saving_cases))
+        + ", ".join(f"{c.name[:40]!r} {task.case_points(c):.2f}" for c in task.saving_cases)
+    )
     # every bound of a saving task is one of its saving cases, and names what was lost
     saving = {c.name for c in task.saving_cases}
     for bound in task.bounds:
@@ -119,7 +142,9 @@ def test_a_saving_task_marks_its_saving_cases_and_they_weigh_at_least_half(task_
         assert bound.lost, bound.what
 
 
-@pytest.mark.parametrize("task_id", sorted(NOT_A_SAVING, key=lambda t: tuple(map(int, t.split(".")))))
+@pytest.mark.parametrize(
+    "task_id", sorted(NOT_A_SAVING, key=lambda t: tuple(map(int, t.split("."))))
+)
 def test_a_task_whose_point_is_not_a_saving_marks_no_saving_case(task_id):
     marked = [c.name for c in get_task(task_id).saving_cases]
     assert not marked, f"task {task_id} marks saving cases {marked}: move it to SAVING_TASKS"
@@ -129,7 +154,9 @@ def test_a_bound_is_a_saving_case_unless_it_says_otherwise():
     task = Task("99.1", "scratch", 4.0)
     task.case("values")(lambda impl, seed: 0)
     task.case("messages", saving=True)(lambda impl, seed: 0)
-    task.bound("bytes per rank", formula="1/W", lost="everything on every rank")(lambda impl, seed: 0)
+    task.bound("bytes per rank", formula="1/W", lost="everything on every rank")(
+        lambda impl, seed: 0
+    )
     task.bound("a cheat's FLOPs", formula="1%", lost="hidden", saving=False)(lambda impl, seed: 0)
     assert [c.name for c in task.saving_cases] == ["messages", "bytes per rank is within 1/W"]
     assert task.saving_points() == pytest.approx(2.0)
@@ -137,7 +164,9 @@ def test_a_bound_is_a_saving_case_unless_it_says_otherwise():
 
 @pytest.mark.parametrize(("task_id", "bug"), list(THROWS_THE_SAVING_AWAY),
                          ids=[f"{t}: {b[:40]}" for t, b in THROWS_THE_SAVING_AWAY])
-def test_a_bug_that_throws_the_saving_away_keeps_at_most_half_and_is_told_what_it_kept(task_id, bug):
+def test_a_bug_that_throws_the_saving_away_keeps_at_most_half_and_is_told_what_it_kept(
+    task_id, bug
+):
     task = get_task(task_id)
     report = run_checks(task_id, dict(seeded_bugs(task.lesson)[task_id])[bug])
     assert report.score <= task.points / 2 + 1e-9, report.to_text()

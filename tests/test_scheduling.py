@@ -53,8 +53,13 @@ def test_a_unit_is_the_group_or_else_the_file():
 def test_two_workers_keep_each_file_on_one_worker():
     pytest.importorskip("xdist")
     files = ["tests/test_facts.py", "tests/test_registry.py"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-v", "-p", "no:cacheprovider", *files],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "-v", "-p", "no:cacheprovider", *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     workers: dict[str, set[str]] = {}
     for worker, path in re.findall(r"^\[(gw\d+)\] .*?(tests/test_\w+\.py)::", done.stdout, re.M):

@@ -134,8 +134,22 @@ def test_an_altered_record_or_manifest_is_refused_naming_the_student(graded, tmp
 
 def test_shards_graded_with_different_secrets_are_refused(graded, tmp_path, capsys):
     other = tmp_path / "other"
-    assert grade_main([str(graded / "subs"), "--lessons", "00", "--out", str(other), "--shard", "2/2",
-                       "--secret", str(tmp_path / "another.json")]) == 0
+    assert (
+        grade_main(
+            [
+                str(graded / "subs"),
+                "--lessons",
+                "00",
+                "--out",
+                str(other),
+                "--shard",
+                "2/2",
+                "--secret",
+                str(tmp_path / "another.json"),
+            ]
+        )
+        == 0
+    )
     code, err = _merge(graded, graded / "shard1", other, capsys=capsys)
     assert code == 2 and "disagree on the seed" in err, err
 

@@ -71,7 +71,9 @@ def test_the_site_holds_every_lesson_with_figures_and_no_solution(tmp_path):
     sources = lesson_sources(ROOT)
     pages = {src.stem: report.html / "lessons" / f"{src.stem}.html" for src in sources}
     assert sorted(report.pages) == sorted(pages)
-    assert all(p.is_file() for p in pages.values()), [s for s, p in pages.items() if not p.is_file()]
+    assert all(p.is_file() for p in pages.values()), [
+        s for s, p in pages.items() if not p.is_file()
+    ]
     index = (report.html / "index.html").read_text()
     assert all(f"lessons/{stem}.html" in index for stem in pages)
     if os.environ.get("CI"):

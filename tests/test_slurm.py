@@ -43,12 +43,25 @@ def slurm():
         started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True,
                                  timeout=600)
         if started.returncode != 0:
-            _unavailable(f"slurm/local-cluster.sh start failed: {(started.stderr or started.stdout)[-800:]}")
+            _unavailable(
+                f"slurm/local-cluster.sh start failed: {(started.stderr or started.stdout)[-800:]}"
+            )
 
 
 def _sbatch(*args: str, cwd: Path) -> str:
-    done = subprocess.run(["sbatch", "--parsable", f"--chdir={cwd}", f"--output={cwd}/%x-%A_%a.out",
-                           f"--export=ALL,KIT={KIT}", *args], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--chdir={cwd}",
+            f"--output={cwd}/%x-%A_%a.out",
+            f"--export=ALL,KIT={KIT}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
 
@@ -74,10 +87,16 @@ def _wait(job_ids: list[str], cwd: Path, timeout: float = 420) -> None:
 
 def _normalised(folder: Path) -> dict[str, str]:
     # As tests/test_shards.py: which rank reports first and Gradescope's timing vary per run.
-    return {str(p.relative_to(folder)): re.sub(r'"execution_time": [\d.]+', "", re.sub(
-                r"rank \d+", "rank N", p.read_text()))
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.suffix in {".csv", ".txt", ".json"}
-            and not {"records", "shards", ".kit-grade"} & set(p.parts) and p.name != "run-secret.json"}
+    return {
+        str(p.relative_to(folder)): re.sub(
+            r'"execution_time": [\d.]+', "", re.sub(r"rank \d+", "rank N", p.read_text())
+        )
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+        and p.suffix in {".csv", ".txt", ".json"}
+        and not {"records", "shards", ".kit-grade"} & set(p.parts)
+        and p.name != "run-secret.json"
+    }
 
 
 def test_grade_sbatch_shards_a_class_over_a_job_array_and_merges_it_as_one_run(slurm, tmp_path):
@@ -87,10 +106,24 @@ def test_grade_sbatch_shards_a_class_over_a_job_array_and_merges_it_as_one_run(s
     write_corpus(tmp_path / "subs", tmp_path / "unused", STUDENTS)
     out = tmp_path / "grades"
     sbatch = str(ROOT / "slurm" / "grade.sbatch")
-    array = _sbatch("--array=1-2", "--cpus-per-task=1", sbatch, str(tmp_path / "subs"), str(out), "--lessons", "00",
-                    cwd=tmp_path)
-    merge = _sbatch(f"--dependency=afterok:{array}", "--cpus-per-task=1", sbatch, str(tmp_path / "subs"), str(out),
-                    cwd=tmp_path)
+    array = _sbatch(
+        "--array=1-2",
+        "--cpus-per-task=1",
+        sbatch,
+        str(tmp_path / "subs"),
+        str(out),
+        "--lessons",
+        "00",
+        cwd=tmp_path,
+    )
+    merge = _sbatch(
+        f"--dependency=afterok:{array}",
+        "--cpus-per-task=1",
+        sbatch,
+        str(tmp_path / "subs"),
+        str(out),
+        cwd=tmp_path,
+    )
     _wait([array, merge], tmp_path)
     logs = {p.name: p.read_text() for p in tmp_path.glob("*.out")}
     assert (out / "grades.csv").exists(), logs
@@ -135,14 +168,28 @@ def _lesson02_train_script(path: Path) -> Path:
     from kit.torchrun import init_process_group_per_attempt, write_script
 
     source = course.lesson(2).source
-    texts = {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(source.read_text()).body
-             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-             and node.targets[0].id in ("HEADER", "TRAIN_MAIN")}
+    texts = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in ast.parse(source.read_text()).body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and node.targets[0].id in ("HEADER", "TRAIN_MAIN")
+    }
     lesson = load_tasks(source)
-    return write_script(path, texts["HEADER"], lesson.DistInfo, lesson.dist_info_from_env,
-                        lesson.make_model, lesson.make_optimizer, lesson.batch_at, lesson.train_step,
-                        lesson.resumable_train, init_process_group_per_attempt, REQUEUE_HOOK,
-                        texts["TRAIN_MAIN"])
+    return write_script(
+        path,
+        texts["HEADER"],
+        lesson.DistInfo,
+        lesson.dist_info_from_env,
+        lesson.make_model,
+        lesson.make_optimizer,
+        lesson.batch_at,
+        lesson.train_step,
+        lesson.resumable_train,
+        init_process_group_per_attempt,
+        REQUEUE_HOOK,
+        texts["TRAIN_MAIN"],
+    )
 
 
 def test_train_sbatch_on_cpu_resumes_from_its_checkpoint_after_the_job_is_requeued(slurm, tmp_path):

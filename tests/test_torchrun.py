@@ -114,14 +114,21 @@ def test_two_nodes_meet_at_one_loopback_endpoint(tmp_path):
     script = write_script(tmp_path / "report.py", REPORT)
     result = torchrun_nodes(script, nnodes=2, nproc_per_node=1, timeout=150, echo=False,
                             env={"GLOO_SOCKET_IFNAME": "lo"})
-    reports = sorted(re.findall(r"^\[node (\d)\] \[default0\]:rank=(\d) group=(\d) local=0 world=2 sum=3$",
-                                result.output, re.M))
+    reports = sorted(
+        re.findall(
+            r"^\[node (\d)\] \[default0\]:rank=(\d) group=(\d) local=0 world=2 sum=3$",
+            result.output,
+            re.M,
+        )
+    )
     # One worker per node; c10d hands out GROUP_RANK by arrival, so only the set is fixed.
     assert len(reports) == 2
     assert {r[1] for r in reports} == {"0", "1"} and {r[2] for r in reports} == {"0", "1"}
     assert all(r[1] == r[2] for r in reports)  # one worker per node: rank == group rank
     assert len(result.commands) == 2
-    endpoints = {next(a for a in cmd if a.startswith("--rdzv-endpoint=")) for cmd in result.commands}
+    endpoints = {
+        next(a for a in cmd if a.startswith("--rdzv-endpoint=")) for cmd in result.commands
+    }
     assert len(endpoints) == 1 and endpoints.pop().startswith("--rdzv-endpoint=127.0.0.1:")
 
 
@@ -194,7 +201,9 @@ def test_elastic_run_is_torchruns_agent_restarting_after_a_kill(tmp_path):
     import json
 
     result = elastic_run(_killed_once, str(tmp_path), nproc_per_node=2, max_restarts=1, timeout=120)
-    finished = sorted(re.findall(r"\[default\d\]:finished rank=\d attempt=\d sum=\d", result.output))
+    finished = sorted(
+        re.findall(r"\[default\d\]:finished rank=\d attempt=\d sum=\d", result.output)
+    )
     assert finished == ["[default0]:finished rank=0 attempt=1 sum=2",
                         "[default1]:finished rank=1 attempt=1 sum=2"]
     second = [json.loads((tmp_path / f"rank{r}-attempt1.json").read_text()) for r in range(2)]
@@ -272,7 +281,12 @@ def test_command_is_standalone_for_one_node_and_c10d_for_several():
     assert one[-3:] == ["train.py", "a", "3"]
     two = torchrun_command("train.py", nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500")
     assert "--standalone" not in two
-    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29500", "--node-rank=1"} <= set(two)
+    assert {
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.1:29500",
+        "--node-rank=1",
+    } <= set(two)
 
 
 @pytest.mark.parametrize("kwargs,problem", [
@@ -292,9 +306,23 @@ def test_a_missing_script_is_reported_before_starting_torchrun(tmp_path):
 
 
 def test_failure_summary_is_found_in_every_nodes_labelled_output():
-    block = "=" * 20 + "\ntrain.py FAILED\n---\nRoot Cause (first observed failure):\n  rank : 3\n" + "=" * 20
-    output = "\n".join(["[node 0] noise", *(f"[node 1] {line}" for line in
-                        ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", *block.splitlines()])])
+    block = (
+        "=" * 20
+        + "\ntrain.py FAILED\n---\nRoot Cause (first observed failure):\n  rank : 3\n"
+        + "=" * 20
+    )
+    output = "\n".join(
+        [
+            "[node 0] noise",
+            *(
+                f"[node 1] {line}"
+                for line in [
+                    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+                    *block.splitlines(),
+                ]
+            ),
+        ]
+    )
     assert _failure_summary(output) == block
     assert _failure_summary("all good\n") == ""
 
@@ -312,7 +340,9 @@ def test_write_script_copies_functions_classes_and_dedented_code(tmp_path):
         if __name__ == "__main__":
             print(_double(int(sys.argv[1])), _Point.x)
     """)
-    out = subprocess.run([sys.executable, str(path), "21"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, str(path), "21"], capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == ["42", "1"]
 
 
@@ -343,4 +373,6 @@ def test_sbatch_template_runs_one_torchrun_agent_per_node_via_srun():
     assert flags["rdzv-endpoint"] == '"$head_node:$rdzv_port"'
     assert flags["rdzv-id"] == '"$SLURM_JOB_ID"'
     assert "--standalone" not in launch and '"$@"' in launch
-    assert re.search(r'^head_node=\$\(scontrol show hostnames "\$SLURM_JOB_NODELIST" \| head -n 1\)$', text, re.M)
+    assert re.search(
+        r'^head_node=\$\(scontrol show hostnames "\$SLURM_JOB_NODELIST" \| head -n 1\)$', text, re.M
+    )
