@@ -203,7 +203,7 @@ BUGS = {
 def _requires_rank_variable():
     from bugs import edited_solution
 
-    return edited_solution("03_data_plane.py", ('rank = int(os.environ.get("RANK", "0"))',
+    return edited_solution(3, ('rank = int(os.environ.get("RANK", "0"))',
                                                 'rank = int(os.environ["RANK"])')).seed_worker
 
 

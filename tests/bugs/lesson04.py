@@ -363,12 +363,12 @@ BUGS = {
         ("no_sync never switches synchronisation back on", NoSyncNeverRestores),
         ("no_sync drops the gradients accumulated inside it", NoSyncDropsAccumulated),
         ("no_sync restores True, not the previous value (a nested no_sync turns sync back on)",
-         edited_solution("04_data_parallel.py", (
+         edited_solution(4, (
              "        finally:\n            self.require_backward_grad_sync = previous\n",
              "        finally:\n            self.require_backward_grad_sync = True\n",
          )).BucketedDDP),
         ("no_sync without try/finally: a raise inside leaves sync off",
-         edited_solution("04_data_parallel.py", (
+         edited_solution(4, (
              "        try:\n            yield\n        finally:\n            self.require_backward_grad_sync = previous\n",
              "        yield\n        self.require_backward_grad_sync = previous\n",
          )).BucketedDDP),

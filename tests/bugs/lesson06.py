@@ -24,10 +24,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from autograder import course
 from autograder.loading import load_tasks
 from bugs import edited_solution
 
-_lesson = load_tasks(Path(__file__).resolve().parents[2] / "solutions" / "06_checkpointing.py")
+_lesson = load_tasks(course.lesson(6).source)
 save_shards = _lesson.save_shards  # the correct saver, for the loader bugs
 load_shards = _lesson.load_shards  # the correct loader, for the saver bugs
 TrainingState = _lesson.TrainingState
@@ -394,7 +395,7 @@ BUGS = {
         ("each rank's local FSDP shard is saved (to_local): no resharding", StateWithLocalShards),
         ("subclasses the grader's reference TrainingState", StateFromTheGradersReference),
         ("saves no optimizer state for a parameter without a gradient so far: a fresh load "
-         "misses its keys", edited_solution("06_checkpointing.py", (
+         "misses its keys", edited_solution(6, (
              "if like is not None and fqn not in have and fqn in model_state:",
              "if False:  # only what the optimizer holds",
          )).TrainingState),
@@ -407,13 +408,13 @@ BUGS = {
         ("blocking dcp.save instead of dcp.async_save", train_blocking_saves),
         ("never resumes", train_never_resumes),
         ("lists ckpt_root with os.listdir: a first run, before the folder exists, raises",
-         edited_solution("06_checkpointing.py", (
+         edited_solution(6, (
              'complete = sorted(p for p in root.glob("step-*") if (p / ".metadata").exists())',
              'complete = sorted(root / n for n in os.listdir(root)\n'
              '                      if n.startswith("step-") and (root / n / ".metadata").exists())',
          )).train_with_checkpoints),
         ("tests for the end after the step: resumed at total_steps it trains one step more",
-         edited_solution("06_checkpointing.py", (
+         edited_solution(6, (
              "    while state.step < total_steps:\n        train_step(state)\n",
              "    while True:  # one step, then see whether we are done\n        train_step(state)\n",
          ), (
