@@ -322,7 +322,8 @@ def test_kit_lab_opens_the_first_lesson_and_the_sources_open_as_notebooks(
             source_heading = page.locator(
                 ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.locator("h1")
             source_heading.wait_for(timeout=30_000)
-            assert source_heading.inner_text().startswith("Lesson 00")
+            # the source states no fact of the spec's: the build fills in its title
+            assert source_heading.inner_text().strip() == "{{title}}"
         finally:
             context.close()
 
