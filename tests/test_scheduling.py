@@ -31,7 +31,7 @@ def test_every_grouped_file_exists_and_is_in_one_group():
 
 
 def test_every_headless_lesson_run_is_in_the_lessons_group_and_the_site_comes_last():
-    runners = _files_using(r"\b(run_notebook|executed_lesson)\(")
+    runners = _files_using(r"\b(run_notebook|executed_lesson|run_headless)\(")  # lesson_support
     assert "test_lesson09.py" in runners  # the pattern finds them
     assert runners - set(GROUPS["lessons"]) == set(), "add these files to GROUPS['lessons']"
     assert GROUPS["lessons"][-1] == "test_site.py"
