@@ -113,18 +113,23 @@ def _lines(text: str) -> set[str]:
     return out
 
 
+def _copied(lesson: int) -> list[str]:
+    """The lines tests/bugs/lessonNN.py writes out again from the lesson's solution or reference."""
+    trusted = _lines(course.lesson(lesson).source.read_text())
+    reference = ROOT / "autograder" / "references" / f"lesson{lesson:02d}.py"
+    if reference.is_file():
+        trusted |= _lines(reference.read_text())
+    bugs = _lines((ROOT / "tests" / "bugs" / f"lesson{lesson:02d}.py").read_text())
+    return sorted(bugs & trusted)
+
+
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_seeded_bugs_are_built_from_the_solution_not_copied(lesson):
     """A bug is the loaded solution with one named edit (bugs.edited_solution), a small wrapper
     of it, or a cheat of its own (the forbidden library, the stub): not a copy of the solution's
     or the reference's code, which goes stale when they change."""
-    trusted = _lines(course.lesson(lesson).source.read_text())
-    reference = ROOT / "autograder" / "references" / f"lesson{lesson:02d}.py"
-    if reference.is_file():
-        trusted |= _lines(reference.read_text())
     seeded_bugs(lesson)  # the module imports and lists its bugs
-    shared = sorted(_lines((ROOT / "tests" / "bugs" / f"lesson{lesson:02d}.py").read_text())
-                    & trusted)
+    shared = _copied(lesson)
     most = STILL_COPIED.get(lesson, MOST_SHARED)
     assert len(shared) <= most, (
         f"tests/bugs/lesson{lesson:02d}.py writes out {len(shared)} lines of the solution or "
@@ -135,11 +140,7 @@ def test_seeded_bugs_are_built_from_the_solution_not_copied(lesson):
 def test_the_bugs_still_copied_are_still_over_the_limit():
     """An entry of STILL_COPIED whose module is rebuilt must go, so the limit holds it again."""
     for lesson in STILL_COPIED:
-        trusted = _lines(course.lesson(lesson).source.read_text())
-        reference = ROOT / "autograder" / "references" / f"lesson{lesson:02d}.py"
-        trusted |= _lines(reference.read_text()) if reference.is_file() else set()
-        bugs = _lines((ROOT / "tests" / "bugs" / f"lesson{lesson:02d}.py").read_text())
-        assert len(bugs & trusted) > MOST_SHARED, f"remove lesson {lesson} from STILL_COPIED"
+        assert len(_copied(lesson)) > MOST_SHARED, f"remove lesson {lesson} from STILL_COPIED"
 
 
 # ---------------------------------------------------------------- the spec refuses what is wrong
