@@ -284,6 +284,9 @@ def _run(commands: list[list[str]], labels: list[str], env: Mapping[str, str] | 
                            for lab, c in zip(labels, codes) if c)
         message = f"torchrun failed ({failed})."
         message += f"\n{summary}" if summary else "\n" + "\n".join(lines[-15:])
+        said = _root_cause_output(lines, labels)
+        if said:
+            message += "\nWhat the failed worker printed last:\n" + "\n".join(said)
         raise TorchrunError(message, returncodes=codes, output=output, summary=summary)
     return TorchrunResult(codes, output, time.monotonic() - start, commands)
 
@@ -295,6 +298,22 @@ def _failure_summary(output: str) -> str:
     plain = re.sub(r"^\[node \d+\] ", "", output, flags=re.M)
     blocks = _SUMMARY_RE.findall(plain)
     return "\n\n".join(blocks)
+
+
+_ROOT_CAUSE_RE = re.compile(r"Root Cause.*?local_rank:\s*(\d+)\)", re.S)
+
+
+def _root_cause_output(lines: list[str], labels: list[str], last: int = 20) -> list[str]:
+    """The last ``last`` lines the root-cause worker of each failed agent printed (``--tee``
+    labels them ``[defaultL]:``). torchrun's summary names only its exit code unless the script
+    used ``@record``, so the worker's own traceback is in these lines."""
+    said: list[str] = []
+    for label in labels:
+        mine = [line[len(label):] for line in lines if line.startswith(label)]
+        for local in dict.fromkeys(_ROOT_CAUSE_RE.findall("\n".join(mine))):
+            tag = f"[default{local}]:"
+            said += [label + line for line in mine if line.startswith(tag)][-last:]
+    return said
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

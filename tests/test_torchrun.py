@@ -91,6 +91,24 @@ def test_a_failing_worker_raises_with_the_child_failed_summary_and_its_traceback
     assert err.summary in str(err)
 
 
+def test_a_failing_worker_without_record_shows_its_own_last_lines_in_the_error(tmp_path):
+    # Without @record the summary says only "exitcode: 1"; the error must quote the worker.
+    script = write_script(tmp_path / "fail.py", """
+        import os
+
+        print(f"worker {os.environ['RANK']} here")
+        if os.environ["RANK"] == "1":
+            raise ValueError("corrupt shard 17")
+    """)
+    with pytest.raises(TorchrunError) as info:
+        torchrun(script, nproc_per_node=2, timeout=120, echo=False)
+    message = str(info.value)
+    assert "corrupt shard 17" not in info.value.summary
+    said = message.split("What the failed worker printed last:\n", 1)[1].splitlines()
+    assert said and all(line.startswith("[default1]:") for line in said), said
+    assert any("ValueError: corrupt shard 17" in line for line in said)
+
+
 def test_the_agent_restarts_all_workers_after_a_kill_and_the_new_group_connects(tmp_path):
     # Killed on the first attempt; the second attempt must form a fresh group and finish.
     script = write_script(tmp_path / "restart.py", "import os\nimport signal\nimport torch\n"
