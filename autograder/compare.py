@@ -10,8 +10,9 @@ sees plain data (tensors, numbers, strings, and lists/tuples/dicts of them).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ __all__ = [
     "CheckFailed",
     "assert_same",
     "describe",
+    "one_thread",
     "per_rank",
     "scale_factor",
     "short",
@@ -43,6 +45,23 @@ class CheckFailed(AssertionError):
         # fails with the cause of an earlier one fails only because of it: it is shown as
         # following from that failure, without hints of its own (results.settle).
         self.cause = cause
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run on one intra-op thread, then restore the count; also a decorator (``@one_thread()``).
+
+    Two reasons the checks use it: a bit-for-bit comparison across processes needs one summation
+    order (some CPU kernels, layer norm's bf16 backward among them, split their sums by thread
+    count; the grader's process and a sandboxed worker may run with different counts), and on a
+    loaded 2-core machine a second thread makes each small op wait for a core.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def describe(x: Any, limit: int = 200) -> str:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from autograder.compare import CheckFailed, assert_same, describe, per_rank
+from autograder.compare import CheckFailed, assert_same, describe, one_thread, per_rank
 from autograder.registry import task
 from kit.lessons.models import TinyTransformer, token_batch
 from kit.lessons.precision import GraphBreakNet, padded_batch
@@ -611,21 +611,9 @@ def _apply(impl: Any, model: nn.Module, every: int) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Bit-for-bit comparisons across processes need one summation order: one intra-op thread
-    (the grader's process and a sandboxed worker may otherwise run with different counts)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _checkpointed_grads(impl: Any, seed: int, every: int, autocast: bool = False,
                         frozen: bool = False) -> dict[str, Any]:
-    with _one_thread():
+    with one_thread():
         model = _dropout_model(seed, frozen)
         named = list(model.named_parameters())  # names before wrapping: wrapping renames them
         with _watch(_torch_checkpoints()) as used:
@@ -755,7 +743,7 @@ def _bytes_and_calls(impl: Any, seed: int) -> dict[str, Any]:
     saved, calls = {}, {}
     # One intra-op thread: nothing here depends on the summation order, and on a loaded 2-core
     # machine a thread pool's barriers make these small ops many times slower.
-    with _one_thread(), _watch(_torch_checkpoints()) as used:
+    with one_thread(), _watch(_torch_checkpoints()) as used:
         for every in EVERY:
             model = _apply(impl, _dropout_model(seed), every)
             saved[every] = _saved_storages(model, x)

@@ -7,31 +7,19 @@ memory runs use (the activations measured on the unwrapped model, in this proces
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from autograder import lesson05 as L
+from autograder.compare import one_thread
 from autograder.registry import shared
 from kit import meter
 
 # --------------------------------------------------------------------------- shared
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Some CPU kernels (layer norm's bf16 backward) split their sums by thread count and so round
-    differently: the expectations run on one thread, as each rank does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _once_per_seed(compute: Callable[[int], Any]) -> Callable[[int], Any]:
@@ -42,7 +30,7 @@ def _once_per_seed(compute: Callable[[int], Any]) -> Callable[[int], Any]:
 
 
 def _single_threaded(compute: Callable[[int], Any], seed: int) -> Any:
-    with _one_thread():
+    with one_thread():
         return compute(seed)
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autograder import lesson07 as L
+from autograder.compare import one_thread
 from kit import meter
 from kit.lessons.models import token_batch
 
@@ -169,7 +170,7 @@ def plain_grads(seed: int, regime: str | None = None) -> dict[str, Any]:
     """The model without checkpointing: every gradient and the next random numbers (in one of
     ``L.CHECKPOINT_REGIMES``: under bf16 autocast, or with frozen parameters)."""
     settings = L.CHECKPOINT_REGIMES[regime] if regime else {}
-    with L._one_thread():
+    with one_thread():
         model = L._dropout_model(seed, settings.get("frozen", False))
         return {**L._step_grads(model, list(model.named_parameters()), seed,
                                 settings.get("autocast", False)), "uses": []}

@@ -16,25 +16,13 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from autograder.compare import one_thread
 from autograder.lesson12 import LAYOUTS, TRAFFIC_PRELOAD, WORLD_SIZES, traffic_model, traffic_sizes
 
 TRAFFIC_STEPS = 3  # bytes are read from the last one
 
 
-def _one_thread(fn: Any) -> Any:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # small ops: a second thread only waits for a busy core
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
-
-    return wrapper
-
-
-@_one_thread
+@one_thread()
 def counted_flops(shapes: list[tuple[int, ...]]) -> dict[str, Any]:
     """FlopCounterMode's count of one forward and backward per shape, and the forward's parts
     (for the failure message): the projections, attention's two products, the output layer."""
@@ -95,7 +83,7 @@ def _build(layout: str, sizes: dict[str, int]) -> tuple[torch.nn.Module, torch.o
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-@_one_thread
+@one_thread()
 def _traffic_on_rank(sizes: dict[str, int]) -> dict[str, dict[str, int]]:
     """Runs on each rank: every layout for three steps; the recorder's bytes per op of the last."""
     import torch.distributed as dist

@@ -14,12 +14,11 @@ combined expert by expert; its gradients come from one backward through all of i
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from autograder.compare import one_thread
 from autograder.lesson13 import (
     BALANCE_SETTINGS,
     BOUND_SLACK,
@@ -94,22 +93,10 @@ def _moe(x: torch.Tensor, router: torch.nn.Module, experts: torch.nn.ModuleList,
     return out, routing
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    # Tensors of a few hundred elements: on a busy 2-core machine torch's second intra-op
-    # thread makes each op wait for a core (16 ms for a 12-row index_add instead of 8 us).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def moe_in_one_process(seed: int, name: str) -> dict[str, Any]:
     """Task 13.3's expectation: per rank, its outputs and gradients from the single-process MoE,
     and the bytes its two token all-to-alls must carry."""
-    with _one_thread():
+    with one_thread():
         return _moe_in_one_process(seed, name)
 
 
