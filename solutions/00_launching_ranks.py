@@ -86,7 +86,9 @@ squares
 # `torchrun`:
 
 # %%
-TORCHRUN_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+TORCHRUN_VARIABLES = [
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+]
 
 
 def read_environment():
@@ -187,7 +189,10 @@ def seconds_in(printed):
 
 # %%
 # %%writefile {BY_HAND}/spawn_by_hand.py
-"""Four ranks started by hand with torch.multiprocessing.spawn: python spawn_by_hand.py [world_size]"""
+"""Four ranks started by hand with torch.multiprocessing.spawn.
+
+Run: python spawn_by_hand.py [world_size]
+"""
 import socket
 import sys
 import time
@@ -217,7 +222,10 @@ def rank_main(rank, world_size, port, results):
 
 
 def free_port():
-    """A port nobody listens on now (the OS picks it); another program could take it before rank 0."""
+    """A port nobody listens on now (the OS picks it).
+
+    Another program could take it before rank 0 does.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -230,7 +238,8 @@ if __name__ == "__main__":  # each spawned rank imports this file again: only th
     mp.spawn(rank_main, args=(world_size, free_port(), results), nprocs=world_size)  # waits for all
     values = dict(results.get() for _ in range(world_size))
     print("results by rank:", [values[rank] for rank in range(world_size)])
-    print(f"mp.spawn: {world_size} ranks started, done and joined in {time.perf_counter() - start:.2f} s")
+    print(f"mp.spawn: {world_size} ranks started, done and joined in "
+          f"{time.perf_counter() - start:.2f} s")
 
 # %%
 by_spawn = run_script("spawn_by_hand.py")
@@ -261,7 +270,10 @@ print("kit.launch:", list(by_launch), "  same as by hand:", list(by_launch) == r
 
 # %%
 # %%writefile {BY_HAND}/process_by_hand.py
-"""The same ranks with torch.multiprocessing.Process and join: python process_by_hand.py [spawn|fork]"""
+"""The same ranks with torch.multiprocessing.Process and join.
+
+Run: python process_by_hand.py [spawn|fork]
+"""
 import sys
 import time
 
@@ -371,7 +383,8 @@ print(f"kit.launch, spawn: {list(launch_spawn)}")
 # %%
 import matplotlib.pyplot as plt
 
-launch_fork = min((launch(square_and_sum, world_size=4) for _ in range(3)), key=lambda r: r.wall_time)
+launch_fork = min((launch(square_and_sum, world_size=4) for _ in range(3)),
+                  key=lambda r: r.wall_time)
 seconds = {
     "mp.spawn (by hand)": seconds_in(by_spawn),
     "Process + fork (by hand)": seconds_in(by_fork),

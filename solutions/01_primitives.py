@@ -28,7 +28,8 @@
 # - use `send`/`recv` and `isend`/`irecv`, and explain why two blocking sends deadlock;
 # - state exactly what broadcast, reduce, all_reduce, all_gather, reduce_scatter, all_to_all,
 #   gather, scatter and barrier compute, in place or out of place, blocking or async;
-# - build a broadcast tree ({{task 1.1}}) and a ring all-reduce ({{task 1.2}}) from point-to-point calls, and a barrier from a store ({{task 1.3}});
+# - build a broadcast tree ({{task 1.1}}) and a ring all-reduce ({{task 1.2}}) from
+#   point-to-point calls, and a barrier from a store ({{task 1.3}});
 # - fit the alpha-beta cost model and predict an all-reduce ({{task 1.4}}).
 # - write the same all-reduce with MPI (`mpi4py` under `mpirun`), compare the two programming
 #   models, and measure `MPI_Allreduce` against gloo.
@@ -120,7 +121,7 @@ with tempfile.TemporaryDirectory() as tmp:
 #
 # | `init_method` | who hosts the store | typical use |
 # | --- | --- | --- |
-# | `"env://"` (the default) | rank 0, at `MASTER_ADDR:MASTER_PORT` from the environment | `torchrun`, `kit.launch` |
+# | `"env://"` (default) | rank 0, at `$MASTER_ADDR:$MASTER_PORT` | `torchrun`, `kit.launch` |
 # | `"tcp://10.0.0.1:29500"` | rank 0, at that address | scripts started by hand |
 # | `"file:///shared/init"` | a file every rank can open | shared file systems |
 # | `store=` a store you built | whoever built it | full control (what `kit.launch` does) |
@@ -167,7 +168,8 @@ def pairs():
     mine = groups[rank // 2]
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=mine)  # sums within the pair only
-    return f"global rank {rank} = group rank {dist.get_rank(mine)} of {dist.get_world_size(mine)}, pair sum {t.item():.0f}"
+    return (f"global rank {rank} = group rank {dist.get_rank(mine)} of "
+            f"{dist.get_world_size(mine)}, pair sum {t.item():.0f}")
 
 
 for line in launch(pairs, world_size=4):
@@ -257,7 +259,7 @@ except LaunchTimeout as err:
 # | `all_reduce(t, op)` | every rank gets the reduction (SUM, PRODUCT, MIN, MAX, AVG\*, ...) |
 # | `all_gather(list, t)` / `all_gather_single(out, t)` | every rank gets all `t`, concatenated |
 # | `reduce_scatter_single(out, t)` | rank `r` gets the sum of every rank's `r`-th slice |
-# | `all_to_all_single(out, t)` | rank `r`'s `j`-th slice goes to rank `j`'s `r`-th slot (a transpose) |
+# | `all_to_all_single(out, t)` | rank `r`'s slice `j` goes to rank `j`'s slot `r` (a transpose) |
 # | `gather(t, list, dst)` / `scatter(t, list, src)` | one rank collects / hands out a slice each |
 # | `barrier()` | nobody leaves until all have arrived |
 #
@@ -329,7 +331,8 @@ def draw_collective(ax, before, after, title):
             colour = f"C{int(v) // 10}" if v < 40 else "lightgray"  # sums have no single owner
             ax.add_patch(plt.Rectangle((width + gap + x, rank), 1, 1, facecolor=colour, alpha=0.35,
                                        edgecolor="black"))
-            ax.text(width + gap + x + 0.5, rank + 0.5, f"{v:g}", ha="center", va="center", fontsize=7)
+            ax.text(width + gap + x + 0.5, rank + 0.5, f"{v:g}", ha="center", va="center",
+                    fontsize=7)
     ax.annotate("", xy=(width + gap - 0.2, -0.4), xytext=(width + 0.2, -0.4),
                 arrowprops={"arrowstyle": "->"})
     ax.set_xlim(-0.2, width + gap + max(len(a) for a in after if a is not None) + 0.2)
@@ -414,7 +417,8 @@ traced = launch_traced(a_little_of_everything, world_size=4)
 traced.timeline(title="one collective after another, on 4 ranks")
 plt.show()
 for op, row in summarize(traced.events[0]).items():
-    print(f"rank 0  {op:<18} {row['calls']} call(s)  {row['bytes'] / 1e6:6.2f} MB  {row['seconds'] * 1e3:6.2f} ms")
+    print(f"rank 0  {op:<18} {row['calls']} call(s)  {row['bytes'] / 1e6:6.2f} MB  "
+          f"{row['seconds'] * 1e3:6.2f} ms")
 
 # %% [markdown]
 # Look at the barrier: ranks 0-2 spend longest in it, waiting for rank 3. Time inside a
@@ -510,20 +514,20 @@ ring_stepper(world_size=4)
 # reliably on NCCL: there a send is a GPU kernel that may not finish until its peer has posted
 # the matching receive, so separately issued sends and receives around a ring can wait on each
 # other. NCCL asks for the sends and receives of one step to be issued as one group
-# ([NCCL group calls](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/groups.html)), which
-# is what `batch_isend_irecv` does there; torch documents that the order of sends and receives
-# inside one batch "does not matter and will not cause deadlocks".
+# ([NCCL group calls](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/groups.html)),
+# which is what `batch_isend_irecv` does there; torch documents that the order of sends and
+# receives inside one batch "does not matter and will not cause deadlocks".
 #
 # Implement `ring_all_reduce(tensor)`: an in-place sum over all ranks, by reduce-scatter then
-# all-gather, with point-to-point messages only. It must work for any world size from 1 to 8, any number of
-# elements (also fewer than the ranks, and not divisible by them), and float32, float64 and
-# int64. *Hints:* `flat = tensor.view(-1)` shares memory with `tensor`;
+# all-gather, with point-to-point messages only. It must work for any world size from 1 to 8,
+# any number of elements (also fewer than the ranks, and not divisible by them), and float32,
+# float64 and int64. *Hints:* `flat = tensor.view(-1)` shares memory with `tensor`;
 # `flat.tensor_split(p)` gives `p` views whose sizes differ by at most one (some may be
 # empty; an empty send/recv is fine). Receive into a scratch buffer, then `add_`.
 
 # %% tags=["task-1.2"]
 def ring_all_reduce(tensor: torch.Tensor) -> None:
-    """Sum tensor over all ranks in place: ring reduce-scatter, then ring all-gather, send/recv only.
+    """Sum tensor over all ranks in place: ring reduce-scatter, then ring all-gather, by send/recv.
 
     Works for any world size, any number of elements, float32/float64/int64.
     """
@@ -570,7 +574,8 @@ def ring_vs_gloo():
 
 ring = launch_traced(ring_vs_gloo, world_size=4)
 print("same result as dist.all_reduce on every rank:", all(ring))
-ring.timeline(title="ring_all_reduce (batched isend/irecv pairs), then gloo's all_reduce", arrows=False)
+ring.timeline(title="ring_all_reduce (batched isend/irecv pairs), then gloo's all_reduce",
+              arrows=False)
 plt.show()
 
 # %% [markdown]
@@ -787,7 +792,10 @@ def run_ranks_with(launcher, script, *args, n=4):
 
 # %%
 # %%writefile {MPI_DIR}/mpi_allreduce.py
-"""All-reduce, a ring and a subgroup with MPI: mpirun -n 4 python -m mpi4py mpi_allreduce.py [NBYTES ...]"""
+"""All-reduce, a ring and a subgroup with MPI.
+
+Run: mpirun -n 4 python -m mpi4py mpi_allreduce.py [NBYTES ...]
+"""
 import json
 import sys
 import time
@@ -834,7 +842,10 @@ if rank == 0:
 
 # %%
 # %%writefile {MPI_DIR}/gloo_allreduce.py
-"""The same with torch.distributed on gloo: torchrun --standalone --nproc-per-node=4 gloo_allreduce.py [NBYTES ...]"""
+"""The same with torch.distributed on gloo.
+
+Run: torchrun --standalone --nproc-per-node=4 gloo_allreduce.py [NBYTES ...]
+"""
 import json
 import sys
 import time
@@ -842,7 +853,8 @@ import time
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("gloo")  # rendezvous: every rank meets at the store on MASTER_ADDR:MASTER_PORT
+# rendezvous: every rank meets at the store on MASTER_ADDR:MASTER_PORT
+dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 
 # all-reduce: torch reduces tensors
@@ -902,15 +914,36 @@ else:
 # %% [markdown]
 # Same numbers, two programming models:
 #
-# | | MPI (`mpi4py`) | `torch.distributed` |
-# | --- | --- | --- |
-# | start | `mpirun -n 4 python ...` starts the copies (SPMD: single program, multiple data) *and* hands each its place: `MPI_Init` asks `mpirun`, launcher and library are one system | any launcher starts the copies (`torchrun`, `mp.spawn`, `kit.launch`, Lesson 00 by hand); each then finds the others itself, through a store (`init_process_group`, section 1) |
-# | the world | `MPI.COMM_WORLD`, there from the start | the default process group, once `init_process_group` returns |
-# | subgroups | a **communicator**: `comm.Split(color, key)`, each rank names only the group it joins | a **process group**: `dist.new_group(ranks)`, every rank creates every group, in the same order |
-# | data | **buffers**: an address, a count and a datatype (a NumPy array; `t.numpy()` shares a CPU tensor's memory); lower-case methods (`comm.allreduce`) pickle any Python object | **tensors**, on CPU or GPU; `all_gather_object` and friends pickle objects |
-# | a send and a receive at once | `comm.Sendrecv(...)` | `dist.batch_isend_irecv([...])` |
-# | a rank raises | with `python -m mpi4py`, `MPI_Abort` kills every rank; with plain `python` the others wait in their collective | gloo fails the peers' collective when the rank's connections close; a rank that hangs makes the others wait until the timeout (Lesson 00) |
-# | GPUs | CUDA-aware MPI builds | NCCL |
+# - **start**
+#   - MPI (`mpi4py`): `mpirun -n 4 python ...` starts the copies (SPMD: single program,
+#     multiple data) *and* hands each its place: `MPI_Init` asks `mpirun`, launcher and
+#     library are one system
+#   - `torch.distributed`: any launcher starts the copies (`torchrun`, `mp.spawn`,
+#     `kit.launch`, Lesson 00 by hand); each then finds the others itself, through a store
+#     (`init_process_group`, section 1)
+# - **the world**
+#   - MPI: `MPI.COMM_WORLD`, there from the start
+#   - `torch.distributed`: the default process group, once `init_process_group` returns
+# - **subgroups**
+#   - MPI: a **communicator**: `comm.Split(color, key)`, each rank names only the group it joins
+#   - `torch.distributed`: a **process group**: `dist.new_group(ranks)`, every rank creates
+#     every group, in the same order
+# - **data**
+#   - MPI: **buffers**: an address, a count and a datatype (a NumPy array; `t.numpy()` shares a
+#     CPU tensor's memory); lower-case methods (`comm.allreduce`) pickle any Python object
+#   - `torch.distributed`: **tensors**, on CPU or GPU; `all_gather_object` and friends pickle
+#     objects
+# - **a send and a receive at once**
+#   - MPI: `comm.Sendrecv(...)`
+#   - `torch.distributed`: `dist.batch_isend_irecv([...])`
+# - **a rank raises**
+#   - MPI: with `python -m mpi4py`, `MPI_Abort` kills every rank; with plain `python` the
+#     others wait in their collective
+#   - `torch.distributed`: gloo fails the peers' collective when the rank's connections close;
+#     a rank that hangs makes the others wait until the timeout (Lesson 00)
+# - **GPUs**
+#   - MPI: CUDA-aware MPI builds
+#   - `torch.distributed`: NCCL
 #
 # Note the ring: MPI's `Sendrecv` posts both halves of the exchange in one call, exactly what
 # `batch_isend_irecv` does for your `ring_all_reduce`, and for the same reason (no deadlock).
@@ -1002,7 +1035,7 @@ else:
 # >
 # > | | gloo | NCCL |
 # > | --- | --- | --- |
-# > | tensors | CPU for every op of this lesson; CUDA only for a few (broadcast, all_reduce), slowly | CUDA only, one GPU per rank |
+# > | tensors | CPU; CUDA for broadcast and all_reduce only, slowly | CUDA only, one GPU per rank |
 # > | ops | every op of this lesson | every op of this lesson |
 # > | `ReduceOp.AVG` | yes (floating-point tensors) | yes |
 # > | `ReduceOp.PREMUL_SUM` | no ("Cannot use ReduceOp.PREMUL_SUM with Gloo") | yes |
@@ -1047,8 +1080,8 @@ else:
 #    why can it not show gloo's internal messages the way it shows yours?
 # 2. Make `tree_broadcast` send to the *nearest* child first instead of the farthest. Does the
 #    round count change? Look at the timeline.
-# 3. Replace the batched `isend`/`irecv` pair in your ring with `dist.send` then `dist.recv`. On how many
-#    ranks does it deadlock, and how would ordering by rank parity fix it?
+# 3. Replace the batched `isend`/`irecv` pair in your ring with `dist.send` then `dist.recv`. On
+#    how many ranks does it deadlock, and how would ordering by rank parity fix it?
 # 4. Use your fitted `α` and `β` to find the message size at which a ring all-reduce on 8 ranks
 #    spends as long on latency as on bandwidth.
 # 5. Build `ring_all_gather(out, tensor)` from the second half of your ring, and check it

@@ -127,8 +127,10 @@ workers = [0, 1, 2, 4]
 with warnings.catch_warnings():  # torch warns when num_workers exceeds the cores: here on purpose
     warnings.filterwarnings("ignore", message=".*worker processes in total.*")
     # Best of 3, interleaved: other programs on the machine slow some runs, never speed them up.
-    runs = [{busy: [throughput(k, busy) for k in workers] for busy in (False, True)} for _ in range(3)]
-speed = {busy: [max(r[busy][i] for r in runs) for i in range(len(workers))] for busy in (False, True)}
+    runs = [{busy: [throughput(k, busy) for k in workers] for busy in (False, True)}
+            for _ in range(3)]
+speed = {busy: [max(r[busy][i] for r in runs) for i in range(len(workers))]
+         for busy in (False, True)}
 
 fig, ax = plt.subplots(figsize=(5.5, 3.2))
 ax.plot(workers, speed[False], "o-", label="waiting (I/O-like)")
@@ -138,7 +140,8 @@ ax.set(xlabel="num_workers", ylabel="samples / s", xticks=workers,
 ax.legend()
 plt.show()
 for busy, label in ((False, "waiting"), (True, "computing")):
-    print(f"{label:9s}: " + ", ".join(f"{k} workers {s / speed[busy][0]:.1f}x" for k, s in zip(workers, speed[busy])))
+    print(f"{label:9s}: " + ", ".join(f"{k} workers {s / speed[busy][0]:.1f}x"
+                                      for k, s in zip(workers, speed[busy])))
 
 # %% [markdown]
 # Waiting overlaps in any number of processes; computing does not go faster than the number of
@@ -354,7 +357,8 @@ class ShardSampler(Sampler[int]):
     num_replicas-th index from r. num_replicas / rank default to the process group's.
     """
 
-    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
+    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0,
+                 drop_last=False):
         ### BEGIN SOLUTION
         self.num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
         self.rank = dist.get_rank() if rank is None else rank
@@ -442,13 +446,15 @@ predictions = torch.where(torch.arange(N_EVAL) < 2, labels, (labels + 1) % 3)
 def padded_accuracy():
     sampler = DistributedSampler(range(N_EVAL), shuffle=False)  # 3 per rank: 12 slots
     idx = list(sampler)
-    counts = torch.tensor([(predictions[idx] == labels[idx]).sum().item(), len(idx)], dtype=torch.float64)
+    counts = torch.tensor([(predictions[idx] == labels[idx]).sum().item(), len(idx)],
+                          dtype=torch.float64)
     dist.all_reduce(counts)  # [correct, seen] over all ranks, duplicates included
     return (counts[0] / counts[1]).item()
 
 
 single = (predictions == labels).double().mean().item()
-print(f"one process: {single:.3f}   4 ranks, all_reduce of counts: {launch(padded_accuracy)[0]:.3f}")
+print(f"one process: {single:.3f}   "
+      f"4 ranks, all_reduce of counts: {launch(padded_accuracy)[0]:.3f}")
 
 # %% [markdown]
 # 4 correct out of 12 instead of 2 out of 10. With a real validation set of 10,001 samples on 8
@@ -516,7 +522,8 @@ print(f"one process: {single:.3f}   4 ranks, gather_unpadded: {launch(exact_accu
 #
 # > Under `torchrun` on GPUs the data plane is the same code with three additions: each GPU
 # > process runs its own loader and workers, batches go to the GPU from pinned memory, and the
-# > copy overlaps the computation. Start it with `torchrun --standalone --nproc_per_node=8 train.py`:
+# > copy overlaps the computation. Start it with
+# > `torchrun --standalone --nproc_per_node=8 train.py`:
 # >
 # > ```python
 # > import os
