@@ -164,8 +164,10 @@ def draw_launch_model(ax):
             rank = node * 2 + local
             wx = x0 + 0.3 + 2.1 * local
             box(wx, 0.5, 1.8, 0.9, f"worker\nRANK={rank} LOCAL_RANK={local}", f"C{rank}")
-            ax.annotate("", xy=(wx + 0.9, 1.4), xytext=(x0 + 2.2, 2.2), arrowprops={"arrowstyle": "->"})
-    ax.set(xlim=(0, 10), ylim=(0, 5.2), title="torchrun --nnodes=2 --nproc-per-node=2: 2 agents, 4 workers")
+            ax.annotate("", xy=(wx + 0.9, 1.4), xytext=(x0 + 2.2, 2.2),
+                        arrowprops={"arrowstyle": "->"})
+    ax.set(xlim=(0, 10), ylim=(0, 5.2),
+           title="torchrun --nnodes=2 --nproc-per-node=2: 2 agents, 4 workers")
     ax.axis("off")
 
 
@@ -176,14 +178,15 @@ plt.show()
 # %% [markdown]
 # The flags you will use:
 #
-# | flag | what it does |
-# | --- | --- |
-# | `--standalone` | one node: torchrun starts its own rendezvous on a free local port |
-# | `--nproc-per-node=N` | workers on this node (one per GPU; `gpu` means all of them) |
-# | `--nnodes=2` (or `1:4` elastic) | how many nodes must join before training starts |
-# | `--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=JOB` | where the agents meet: a TCP store on `HOST`, the same on every node |
-# | `--node-rank=K` | only for the *static* rendezvous (`--master-addr`); with c10d each node's `GROUP_RANK` is its place in the sorted list of participants (host name, then the agent's process id), whatever `K` says and whoever came first |
-# | `--max-restarts=R` | restart all workers up to R times after a failure |
+# - `--standalone`: one node: torchrun starts its own rendezvous on a free local port
+# - `--nproc-per-node=N`: workers on this node (one per GPU; `gpu` means all of them)
+# - `--nnodes=2` (or `1:4` elastic): how many nodes must join before training starts
+# - `--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=JOB`: where the agents meet: a
+#   TCP store on `HOST`, the same on every node
+# - `--node-rank=K`: only for the *static* rendezvous (`--master-addr`); with c10d each node's
+#   `GROUP_RANK` is its place in the sorted list of participants (host name, then the agent's
+#   process id), whatever `K` says and whoever came first
+# - `--max-restarts=R`: restart all workers up to R times after a failure
 #
 # Every worker receives `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`
 # (the node's rank), `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RESTART_COUNT` (0 on the
@@ -244,7 +247,8 @@ def dist_info_from_env(env: Mapping[str, str] | None = None) -> DistInfo:
     if local_rank >= local_world_size:
         raise ValueError(f"LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_world_size}")
     if world_size % local_world_size:
-        raise ValueError(f"LOCAL_WORLD_SIZE={local_world_size} does not divide WORLD_SIZE={world_size}")
+        raise ValueError(f"LOCAL_WORLD_SIZE={local_world_size} does not divide "
+                         f"WORLD_SIZE={world_size}")
     if rank != node_rank * local_world_size + local_rank:
         raise ValueError(f"RANK={rank} != GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK "
                          f"({node_rank} * {local_world_size} + {local_rank})")
@@ -287,7 +291,12 @@ where_am_i = write_script(WORK / "where_am_i.py", HEADER, DistInfo, dist_info_fr
     info = dist_info_from_env()
     dist.init_process_group("gloo")  # reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     print(f"rank {info.rank}/{info.world_size}: local_rank={info.local_rank} node={info.node_rank} "
-          f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} master={info.master_addr}:{info.master_port}")
+          f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} "
+          f"master={info.master_addr}:{info.master_port}")
+    # init_process_group waits for no one (torch skips its init barrier unless
+    # TORCH_DIST_INIT_BARRIER=1): a rank that left now could close its connections while a
+    # slower peer still completes its handshake ("Connection closed by peer"). Leave together.
+    dist.barrier()
     dist.destroy_process_group()
 """)
 result = torchrun(where_am_i, nproc_per_node=2)
@@ -356,7 +365,8 @@ def resumable_train(ckpt_dir: str, total_steps: int) -> dict[str, torch.Tensor]:
     for step in range(start, total_steps):
         train_step(model, optimizer, step)
         if rank == 0:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "step": step + 1}
             torch.save(state, path + ".tmp")
             os.replace(path + ".tmp", path)  # atomic: the old or the new checkpoint, never half
         if distributed:
@@ -397,7 +407,8 @@ def main():
     if info.rank == 0:
         torch.save(params, os.path.join(sys.argv[1], "final.pt"))
     if info.is_distributed:
-        dist.barrier()  # leave together: no rank tears its connections down while a peer still works
+        # leave together: no rank tears its connections down while a peer still works
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -415,7 +426,8 @@ torchrun(train_script, ckpt_dir, 6, nproc_per_node=2, max_restarts=1, env={"CRAS
 (WORK / "uninterrupted").mkdir()
 reference = resumable_train(str(WORK / "uninterrupted"), 6)  # the same 6 steps, never interrupted
 resumed = torch.load(ckpt_dir / "final.pt", weights_only=True)
-print("identical to the uninterrupted run:", all(torch.equal(resumed[k], reference[k]) for k in reference))
+print("identical to the uninterrupted run:",
+      all(torch.equal(resumed[k], reference[k]) for k in reference))
 
 # %% [markdown]
 # A note on `init_process_group_per_attempt` (from `kit.torchrun`, copied into the script):
@@ -448,7 +460,8 @@ two_nodes_dir.mkdir()
 torchrun_nodes(train_script, two_nodes_dir, 6, nnodes=2, nproc_per_node=1,
                env={"GLOO_SOCKET_IFNAME": "lo"})
 on_two_nodes = torch.load(two_nodes_dir / "final.pt", weights_only=True)
-print("two nodes == one process:", all(torch.equal(on_two_nodes[k], reference[k]) for k in reference))
+print("two nodes == one process:",
+      all(torch.equal(on_two_nodes[k], reference[k]) for k in reference))
 
 # %% [markdown]
 # Note the warning that `node_rank` is ignored: with the c10d rendezvous, once enough agents
@@ -569,7 +582,8 @@ mismatch_script = write_script(WORK / "mismatch.py", HEADER, """
         main()
 """)
 try:
-    torchrun(mismatch_script, nproc_per_node=2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, echo=False)
+    torchrun(mismatch_script, nproc_per_node=2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+             echo=False)
 except TorchrunError as err:
     print(err.summary)
 
@@ -670,18 +684,26 @@ except LaunchTimeout as err:
 # the *flight recorder* keeps the last collectives of every rank in a ring buffer and dumps
 # them when the watchdog fires.
 #
-# The environment variables that matter when a job misbehaves:
+# The environment variables that matter when a job misbehaves, each with its gloo / CPU
+# counterpart shown here:
 #
-# | variable | what it does | gloo / CPU counterpart shown here |
-# | --- | --- | --- |
-# | `NCCL_DEBUG=INFO` (`WARN`) | NCCL logs its setup: rings, transports, versions | `TORCH_CPP_LOG_LEVEL=INFO` |
-# | `NCCL_DEBUG_SUBSYS=INIT,NET` | limits that log to subsystems | none |
-# | `NCCL_SOCKET_IFNAME=eth0` | the network interface NCCL's bootstrap and sockets use | `GLOO_SOCKET_IFNAME=lo` (section 5) |
-# | `NCCL_IB_DISABLE=1` | no InfiniBand: falls back to TCP sockets (to rule out the fabric) | gloo always uses TCP |
-# | `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` | the watchdog aborts the process when a collective times out or fails, so torchrun can restart it (default on) | a gloo collective raises at the timeout (section 6) |
-# | `TORCH_NCCL_BLOCKING_WAIT=1` | the *calling* thread waits and raises at the timeout instead of the watchdog | gloo always blocks the caller |
-# | `TORCH_NCCL_TRACE_BUFFER_SIZE=2000` | the flight recorder: the last N collectives per rank, dumped on timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`) | `record_collectives`, the kit's hang report |
-# | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | checks every collective's shapes across ranks | works for gloo too (above) |
+# - `NCCL_DEBUG=INFO` (`WARN`): NCCL logs its setup: rings, transports, versions.
+#   Gloo: `TORCH_CPP_LOG_LEVEL=INFO`.
+# - `NCCL_DEBUG_SUBSYS=INIT,NET`: limits that log to subsystems. Gloo: none.
+# - `NCCL_SOCKET_IFNAME=eth0`: the network interface NCCL's bootstrap and sockets use.
+#   Gloo: `GLOO_SOCKET_IFNAME=lo` (section 5).
+# - `NCCL_IB_DISABLE=1`: no InfiniBand: falls back to TCP sockets (to rule out the fabric).
+#   Gloo: always uses TCP.
+# - `TORCH_NCCL_ASYNC_ERROR_HANDLING=1`: the watchdog aborts the process when a collective times
+#   out or fails, so torchrun can restart it (default on). Gloo: a collective raises at the
+#   timeout (section 6).
+# - `TORCH_NCCL_BLOCKING_WAIT=1`: the *calling* thread waits and raises at the timeout instead
+#   of the watchdog. Gloo: always blocks the caller.
+# - `TORCH_NCCL_TRACE_BUFFER_SIZE=2000`: the flight recorder: the last N collectives per rank,
+#   dumped on timeout (`TORCH_NCCL_DUMP_ON_TIMEOUT=1`). Gloo: `record_collectives`, the kit's
+#   hang report.
+# - `TORCH_DISTRIBUTED_DEBUG=DETAIL`: checks every collective's shapes across ranks. Gloo: works
+#   too (above).
 #
 # See [torch.distributed: debugging](https://pytorch.org/docs/stable/distributed.html#debugging-torch-distributed-applications)
 # and the [NCCL environment variables](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html).
