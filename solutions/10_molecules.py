@@ -90,7 +90,8 @@ print(f"torch_geometric {torch_geometric.__version__}: pyg-lib {WITH_PYG_LIB}, "
       f"torch-scatter {WITH_TORCH_SCATTER}")
 aspirin = from_smiles("CC(=O)Oc1ccccc1C(=O)O")
 print(aspirin)
-print("bonds of atom 3 (the ester oxygen):", aspirin.edge_index[:, aspirin.edge_index[0] == 3].tolist())
+print("bonds of atom 3 (the ester oxygen):",
+      aspirin.edge_index[:, aspirin.edge_index[0] == 3].tolist())
 
 # %% [markdown]
 # A 3-D model also needs coordinates. RDKit's ETKDG method generates a conformer from the
@@ -103,7 +104,8 @@ fields = mol_graph(conformer("CC(=O)Oc1ccccc1C(=O)O", seed=0))
 print({k: tuple(v.shape) for k, v in fields.items()})
 i, j, k = fields["triplet_index"][:, 0].tolist()
 a, b = fields["pos"][i] - fields["pos"][j], fields["pos"][k] - fields["pos"][j]
-print(f"angle {i}-{j}-{k}: {math.degrees(math.acos(float(a @ b / (a.norm() * b.norm())))):.1f} degrees")
+angle = math.degrees(math.acos(float(a @ b / (a.norm() * b.norm()))))
+print(f"angle {i}-{j}-{k}: {angle:.1f} degrees")
 
 # %% [markdown]
 # ## 2. `Data` and `Batch`: batching as a disjoint union
@@ -302,10 +304,18 @@ for s in ("CC(=O)Oc1ccccc1C(=O)O", "CCN(CC)C(=O)c1cccc(C)c1", "O=C1CCCCC1", "CCO
 # equal-sized sets goes first, and what happens to a smaller set met after one that no longer
 # fit in train. Read DeepChem's answers off its split of these 10 molecules (60/20/20):
 #
-# | index | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 |
-# | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-# | SMILES | `c1ccccc1O` | `C1CCCCC1N` | `c1ccncc1C` | `c1ccccc1N` | `C1CCCCC1O` | `c1ccsc1C` | `c1ccccc1C` | `c1ccoc1C` | `c1ccncc1O` | `CCO` |
-# | scaffold | benzene | cyclohexane | pyridine | benzene | cyclohexane | thiophene | benzene | furan | pyridine | `""` |
+# | index | SMILES | scaffold |
+# | --- | --- | --- |
+# | 0 | `c1ccccc1O` | benzene |
+# | 1 | `C1CCCCC1N` | cyclohexane |
+# | 2 | `c1ccncc1C` | pyridine |
+# | 3 | `c1ccccc1N` | benzene |
+# | 4 | `C1CCCCC1O` | cyclohexane |
+# | 5 | `c1ccsc1C` | thiophene |
+# | 6 | `c1ccccc1C` | benzene |
+# | 7 | `c1ccoc1C` | furan |
+# | 8 | `c1ccncc1O` | pyridine |
+# | 9 | `CCO` | `""` |
 #
 # DeepChem gives train `[0, 3, 6, 2, 8, 9]`, valid `[1, 4]`, test `[7, 5]`: each split lists its
 # scaffold sets in the order they were handed out.
@@ -385,12 +395,12 @@ for name, (train, valid, test) in splits.items():
 # %% [markdown]
 # ## 4. DDP training of a message-passing network on FreeSolv
 #
-# [`kit.lessons.molecules.MessagePassingNet`](../kit/lessons/molecules.py) is a GINE-style network: each layer
-# sends a message `relu(h_j + e_ji)` along every bond, sums the messages arriving at each atom
-# with `index_add_`, and updates `h_i` with an MLP; a mean over each graph's atoms (again
-# `index_add_`, grouped by `batch`) gives one vector per molecule and a head predicts the free
-# energy. DDP wraps it like any model (Lesson 04); `DistributedSampler` gives each rank its
-# molecules and your `collate` batches them.
+# [`kit.lessons.molecules.MessagePassingNet`](../kit/lessons/molecules.py) is a GINE-style
+# network: each layer sends a message `relu(h_j + e_ji)` along every bond, sums the messages
+# arriving at each atom with `index_add_`, and updates `h_i` with an MLP; a mean over each
+# graph's atoms (again `index_add_`, grouped by `batch`) gives one vector per molecule and a head
+# predicts the free energy. DDP wraps it like any model (Lesson 04); `DistributedSampler` gives
+# each rank its molecules and your `collate` batches them.
 
 # %%
 def train_freesolv(split_name, model_name="mpnn", epochs=30, seed=0, batch_size=32):
@@ -599,7 +609,7 @@ print(f"det Q = {torch.linalg.det(q):+.0f}; |h' change| = {(h2 - h1).abs().max()
 
 # %%
 class EGNNRegressor(nn.Module):
-    """Atom embeddings -> 3 EGNN layers (bond types as edge features) -> mean over atoms -> value."""
+    """Atom embeddings -> 3 EGNN layers (bond types as edge features) -> atom mean -> value."""
 
     def __init__(self, dim=32, layers=3):
         super().__init__()
@@ -629,12 +639,12 @@ print(f"EGNN, scaffold split: test RMSE {egnn['test_rmse']:.2f} kcal/mol "
 # from actives in size or charge make any method look good (just rank by molecular weight), so
 # DUD-E (Mysinger et al., 2012) picks decoys that **match** each active's molecular weight,
 # logP, H-bond donors and acceptors, rotatable bonds and net charge, yet are **topologically
-# dissimilar** to every active. `kit.lessons.molecules.property_matched_decoys` follows that recipe in
-# a simple form, with RDKit's NCI and WEHI compound pools (15,000 molecules) in place of ZINC:
-# candidates with an ECFP4 Tanimoto similarity of 0.3 or more to any active are dropped (DUD-E
-# keeps the most dissimilar quarter instead), then each active takes the 10 unused candidates
-# of the same net charge nearest in the other five properties. A pool this small matches less
-# tightly than ZINC does: compare the histograms.
+# dissimilar** to every active. `kit.lessons.molecules.property_matched_decoys` follows that
+# recipe in a simple form, with RDKit's NCI and WEHI compound pools (15,000 molecules) in place
+# of ZINC: candidates with an ECFP4 Tanimoto similarity of 0.3 or more to any active are dropped
+# (DUD-E keeps the most dissimilar quarter instead), then each active takes the 10 unused
+# candidates of the same net charge nearest in the other five properties. A pool this small
+# matches less tightly than ZINC does: compare the histograms.
 
 # %%
 from rdkit import DataStructs
@@ -772,12 +782,13 @@ morgan = rdFingerprintGenerator.GetMorganGenerator(radius=2, fpSize=2048)
 
 def max_similarity(fingerprint, mols):
     refs = [fingerprint(actives[i]) for i in known]
-    return torch.tensor([max(DataStructs.BulkTanimotoSimilarity(fingerprint(m), refs)) for m in mols],
-                        dtype=torch.float64)
+    return torch.tensor([max(DataStructs.BulkTanimotoSimilarity(fingerprint(m), refs))
+                         for m in mols], dtype=torch.float64)
 
 
 scorers = {
-    "molecular weight": lambda mols: torch.tensor([properties(m)[0] for m in mols], dtype=torch.float64),
+    "molecular weight": lambda mols: torch.tensor([properties(m)[0] for m in mols],
+                                                  dtype=torch.float64),
     "MACCS similarity": lambda mols: max_similarity(MACCSkeys.GenMACCSKeys, mols),
     "Morgan similarity": lambda mols: max_similarity(morgan.GetFingerprint, mols),
 }
@@ -799,7 +810,8 @@ for name, score in scorers.items():
 ef_max = min(len(labels) / math.ceil(0.01 * len(labels)), len(labels) / float(labels.sum()))
 fig, axes = plt.subplots(1, 3, figsize=(10, 2.8))
 for ax, metric in zip(axes, ("AUROC", "EF@1%", "BEDROC(20)")):
-    ax.bar(range(3), [results[n][metric] for n in scorers], color=["tab:gray", "tab:blue", "tab:green"])
+    ax.bar(range(3), [results[n][metric] for n in scorers],
+           color=["tab:gray", "tab:blue", "tab:green"])
     ax.set_xticks(range(3), [n.replace(" ", "\n") for n in scorers], fontsize=8)
     ax.set_title(metric + (f" (max {ef_max:.1f})" if metric == "EF@1%" else ""), fontsize=10)
 plt.tight_layout()
@@ -836,10 +848,13 @@ n = len(library)
 bounds = [0, n // 2, n // 2, n // 2 + n // 8, n]  # 50%, 0%, 12.5%, 37.5% of the library
 sharded = launch(score_on_rank, bounds, world_size=4)
 print("shard sizes:", [b - a for a, b in zip(bounds, bounds[1:])])
-print("EF@1% per rank (wrong):", [r["local EF@1%"] and round(r["local EF@1%"], 2) for r in sharded])
-one = {"ef1": results["Morgan similarity"]["EF@1%"], "bedroc": results["Morgan similarity"]["BEDROC(20)"]}
+print("EF@1% per rank (wrong):",
+      [r["local EF@1%"] and round(r["local EF@1%"], 2) for r in sharded])
+one = {"ef1": results["Morgan similarity"]["EF@1%"],
+       "bedroc": results["Morgan similarity"]["BEDROC(20)"]}
 print(f"screen_metrics on every rank: EF@1% {sharded[0]['global']['ef1']:.3f}, "
-      f"BEDROC {sharded[0]['global']['bedroc']:.3f}; one process: {one['ef1']:.3f}, {one['bedroc']:.3f}")
+      f"BEDROC {sharded[0]['global']['bedroc']:.3f}; "
+      f"one process: {one['ef1']:.3f}, {one['bedroc']:.3f}")
 print("same on every rank:", all(r["global"] == sharded[0]["global"] for r in sharded))
 
 # %% [markdown]

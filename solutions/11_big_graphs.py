@@ -92,7 +92,7 @@ from kit.trace import trace
 
 # %%
 def full_batch_bytes(nodes, edges, features, hidden=256, layers=3):
-    """Activations of a full-batch GCN in float32: node rows per layer, plus one message per edge."""
+    """Activations of a full-batch GCN in float32: node rows per layer, one message per edge."""
     return {"features": nodes * features * 4, "node activations": nodes * hidden * layers * 4,
             "edge messages (one layer)": edges * hidden * 4}
 
@@ -140,8 +140,8 @@ print(f"peptide edges joining two peptides of the same class: {same:.0%}")
 seeds = torch.randperm(big.num_nodes, generator=torch.Generator().manual_seed(0))[:256]
 for hops in (1, 2, 3):
     subset, *_ = k_hop_subgraph(seeds, hops, big.edge_index, num_nodes=big.num_nodes)
-    print(f"{hops} hop(s) from 256 seeds: {subset.numel():>7,} nodes ({subset.numel() / big.num_nodes:.0%} "
-          "of the graph)")
+    print(f"{hops} hop(s) from 256 seeds: {subset.numel():>7,} nodes "
+          f"({subset.numel() / big.num_nodes:.0%} of the graph)")
 
 # %% [markdown]
 # ## 2. Mini-batches by neighbour sampling
@@ -184,8 +184,8 @@ print("in-neighbours of 0:", col[rowptr[0]:rowptr[1]].tolist())
 # batch can be replayed. Frontier nodes are visited in `n_id` order and each node's draws in
 # the order its neighbours appear in `col`: that last rule is this course's, so that a sample
 # can be checked exactly (PyG keeps `col` order when every neighbour is taken; with fewer,
-# `pyg-lib` may list a node's draws in the order it drew them). A loop over nodes with `torch.randperm` is a
-# correct start; the solution draws for the whole frontier at once.
+# `pyg-lib` may list a node's draws in the order it drew them). A loop over nodes with
+# `torch.randperm` is a correct start; the solution draws for the whole frontier at once.
 
 # %% tags=["task-11.1"]
 def sample_neighbors(rowptr: torch.Tensor, col: torch.Tensor, seeds: torch.Tensor,
@@ -274,7 +274,8 @@ batch = next(iter(loader))
 print(type(loader).__name__, "| pyg-lib:", pyg_lib_available())
 print(batch)
 sage = GraphSAGE(peptides.num_features, 64, num_layers=2, out_channels=2)
-print("GraphSAGE output on the seeds:", tuple(sage(batch.x, batch.edge_index)[:batch.batch_size].shape))
+print("GraphSAGE output on the seeds:",
+      tuple(sage(batch.x, batch.edge_index)[:batch.batch_size].shape))
 
 # %% [markdown]
 # How much does sampling save? Nodes touched by one batch of 256 seeds on the power-law
@@ -304,8 +305,8 @@ print({f: c for f, c in touched.items()}, "full:", full)
 
 # %% [markdown]
 # Fan-out f over L hops touches at most B · (1 + f + ... + f^L) nodes, however big the
-# graph; the full neighbourhood reaches most of it. The price: each batch's estimate of the aggregation is
-# noisy, and hubs are seen far more often than their share.
+# graph; the full neighbourhood reaches most of it. The price: each batch's estimate of the
+# aggregation is noisy, and hubs are seen far more often than their share.
 #
 # ## 3. Data-parallel training on sampled mini-batches
 #
@@ -334,8 +335,9 @@ def train_sampled(epochs=4, batch_size=64, fanouts=(10, 5), hidden=64):
         steps = -(-order.numel() // per_step)
         order = torch.cat([order, order[: steps * per_step - order.numel()]])  # pad: equal steps
         mine = order.view(steps, world_size, batch_size)[:, rank]  # (steps, batch_size)
-        loader = neighbor_loader(data, list(fanouts), sample=sample_neighbors, input_nodes=mine.flatten(),
-                                 batch_size=batch_size, generator=torch.Generator().manual_seed(rank))
+        loader = neighbor_loader(data, list(fanouts), sample=sample_neighbors,
+                                 input_nodes=mine.flatten(), batch_size=batch_size,
+                                 generator=torch.Generator().manual_seed(rank))
         start = time.perf_counter()
         for batch in loader:
             optimizer.zero_grad()
@@ -360,12 +362,14 @@ for ws, runs in sampled.items():
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3))
 for ws, runs in sampled.items():
-    ax1.plot(range(1, len(runs[0]["accuracy"]) + 1), runs[0]["accuracy"], marker="o", label=f"{ws} rank(s)")
+    ax1.plot(range(1, len(runs[0]["accuracy"]) + 1), runs[0]["accuracy"], marker="o",
+             label=f"{ws} rank(s)")
 ax1.set_xlabel("epoch")
 ax1.set_ylabel("test accuracy")
 ax1.set_title("AMP or not, GraphSAGE on sampled batches")
 ax1.legend(fontsize="small")
-ax2.bar([str(ws) for ws in sampled], [sum(r["seeds per second"] for r in runs) for runs in sampled.values()])
+ax2.bar([str(ws) for ws in sampled],
+        [sum(r["seeds per second"] for r in runs) for runs in sampled.values()])
 ax2.set_xlabel("ranks")
 ax2.set_ylabel("training seeds / s (all ranks)")
 ax2.set_title("throughput (2 CPU cores shared)")
@@ -407,8 +411,9 @@ for name, d in (("peptides", peptides), ("power law", big)):
             s = partition_stats(d.edge_index, part, parts)
             s["seconds"] = time.perf_counter() - start
             stats[name, parts, method] = s
+            halo_share = sum(s["halo"]) / parts / (d.num_nodes / parts)
             print(f"{name:9s} {parts} parts {method:6s}: edge cut {s['edge_cut']:6.1%}, balance "
-                  f"{s['balance']:.3f}, halo per rank {sum(s['halo']) / parts / (d.num_nodes / parts):5.0%} "
+                  f"{s['balance']:.3f}, halo per rank {halo_share:5.0%} "
                   f"of its own nodes ({s['seconds']:.2f} s)")
 for name in ("peptides", "power law"):
     print(f"{name}: METIS cuts " + ", ".join(
@@ -518,7 +523,8 @@ for r, (recv, send) in enumerate(launch(show_plan, part4, world_size=4)):
 # [PyG's `GCNConv`](https://pytorch-geometric.readthedocs.io/en/latest/generated/torch_geometric.nn.conv.GCNConv.html))
 # computes, with self-loops added and $\hat d_i$ the degree of node i counting its self-loop,
 #
-# $$x'_i = b + \sum_{j \in \mathcal{N}(i) \cup \{i\}} \frac{1}{\sqrt{\hat d_j \hat d_i}} \, W x_j .$$
+# $$x'_i = b + \sum_{j \in \mathcal{N}(i) \cup \{i\}}
+# \frac{1}{\sqrt{\hat d_j \hat d_i}} \, W x_j .$$
 #
 # `GCNConv` applies the linear map first and propagates `W x_j`, so on a partitioned graph
 # each rank transforms its own rows, sends the transformed rows the others asked for, and
@@ -554,7 +560,8 @@ class HaloExchange(torch.autograd.Function):
     """Exchange rows with all_to_all_single: blocks of send_sizes out, recv_sizes in."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, recv_sizes: list[int], send_sizes: list[int]) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, recv_sizes: list[int],
+                send_sizes: list[int]) -> torch.Tensor:
         ### BEGIN SOLUTION
         ctx.sizes = (recv_sizes, send_sizes)
         out = rows.new_empty(sum(recv_sizes), *rows.shape[1:])
@@ -582,7 +589,8 @@ class HaloGCNConv(nn.Module):
         self.lin = nn.Linear(in_channels, out_channels, bias=False)
         self.bias = nn.Parameter(torch.zeros(out_channels))
 
-    def forward(self, x_local: torch.Tensor, plan: HaloPlan, local_graph: LocalGraph) -> torch.Tensor:
+    def forward(self, x_local: torch.Tensor, plan: HaloPlan,
+                local_graph: LocalGraph) -> torch.Tensor:
         """One GCN layer (self-loops, symmetric normalisation) for this rank's nodes.
 
         Args:
@@ -635,7 +643,8 @@ def halo_vs_gcnconv(part):
     conv = HaloGCNConv(data.num_features, 16)
     conv.load_state_dict(ref.state_dict())  # lin.weight and bias, the same names
     with torch.no_grad():
-        return (conv(data.x[lg.own], plan, lg) - ref(data.x, data.edge_index)[lg.own]).abs().max().item()
+        diff = conv(data.x[lg.own], plan, lg) - ref(data.x, data.edge_index)[lg.own]
+        return diff.abs().max().item()
 
 
 print("max |HaloGCNConv - GCNConv| per rank:", launch(halo_vs_gcnconv, part4, world_size=4))
@@ -646,9 +655,9 @@ print("max |HaloGCNConv - GCNConv| per rank:", launch(halo_vs_gcnconv, part4, wo
 # Now a whole epoch both ways on the peptide graph, on 1, 2 and 4 ranks. Partition-parallel:
 # a 2-layer GCN on the full graph, each rank its METIS part, the weight gradients summed over
 # ranks by hand (not DDP's job: DDP averages, and a loss split over parts needs the sum, since
-# each rank's loss is its own nodes' share of one loss over the whole graph). Sampled: the GraphSAGE of section 3. For each, the
-# recorder counts the bytes a rank sends, the meter the peak bytes it allocates, and a clock
-# the epoch time.
+# each rank's loss is its own nodes' share of one loss over the whole graph). Sampled: the
+# GraphSAGE of section 3. For each, the recorder counts the bytes a rank sends, the meter the
+# peak bytes it allocates, and a clock the epoch time.
 
 # %%
 class HaloGCN(nn.Module):

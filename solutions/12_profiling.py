@@ -100,7 +100,8 @@ def counted(backend=None):
     counter = FlopCounterMode(display=False)
     with counter, sdpa_kernel(backend or [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1)).backward()
-    return counter.get_total_flops(), {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    per_op = counter.get_flop_counts()["Global"]
+    return counter.get_total_flops(), {str(k): v for k, v in per_op.items()}
 
 
 from torch.nn.attention import SDPBackend  # noqa: E402
@@ -116,7 +117,8 @@ palm = 12 * layers * seq_len * dim * tokens  # attention's two products over eve
 head = 6 * dim * vocab * tokens  # the tied output layer: a real product of the embedding matrix
 print(f"6 N tokens, Kaplan's N = 12·layers·dim²: {kaplan:,}; + attention 12·layers·seq_len·dim "
       f"per token: {kaplan + palm:,}; + the output layer 6·dim·vocab per token: "
-      f"{kaplan + palm + head:,} (= FlopCounterMode's math count: {kaplan + palm + head == math_total})")
+      f"{kaplan + palm + head:,} "
+      f"(= FlopCounterMode's math count: {kaplan + palm + head == math_total})")
 print(f"6 N tokens with N every parameter ({params:,}): {6 * params * tokens:,}")
 from torch.utils.flop_counter import flop_registry  # noqa: E402
 
@@ -174,11 +176,13 @@ check("12.1", training_flops)
 # and at one where the sequence is long:
 
 # %%
-print("training_flops equals FlopCounterMode:", training_flops(vocab, dim, layers, heads, batch, seq_len) == math_total)
+print("training_flops equals FlopCounterMode:",
+      training_flops(vocab, dim, layers, heads, batch, seq_len) == math_total)
 for shape in [(vocab, dim, layers, heads, batch, seq_len), (256, 64, 4, 4, 1, 1024)]:
     v, d, n_layers, h, b, t = shape
     n = v * d + t * d + n_layers * (12 * d * d + 13 * d) + 2 * d
-    print(f"{shape}: exact {training_flops(*shape):>14,}   6 N tokens (N every parameter) {6 * n * b * t:>14,}"
+    print(f"{shape}: exact {training_flops(*shape):>14,}   "
+          f"6 N tokens (N every parameter) {6 * n * b * t:>14,}"
           f"   ({6 * n * b * t / training_flops(*shape):.2f}x)")
 
 # %% [markdown]
@@ -200,7 +204,8 @@ for _ in range(5):
     copy_dst.copy_(copy_src)
 bandwidth = 5 * 2 * copy_src.numel() * 4 / (time.perf_counter() - start)  # read + write
 torch.set_num_threads(2)
-print(f"achieved peak, one thread: {peak / 1e9:.1f} GFLOP/s; memory bandwidth ~{bandwidth / 1e9:.1f} GB/s")
+print(f"achieved peak, one thread: {peak / 1e9:.1f} GFLOP/s; "
+      f"memory bandwidth ~{bandwidth / 1e9:.1f} GB/s")
 
 
 # %%
@@ -293,9 +298,12 @@ q = torch.randn(8 * 4, t_len, d // 4)
 h4 = torch.randn(n_tok, 4 * d)
 big = torch.randn(512, 512)
 points = [
-    op_point("qkv projection", lambda: a @ w_qkv, 2 * n_tok * d * 3 * d, 4 * (n_tok * d + d * 3 * d + n_tok * 3 * d)),
-    op_point("MLP up", lambda: a @ w_up, 2 * n_tok * d * 4 * d, 4 * (n_tok * d + 4 * d * d + n_tok * 4 * d)),
-    op_point("output layer", lambda: a @ w_head, 2 * n_tok * d * vocab, 4 * (n_tok * d + d * vocab + n_tok * vocab)),
+    op_point("qkv projection", lambda: a @ w_qkv, 2 * n_tok * d * 3 * d,
+             4 * (n_tok * d + d * 3 * d + n_tok * 3 * d)),
+    op_point("MLP up", lambda: a @ w_up, 2 * n_tok * d * 4 * d,
+             4 * (n_tok * d + 4 * d * d + n_tok * 4 * d)),
+    op_point("output layer", lambda: a @ w_head, 2 * n_tok * d * vocab,
+             4 * (n_tok * d + d * vocab + n_tok * vocab)),
     op_point("scores Q K^T", lambda: q @ q.transpose(1, 2), 2 * 32 * t_len * t_len * (d // 4),
              4 * (2 * q.numel() + 32 * t_len * t_len)),
     op_point("residual add", lambda: a + a, a.numel(), 4 * 3 * a.numel()),
@@ -305,7 +313,8 @@ points = [
 torch.set_num_threads(2)
 fig, ax = plt.subplots(figsize=(7, 4))
 intensity = torch.logspace(-2, 3, 100)
-ax.loglog(intensity, torch.clamp(intensity * bandwidth, max=peak), "k-", label="roofline (measured peak, bandwidth)")
+ax.loglog(intensity, torch.clamp(intensity * bandwidth, max=peak), "k-",
+          label="roofline (measured peak, bandwidth)")
 for name, ai, achieved in points:
     ax.loglog(ai, achieved, "o")
     ax.annotate(name, (ai, achieved), fontsize="small", xytext=(4, -10), textcoords="offset points")
@@ -346,7 +355,8 @@ plt.show()
 # their order once).
 
 # %% tags=["task-12.2"]
-def step_traffic(layout: str, model: nn.Module, world_size: int, batch: int, seq_len: int) -> dict[str, int]:
+def step_traffic(layout: str, model: nn.Module, world_size: int, batch: int,
+                 seq_len: int) -> dict[str, int]:
     """Bytes per collective in one steady-state training step of ``model`` (a TinyTransformer)
     under ``layout`` on ``world_size`` ranks, as the recorder counts them on each rank.
 
@@ -423,7 +433,8 @@ def recorded_traffic(dim_, batch_):
         else:
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
             for block in m.blocks:
-                parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+                parallelize_module(block.mlp, mesh,
+                                   {"0": ColwiseParallel(), "2": RowwiseParallel()})
         opt = (ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW)
                if layout == "zero1" else torch.optim.AdamW(m.parameters()))
         xb, yb = token_batch(batch_, seq_len, vocab, seed=0 if layout == "tp" else dist.get_rank())
@@ -455,7 +466,7 @@ print("the recorder agrees with step_traffic on every layout:", agree)
 # | layout | recorder (buffers) | on the wire per rank (ring) |
 # | --- | --- | --- |
 # | DDP | all-reduce `P` | `2(W-1)/W · P` |
-# | ZeRO-1 | all-reduce `P`, broadcast `P` | `2(W-1)/W · P + P` (torch broadcasts each parameter from its owner) |
+# | ZeRO-1 | all-reduce `P`, broadcast `P` (each parameter from its owner) | `2(W-1)/W · P + P` |
 # | FSDP | all-gather `2P`, reduce-scatter `P` (root: `P_root` once) | `3(W-1)/W · P` |
 # | TP | all-reduce `2 · layers · A` | `4(W-1)/W · layers · A` |
 #
@@ -471,7 +482,8 @@ def wire_bytes(layout, model_, world, batch_, seq):
 
 
 for world in (2, 4, 8):
-    row = {layout: wire_bytes(layout, model30, world, 4, seq_len) / 1e3 for layout in ("ddp", "zero1", "fsdp", "tp")}
+    row = {layout: wire_bytes(layout, model30, world, 4, seq_len) / 1e3
+           for layout in ("ddp", "zero1", "fsdp", "tp")}
     print(f"W={world}: " + ", ".join(f"{k} {v:6.1f} kB" for k, v in row.items()))
 
 # %% [markdown]
@@ -516,7 +528,8 @@ def calibrate_and_time():
             F.cross_entropy(m(xb).reshape(-1, vocab), yb.reshape(-1)).backward()
             samples.append(time.perf_counter() - start)
         plain[d_] = statistics.median(samples[1:])
-    measured = {(layout, d_): timed_steps(layout, d_, 4) for layout in ("ddp", "fsdp", "tp") for d_ in SIZES}
+    measured = {(layout, d_): timed_steps(layout, d_, 4)
+                for layout in ("ddp", "fsdp", "tp") for d_ in SIZES}
     return {"peak": peak_here, "alpha": alpha, "beta": beta, "plain": plain, "measured": measured}
 
 
@@ -546,7 +559,8 @@ def predict(layout, d_, world, cal):
     efficiency = training_flops(vocab, 64, 2, 4, 4, seq_len) / (cal["plain"][64] * cal["peak"])
     compute = flops / (efficiency * cal["peak"])
     m = TinyTransformer(vocab, d_, 2, 4, context=seq_len)
-    calls = {"ddp": ddp_buckets(m), "fsdp": 5 + 3, "tp": 4}[layout]  # buckets; FSDP's units; TP's all-reduces
+    # DDP's buckets; FSDP's units; TP's all-reduces
+    calls = {"ddp": ddp_buckets(m), "fsdp": 5 + 3, "tp": 4}[layout]
     comm = sum(collective_seconds(op, n, world, cal["alpha"], cal["beta"], calls)
                for op, n in step_traffic(layout, m, world, 4, seq_len).items())
     return compute + comm
@@ -559,23 +573,26 @@ for d_ in SIZES:
     torch_buckets, _ = dist._compute_bucket_assignment_by_size(
         params_, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20], [False] * len(params_))
     print(f"dim {d_}: {sum(p.numel() * 4 for p in params_) / 2**20:.2f} MiB of gradients, "
-          f"{ddp_buckets(m_)} DDP all-reduce(s) per step (torch's assignment: {len(torch_buckets)})")
+          f"{ddp_buckets(m_)} DDP all-reduce(s) per step "
+          f"(torch's assignment: {len(torch_buckets)})")
 
 predicted, measured = [], []
 for world in (2, 4):
     cal = launch(calibrate_and_time, world_size=world)
     cal0 = {k: statistics.median(c[k] for c in cal) if k in ("peak", "alpha", "beta") else cal[0][k]
             for k in cal[0]}
-    print(f"W={world}: peak {cal0['peak'] / 1e9:.1f} GFLOP/s per rank, alpha {cal0['alpha'] * 1e6:.0f} us, "
-          f"beta {1 / cal0['beta'] / 1e9:.2f} GB/s")
+    print(f"W={world}: peak {cal0['peak'] / 1e9:.1f} GFLOP/s per rank, "
+          f"alpha {cal0['alpha'] * 1e6:.0f} us, beta {1 / cal0['beta'] / 1e9:.2f} GB/s")
     for (layout, d_), _ in cal[0]["measured"].items():
-        seconds = max(c["measured"][(layout, d_)] for c in cal)  # the step ends with the slowest rank
+        # the step ends with the slowest rank
+        seconds = max(c["measured"][(layout, d_)] for c in cal)
         predicted.append((layout, d_, world, predict(layout, d_, world, cal0)))
         measured.append(seconds)
 
 ratios = [m_ / p[3] for p, m_ in zip(predicted, measured)]
 for (layout, d_, world, p), m_ in zip(predicted, measured):
-    print(f"{layout:>4} dim {d_:>3} on {world} ranks: predicted {p * 1e3:6.1f} ms, measured {m_ * 1e3:6.1f} ms")
+    print(f"{layout:>4} dim {d_:>3} on {world} ranks: predicted {p * 1e3:6.1f} ms, "
+          f"measured {m_ * 1e3:6.1f} ms")
 fig, ax = plt.subplots(figsize=(5, 4))
 for (layout, _, world, p), m_ in zip(predicted, measured):
     ax.scatter(p * 1e3, m_ * 1e3, marker={"ddp": "o", "fsdp": "s", "tp": "^"}[layout],
@@ -587,7 +604,8 @@ ax.set_ylabel("measured step (ms)")
 ax.set_title("o DDP, s FSDP, ^ TP; blue 2 ranks, red 4")
 fig.savefig(WORK / "predicted_vs_measured.png", dpi=90, bbox_inches="tight")
 plt.show()
-print(f"measured / predicted: median {statistics.median(ratios):.2f}, from {min(ratios):.2f} to {max(ratios):.2f}")
+print(f"measured / predicted: median {statistics.median(ratios):.2f}, "
+      f"from {min(ratios):.2f} to {max(ratios):.2f}")
 
 # %% [markdown]
 # The spread printed above is the model's honesty on this machine: ranks share two cores, so
@@ -600,12 +618,12 @@ print(f"measured / predicted: median {statistics.median(ratios):.2f}, from {min(
 #
 # The same model with **published H100 SXM numbers** (NVIDIA's datasheet: 989 TFLOP/s dense
 # BF16, 80 GB HBM3, NVLink 900 GB/s total, so 450 GB/s each way, inside a node of 8; one
-# 400 Gb/s NDR InfiniBand port, 50 GB/s, per GPU between nodes, as in a DGX H100). The assumptions are ours and
-# stated: 7B parameters in 32 layers of width 4096; BF16 weights and gradients with FP32 Adam
-# (16 bytes per parameter, as in ZeRO's paper); a global batch of 2^20 tokens of 4096 each;
-# 40 % MFU; ring collectives at link speed; gradient communication hidden behind the backward
-# (two thirds of the compute) where it fits, while FSDP's forward gathers and TP's activations
-# are not hidden. Activations' memory is left out.
+# 400 Gb/s NDR InfiniBand port, 50 GB/s, per GPU between nodes, as in a DGX H100). The
+# assumptions are ours and stated: 7B parameters in 32 layers of width 4096; BF16 weights and
+# gradients with FP32 Adam (16 bytes per parameter, as in ZeRO's paper); a global batch of 2^20
+# tokens of 4096 each; 40 % MFU; ring collectives at link speed; gradient communication hidden
+# behind the backward (two thirds of the compute) where it fits, while FSDP's forward gathers
+# and TP's activations are not hidden. Activations' memory is left out.
 
 # %%
 H100 = {"flops": 989e12, "memory": 80e9, "nvlink": 450e9, "ib": 50e9}  # published, per GPU
@@ -625,12 +643,14 @@ def layout_7b(layout, gpus, tp=8):
     exposed = 0.0 if layout == "ddp" else ring * grads / link
     if layout == "tp+fsdp":  # 4 activation all-reduces per layer (2 forward, 2 backward), NVLink
         tokens_per_group = TOKENS7B / dp
-        exposed += 4 * LAYERS7B * 2 * (tp - 1) / tp * tokens_per_group * WIDTH7B * 2 / H100["nvlink"]
+        exposed += (4 * LAYERS7B * 2 * (tp - 1) / tp * tokens_per_group * WIDTH7B * 2
+                    / H100["nvlink"])
     step = compute + exposed + max(0.0, hidden_comm - 2 / 3 * compute)
     return step, memory, dp
 
 
-SEQUENCES7B = TOKENS7B // SEQ7B  # 256 sequences in a global batch: at most 256 data-parallel replicas
+# 256 sequences in a global batch: at most 256 data-parallel replicas
+SEQUENCES7B = TOKENS7B // SEQ7B
 
 
 def why_not(step_memory_dp):
@@ -799,7 +819,8 @@ per_rank = launch(three_stragglers, plan, world_size=4)
 found = []
 for i, (phase, slow) in enumerate(plan):
     rank_traces = [r[i] for r in per_rank]
-    waits = [sum(e["dur"] for e in t["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("gloo:"))
+    waits = [sum(e["dur"] for e in t["traceEvents"]
+                 if e.get("ph") == "X" and e["name"].startswith("gloo:"))
              for t in rank_traces]
     got = find_straggler(rank_traces)
     found.append(got == {"rank": slow, "phase": phase})
@@ -809,9 +830,9 @@ print("find_straggler blames the slow rank:", all(found))
 
 # %% [markdown]
 # The injected delay is half a second per step, at least 20 times a profiled step of this
-# model on two busy cores, and every comparison is relative: the slow rank waits least, and its phase
-# is the one where it exceeds the *median* of the others. Noise of tens of milliseconds, from
-# four ranks sharing two cores, moves neither. The "communication" straggler here is a late
+# model on two busy cores, and every comparison is relative: the slow rank waits least, and its
+# phase is the one where it exceeds the *median* of the others. Noise of tens of milliseconds,
+# from four ranks sharing two cores, moves neither. The "communication" straggler here is a late
 # send: the rank sleeps on the host before its all-reduce, so its peers wait in theirs. A slow
 # *link* looks different: every rank's collective stretches, the ones on either side of that
 # link included, and no rank waits much less than the others; per-rank bus bandwidth (Lesson
@@ -835,9 +856,10 @@ print("find_straggler blames the slow rank:", all(found))
 # > ```
 # >
 # > - With NCCL, collectives are kernels (`ncclDevKernel_*` or `ncclKernel_*`, by NCCL version)
-# >   on their own CUDA stream, so a GPU trace shows how much communication *overlaps* compute, which a CPU gloo
-# >   trace cannot: gloo runs on host threads and the CPU ops are all there is. A single GPU
-# >   shows none: one rank has nothing to send, and NCCL launches no kernel for it.
+# >   on their own CUDA stream, so a GPU trace shows how much communication *overlaps*
+# >   compute, which a CPU gloo trace cannot: gloo runs on host threads and the CPU ops are all
+# >   there is. A single GPU shows none: one rank has nothing to send, and NCCL launches no
+# >   kernel for it.
 # > - [Holistic Trace Analysis](https://hta.readthedocs.io/) (`pip install HolisticTraceAnalysis`,
 # >   [tutorial](https://pytorch.org/tutorials/beginner/hta_intro_tutorial.html)) reads a folder
 # >   of such per-rank traces: the GPUs' time split into compute, communication, memory and

@@ -182,7 +182,8 @@ example = torch.tensor([[3.0, 2.0, 0.0, 0.0],
 r = route(example, k=2, capacity=2)
 print("token  experts  weights          slots     kept")
 for t in range(len(example)):
-    print(f"{t:5d}  {r.expert[t].tolist()!s:7s}  {[round(w, 3) for w in r.weight[t].tolist()]!s:15s}"
+    rounded = [round(w, 3) for w in r.weight[t].tolist()]
+    print(f"{t:5d}  {r.expert[t].tolist()!s:7s}  {rounded!s:15s}"
           f"  {r.slot[t].tolist()!s:8s}  {r.kept[t].tolist()}")
 
 # %% [markdown]
@@ -244,7 +245,8 @@ class MoELayer(nn.Module):
         for e, expert in enumerate(self.experts):
             token, choice = torch.nonzero((routing.expert == e) & routing.kept, as_tuple=True)
             if token.numel():  # (n_e, d) -> (n_e, d), weighted, added to the tokens' rows
-                out = out.index_add(0, token, routing.weight[token, choice, None] * expert(x[token]))
+                out = out.index_add(0, token,
+                                    routing.weight[token, choice, None] * expert(x[token]))
         self.logits, self.routing = logits, routing  # for the load-balancing loss and plots
         return out
 
@@ -261,8 +263,10 @@ x = torch.randn(num_tokens, d_model)
 layers = {
     "dense MLP, hidden h": make_experts(1, d_model, hidden)[0],
     "dense MLP, hidden 8h": make_experts(1, d_model, 8 * hidden)[0],
-    "MoE, 8 experts of h, k=1": MoELayer(make_router(d_model, 8), make_experts(8, d_model, hidden), 1, 8.0),
-    "MoE, 8 experts of h, k=2": MoELayer(make_router(d_model, 8), make_experts(8, d_model, hidden), 2, 8.0),
+    "MoE, 8 experts of h, k=1": MoELayer(make_router(d_model, 8),
+                                         make_experts(8, d_model, hidden), 1, 8.0),
+    "MoE, 8 experts of h, k=2": MoELayer(make_router(d_model, 8),
+                                         make_experts(8, d_model, hidden), 2, 8.0),
 }
 print(f"{'':26s} {'parameters':>11s} {'FLOPs per token':>16s}")
 for name, layer in layers.items():
@@ -290,9 +294,10 @@ for name, layer in layers.items():
 # where $f_i$ is the fraction of the $T k$ routing choices that went to expert $i$ (counted
 # before capacity, so dropped choices count; Switch has $k = 1$, and dividing top-$k$
 # choices by $T k$ is Megatron-Core's form, which keeps the loss at 1 at balance for every $k$,
-# where Hugging Face's Mixtral loss divides by $T$ and equals $k$ there) and $P_i$ is the mean router probability of
-# expert $i$ over the $T$ tokens. $f$ is a count and has no gradient; the gradient flows
-# through $P$ and pushes probability away from the experts that get more than their share.
+# where Hugging Face's Mixtral loss divides by $T$ and equals $k$ there) and $P_i$ is the mean
+# router probability of expert $i$ over the $T$ tokens. $f$ is a count and has no gradient; the
+# gradient flows through $P$ and pushes probability away from the experts that get more than
+# their share.
 # With $\sum_i f_i = \sum_i P_i = 1$, the loss is exactly 1 when either is uniform, and grows
 # as both pile onto the same experts.
 #
@@ -350,7 +355,8 @@ def train_router(alpha, steps=240, batch=256, d_model=16, hidden=32, num_experts
         (loss + alpha * aux).backward()
         optimizer.step()
         optimizer.zero_grad()
-        shares.append((torch.bincount(moe.routing.expert[:, 0], minlength=num_experts) / batch).tolist())
+        first_choices = torch.bincount(moe.routing.expert[:, 0], minlength=num_experts)
+        shares.append((first_choices / batch).tolist())
         losses.append(loss.item())
         dropped.append(1.0 - moe.routing.kept.float().mean().item())
     return {"shares": shares, "loss": statistics.mean(losses[-20:]), "aux": aux.item(),
@@ -558,7 +564,8 @@ def ep_step(k=2, capacity_factor=1.25, num_tokens=256, d_model=64, d_hidden=128,
     moe = ExpertParallelMoE(router, make_experts(num_experts, d_model, d_hidden, which=mine), k,
                             capacity_factor)
     # the input requires grad, as it does inside a model: backward returns its gradient too
-    x = skewed_tokens(num_tokens, d_model, router, favourite=2, skew=1.0, seed=rank).requires_grad_()
+    x = skewed_tokens(num_tokens, d_model, router, favourite=2, skew=1.0,
+                      seed=rank).requires_grad_()
     with region("forward"):
         out = moe(x)
     with region("backward"):
@@ -617,7 +624,8 @@ plt.show()
 def a2a_cost(k_values=(1, 2, 3, 4), num_tokens=512, d_model=256, num_experts=8, reps=7):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     router = make_router(d_model, num_experts, seed=0)
-    experts = make_experts(num_experts, d_model, 32, which=expert_range(num_experts, world_size, rank))
+    experts = make_experts(num_experts, d_model, 32,
+                           which=expert_range(num_experts, world_size, rank))
     x = skewed_tokens(num_tokens, d_model, router, skew=0.0, seed=rank).requires_grad_()
     rows = []
     for k in k_values:
@@ -626,7 +634,8 @@ def a2a_cost(k_values=(1, 2, 3, 4), num_tokens=512, d_model=256, num_experts=8, 
         for _ in range(reps):
             with trace() as t:
                 moe(x).sum().backward()
-            tokens = [e for e in t.events if e.op == "all_to_all_single" and e.nbytes > 8 * num_experts]
+            tokens = [e for e in t.events
+                      if e.op == "all_to_all_single" and e.nbytes > 8 * num_experts]
             seconds.append(sum(e.duration for e in tokens))
             sent = sum(e.nbytes for e in tokens)
         rows.append({"k": k, "bytes": sent, "seconds": min(seconds)})  # the least disturbed
@@ -730,7 +739,8 @@ def load_on_ranks(skew, capacity_factors, num_tokens=1024, d_model=128, d_hidden
                   num_experts=8, k=2, reps=3):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     router = make_router(d_model, num_experts, seed=0)
-    experts = make_experts(num_experts, d_model, d_hidden, which=expert_range(num_experts, world_size, rank))
+    experts = make_experts(num_experts, d_model, d_hidden,
+                           which=expert_range(num_experts, world_size, rank))
     busy = [0.0]
 
     def started(module, args):
@@ -761,7 +771,8 @@ def load_on_ranks(skew, capacity_factors, num_tokens=1024, d_model=128, d_hidden
 
 
 factors = [0.75, 1.0, 1.25, 2.0, 4.0, 8.0]
-loads = {skew: launch(load_on_ranks, skew, factors, world_size=4, timeout=300) for skew in (0.0, 1.5)}
+loads = {skew: launch(load_on_ranks, skew, factors, world_size=4, timeout=300)
+         for skew in (0.0, 1.5)}
 
 
 def total(rows_by_rank, i, key):
