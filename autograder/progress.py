@@ -34,7 +34,7 @@ from typing import Any
 
 from autograder.loading import SETUP, NotebookError, lessons_arg, load_tasks
 from autograder.registry import Task, checked_lessons, lesson_tasks
-from autograder.results import MISSING, NOT_IMPLEMENTED, PASSED, TaskReport, unloaded
+from autograder.results import MISSING, NOT_IMPLEMENTED, PASSED, TaskReport, Totals, unloaded
 
 __all__ = ["LessonProgress", "Progress", "TaskProgress", "course_progress", "find_notebooks",
            "main"]
@@ -89,23 +89,15 @@ class TaskProgress:
 
 
 @dataclass
-class LessonProgress:
+class LessonProgress(Totals):
     lesson: int
     notebook: Path | None
     tasks: list[TaskProgress] = field(default_factory=list)
     problem: str = ""  # why the notebook could not be read
 
-    @property
-    def score(self) -> float:
-        return sum(t.score for t in self.tasks)
-
-    @property
-    def max_score(self) -> float:
-        return sum(t.max_score for t in self.tasks)
-
 
 @dataclass
-class Progress:
+class Progress(Totals):
     """Every lesson of a folder. ``str()`` is the plain table; in Jupyter it shows as HTML."""
 
     folder: Path
@@ -113,13 +105,7 @@ class Progress:
     ran: int = 0  # tasks whose checks ran now
     remembered: int = 0  # tasks taken from the memory
 
-    @property
-    def score(self) -> float:
-        return sum(lp.score for lp in self.lessons)
-
-    @property
-    def max_score(self) -> float:
-        return sum(lp.max_score for lp in self.lessons)
+    _parts = "lessons"
 
     def next_step(self) -> str:
         """What to do next: the first task, in lesson order, that does not pass yet."""

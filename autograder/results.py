@@ -34,7 +34,7 @@ from autograder.registry import Case, CheckFailed, Task
 __all__ = [
     "BLOCKED", "ERROR", "FAILED", "FOLLOWS", "FORBIDDEN", "MISSING", "NOT_IMPLEMENTED", "PASSED",
     "STATUSES",
-    "TIMEOUT", "CaseResult", "TaskReport", "judge", "not_implemented_message", "raised",
+    "TIMEOUT", "CaseResult", "TaskReport", "Totals", "judge", "not_implemented_message", "raised",
     "settle", "task_status", "unloaded", "unloaded_status",
 ]
 
@@ -46,6 +46,22 @@ FOLLOWS = "follows from the failure above: fix that first"
 _TASK_PRIORITY = (MISSING, NOT_IMPLEMENTED, FORBIDDEN, BLOCKED, TIMEOUT, ERROR, FAILED)
 # Frames of these folders are the grader's, not the student's: hidden from tracebacks.
 _INTERNAL = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "kit"))
+
+
+class Totals:
+    """``score`` and ``max_score`` as the sums of the parts' own (a report of tasks sums its
+    tasks, a lesson's progress its tasks, a folder's progress its lessons). ``_parts`` names the
+    list attribute that holds them."""
+
+    _parts = "tasks"
+
+    @property
+    def score(self) -> float:
+        return sum(part.score for part in getattr(self, self._parts))
+
+    @property
+    def max_score(self) -> float:
+        return sum(part.max_score for part in getattr(self, self._parts))
 
 
 @dataclass

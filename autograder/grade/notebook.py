@@ -37,7 +37,7 @@ from typing import Any
 from autograder.checking import run_checks, stderr_to_stdout
 from autograder.loading import LoadReport, NotebookError, lesson_of, lessons_arg, load_tasks
 from autograder.registry import lesson_tasks
-from autograder.results import TaskReport, unloaded
+from autograder.results import TaskReport, Totals, unloaded
 
 __all__ = ["GradeReport", "grade_notebook", "main"]
 
@@ -45,21 +45,13 @@ OUTPUT_LIMIT = 4000  # characters of captured output kept per task in the JSON
 
 
 @dataclass
-class GradeReport:
+class GradeReport(Totals):
     """The grade of one notebook: every task of the graded lessons, and what could not be loaded."""
 
     notebook: Path
     lessons: list[int]
     tasks: list[TaskReport] = field(default_factory=list)
     loads: list[LoadReport] = field(default_factory=list)
-
-    @property
-    def score(self) -> float:
-        return sum(t.score for t in self.tasks)
-
-    @property
-    def max_score(self) -> float:
-        return sum(t.max_score for t in self.tasks)
 
     def to_dict(self) -> dict[str, Any]:
         return {
