@@ -154,7 +154,8 @@ _DIAGNOSES = {
                                "counts, then divide; the mean of means is right only for equal "
                                "counts."),
     "rows for the count": ("the value divides by the number of rows, not of elements",
-                           "Count elements, not rows: len() of a 2-D tensor is its number of rows."),
+                           "Count elements, not rows: len() of a 2-D tensor is its number of "
+                           "rows."),
 }
 
 
@@ -171,8 +172,8 @@ def _compare_means(got: Any, expected: dict[str, Any]) -> None:
                               expected="a 0-d tensor", got=g, cause="not a tensor",
                               hint="Return a tensor, e.g. total / count, not .item().")
         if g.numel() != 1:
-            raise CheckFailed(f"rank {rank} returned a tensor of shape {tuple(g.shape)}, not a single "
-                              "value", expected="a 0-d tensor, like torch.mean returns",
+            raise CheckFailed(f"rank {rank} returned a tensor of shape {tuple(g.shape)}, not a "
+                              "single value", expected="a 0-d tensor, like torch.mean returns",
                               got=f"shape {tuple(g.shape)}", cause="not one value")
         values.append(g.double().item())
     for rank, (value, e) in enumerate(zip(values, want)):

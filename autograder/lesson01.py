@@ -35,7 +35,8 @@ from autograder.registry import plain, task
 # broadcast DDP syncs its buffers with): tasks 1.1 and 1.2 build theirs from point-to-point
 # messages only.
 _COLLECTIVE_OPS = (
-    "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_coalesced",
+    "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
+    "all_gather_coalesced",
     "all_gather_single", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
     "barrier", "monitored_barrier", "all_gather_object", "gather_object", "broadcast_object_list",
@@ -43,8 +44,9 @@ _COLLECTIVE_OPS = (
 )
 COLLECTIVES = tuple(f"torch.distributed.{op}" for op in _COLLECTIVE_OPS) + tuple(
     f"torch.distributed._functional_collectives.{op}" for op in (
-        "all_reduce", "broadcast", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single",
-        "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+        "all_reduce", "broadcast", "all_gather_tensor", "reduce_scatter_tensor",
+        "all_to_all_single", "all_reduce_coalesced", "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor_coalesced",
         "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd",
         "all_to_all_single_autograd")) + ("torch.distributed.nn.functional",)
 
@@ -64,9 +66,11 @@ def _no_collectives(collectives: list[list[str]], name: str) -> None:
     """Fail if any rank called a collective (``collectives``: each rank's op names)."""
     used = sorted({op for ops in collectives for op in ops})
     if used:
-        raise CheckFailed(f"{name} called {', '.join(f'dist.{op}' for op in used)}: this task may use "
-                          "only send/recv (or isend/irecv)", expected="no collective calls", got=used,
-                          hint="Build the operation from dist.send/dist.recv (or isend/irecv) only.")
+        raise CheckFailed(f"{name} called {', '.join(f'dist.{op}' for op in used)}: this task may "
+                          "use only send/recv (or isend/irecv)", expected="no collective calls",
+                          got=used,
+                          hint="Build the operation from dist.send/dist.recv (or isend/irecv) "
+                               "only.")
 
 
 def _compare_tensors(got: list[Any], expected: list[torch.Tensor], what: str) -> None:
@@ -135,7 +139,8 @@ def count_rounds(messages: list[list[tuple[str, int | None]]], src: int) -> int:
         if all(pos[r] == len(messages[r]) for r in range(p)):
             return rounds
         if not progressed:
-            raise CheckFailed("some receives have no matching send (the ranks' calls do not pair up)")
+            raise CheckFailed("some receives have no matching send "
+                              "(the ranks' calls do not pair up)")
 
 
 def _broadcast_source(got: list[dict[str, Any]]) -> int | None:
@@ -192,11 +197,11 @@ BROADCAST = task(
          "one rank that does not, so the number of holders doubles and p ranks are done in "
          "ceil(log2 p) rounds, with point-to-point messages only.",
     recipe="Number the ranks relative to the source: a rank's vrank is (rank - src) modulo p, "
-           "so the source is vrank 0. Farthest subtree first, as in the lesson: every vrank but 0 first receives "
-           "once, from the vrank that differs from it in its lowest set bit; then it sends to "
-           "vrank + 2^k for each power of two 2^k below its lowest set bit (for vrank 0: below "
-           "p), largest first, skipping targets >= p. Turn a vrank back into a rank with "
-           "(vrank + src) % p.",
+           "so the source is vrank 0. Farthest subtree first, as in the lesson: every vrank but 0 "
+           "first receives once, from the vrank that differs from it in its lowest set bit; then "
+           "it sends to vrank + 2^k for each power of two 2^k below its lowest set bit (for "
+           "vrank 0: below p), largest first, skipping targets >= p. Turn a vrank back into a "
+           "rank with (vrank + src) % p.",
 )
 
 
@@ -230,8 +235,8 @@ _broadcast_case("a single rank does nothing", 1, 0, (3,), torch.float32)
 # --------------------------------------------------------------------------- task 1.2
 
 
-def _ring_on_rank(ring_all_reduce: Any, seed: int, configs: list[tuple[tuple[int, ...], torch.dtype]],
-                  ) -> dict[str, Any]:
+def _ring_on_rank(ring_all_reduce: Any, seed: int,
+                  configs: list[tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from kit.trace import trace
@@ -345,6 +350,20 @@ RING_PATTERN_HINT = ("A ring: every rank sends only to its right neighbour (rank
                      "to all-gather).")
 
 
+def _only_neighbour(what: str, rank: int, messages: list[tuple[int | None, int]], neighbour: int,
+                    sending: bool) -> None:
+    """Fail unless every one of ``rank``'s sends (``sending``) or receives names ``neighbour``,
+    its right or its left neighbour in the ring."""
+    others = sorted({peer for peer, _ in messages if peer != neighbour})
+    if others:
+        verb, past, only, side = (("sends to", "sent to", "sends only to", "right") if sending else
+                                  ("receives from", "received from", "receives only from", "left"))
+        raise CheckFailed(f"{what}: rank {rank} {past} rank(s) {others}; in a ring it {only} its "
+                          f"{side} neighbour {neighbour}",
+                          expected=f"{verb} rank {neighbour} only",
+                          got=sorted({peer for peer, _ in messages}), hint=RING_PATTERN_HINT)
+
+
 def _compare_ring_pattern(messages: list[list[tuple[str, int | None, int]]], n: int, size: int,
                           what: str) -> None:
     """Each rank's p2p messages of one call: 2(p-1) sends to the right neighbour and 2(p-1)
@@ -370,19 +389,9 @@ def _compare_ring_pattern(messages: list[list[tuple[str, int | None, int]]], n: 
     for rank, calls in enumerate(messages):
         sends = [(peer, b) for op, peer, b in calls if op in ("send", "isend")]
         recvs = [(peer, b) for op, peer, b in calls if op in ("recv", "irecv")]
-        right, left = (rank + 1) % p, (rank - 1) % p
-        if p > 1 and any(peer != right for peer, _ in sends):
-            raise CheckFailed(f"{what}: rank {rank} sent to rank(s) "
-                              f"{sorted({peer for peer, _ in sends if peer != right})}; in a ring "
-                              f"it sends only to its right neighbour {right}",
-                              expected=f"sends to rank {right} only",
-                              got=sorted({peer for peer, _ in sends}), hint=RING_PATTERN_HINT)
-        if p > 1 and any(peer != left for peer, _ in recvs):
-            raise CheckFailed(f"{what}: rank {rank} received from rank(s) "
-                              f"{sorted({peer for peer, _ in recvs if peer != left})}; in a ring "
-                              f"it receives only from its left neighbour {left}",
-                              expected=f"receives from rank {left} only",
-                              got=sorted({peer for peer, _ in recvs}), hint=RING_PATTERN_HINT)
+        if p > 1:
+            _only_neighbour(what, rank, sends, (rank + 1) % p, sending=True)
+            _only_neighbour(what, rank, recvs, (rank - 1) % p, sending=False)
         steps = 2 * (p - 1)
         too_big = [b for _, b in sends + recvs if b > chunk]
         if too_big:
@@ -422,7 +431,8 @@ RING = task(
 
 
 def _ring_case(name: str, world_size: int, configs: list[tuple[tuple[int, ...], torch.dtype]],
-               hint: str = "", also: tuple[int, list[tuple[tuple[int, ...], torch.dtype]]] | None = None,
+               hint: str = "",
+               also: tuple[int, list[tuple[tuple[int, ...], torch.dtype]]] | None = None,
                recipe: str = "") -> None:
     """A case on ``world_size`` ranks; ``also`` adds a second launch (world size, configs) that
     must pass too (a single rank, which any implementation passes, never stands alone). The
@@ -493,7 +503,8 @@ def _barrier_on_rank(store_barrier: Any, seed: int, host: str, port: int | None,
                 raise
             # kept as data: the check names what a wait for a key nobody set shows
             return [*times, f"store_barrier on rank {rank} waited {STORE_WAIT_S:g} s in use "
-                            f"{len(times) + 1} of {len(names)} (name {name!r}) for a key nobody set"]
+                            f"{len(times) + 1} of {len(names)} (name {name!r}) "
+                            "for a key nobody set"]
         times.append((arrived, time.perf_counter()))
     return times
 
@@ -515,8 +526,10 @@ def _compare_barrier(got: Any, expected: None, names: list[str]) -> None:
                                "arrival that completes a use (a count that is a multiple of "
                                "world_size) sets that use's key; a rank waiting for a key of "
                                "another use, or one no arrival sets, waits for ever.")
-    if not isinstance(got, list) or any(not isinstance(g, list) or len(g) != len(names) for g in got):
-        raise CheckFailed("expected an (arrive, leave) time per rank and barrier", got=repr(got)[:200])
+    if not isinstance(got, list) or any(not isinstance(g, list) or len(g) != len(names)
+                                        for g in got):
+        raise CheckFailed("expected an (arrive, leave) time per rank and barrier",
+                          got=repr(got)[:200])
     for i, name in enumerate(names):
         arrive = [g[i][0] for g in got]
         leave = [g[i][1] for g in got]
@@ -541,8 +554,8 @@ def _compare_barrier(got: Any, expected: None, names: list[str]) -> None:
             else:
                 why, cause, hint = ("", "reuse", REUSE_HINT)
             raise CheckFailed(
-                f"barrier {i + 1} of {len(names)} (name {name!r}): rank {first} left {early:.0f} ms "
-                f"before rank {last} arrived{why}",
+                f"barrier {i + 1} of {len(names)} (name {name!r}): rank {first} left "
+                f"{early:.0f} ms before rank {last} arrived{why}",
                 expected="every rank leaves after the last arrives", got=f"rank {first} left early",
                 hint=hint, cause=cause)
 
@@ -700,8 +713,8 @@ def _compare_fit(got: Any, expected: Any) -> None:
 
 MODEL = task(
     "1.4", reference="fit_alpha_beta",
-    # One-call answers (line fits and least-squares solvers); kit.lessons.costmodel.ring_all_reduce_time
-    # stays in kit for Lesson 08's planner.
+    # One-call answers (line fits and least-squares solvers);
+    # kit.lessons.costmodel.ring_all_reduce_time stays in kit for Lesson 08's planner.
     forbidden=("numpy.polyfit", "numpy.polynomial.polynomial.polyfit", "numpy.polynomial",
                "numpy.linalg.lstsq", "torch.linalg.lstsq", "scipy.stats.linregress",
                "scipy.linalg.lstsq", "scipy.optimize.curve_fit", "sklearn.linear_model",

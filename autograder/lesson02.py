@@ -91,7 +91,8 @@ LOCAL_RANK_HINT = ("LOCAL_RANK is the process's rank on its own node (which GPU 
 def _local_rank_ignored(got: Any, env: dict[str, str]) -> bool:
     """True if the result's local rank is its global rank although LOCAL_RANK said otherwise:
     LOCAL_RANK was not read (RANK stood in for it)."""
-    return (isinstance(got, dict) and "LOCAL_RANK" in env and got.get("local_rank") == got.get("rank")
+    return (isinstance(got, dict) and "LOCAL_RANK" in env
+            and got.get("local_rank") == got.get("rank")
             and env["LOCAL_RANK"] != str(got.get("local_rank")))
 
 
@@ -115,8 +116,8 @@ def _compare_infos(got: Any, expected: list[Any], envs: list[dict[str, str]]) ->
                                        "least one process, a rank is at least 0, and the ranks "
                                        "lie inside their worlds.")
             if not isinstance(g, list):
-                raise CheckFailed(f"accepted a bad environment ({e[1]}) instead of raising ValueError",
-                                  expected=f"ValueError mentioning {variable}", got=g)
+                raise CheckFailed(f"accepted a bad environment ({e[1]}) instead of raising "
+                                  "ValueError", expected=f"ValueError mentioning {variable}", got=g)
             if variable not in g[1]:
                 raise CheckFailed(f"the ValueError does not name the variable {variable}",
                                   expected=f"a message mentioning {variable}", got=g[1],
@@ -245,11 +246,13 @@ def _compare_resumed(got: Any, expected: dict[str, torch.Tensor]) -> None:
                                "Counting from 0 again replays the data from the beginning.")
     if not second or second[0] == 0:
         raise CheckFailed("after the crash the run started again from step 0 instead of resuming "
-                          "from its checkpoint", expected=f"steps 1..{CRASH_STEP} to {TOTAL_STEPS - 1}",
+                          "from its checkpoint",
+                          expected=f"steps 1..{CRASH_STEP} to {TOTAL_STEPS - 1}",
                           got=second, hint="Load the checkpoint at the start of resumable_train.",
                           cause="never resumes")
     if second != list(range(second[0], TOTAL_STEPS)):
-        raise CheckFailed("after resuming, train_step did not get the steps that were left, in order",
+        raise CheckFailed("after resuming, train_step did not get the steps that were left, in "
+                          "order",
                           expected=list(range(second[0], TOTAL_STEPS)), got=second,
                           hint="Pass the real step number to train_step: it picks the batch. "
                                "Counting from 0 again replays the data from the beginning.",
@@ -333,8 +336,8 @@ def _steps(work: Path, rank: int, attempt: int) -> list[int]:
     return [int(s) for s in path.read_text().split()] if path.exists() else []
 
 
-@TRAIN.case(f"under torchrun's elastic agent, --max-restarts=1, rank 1 killed at step {CRASH_STEP}: "
-            "resumes exactly",
+@TRAIN.case("under torchrun's elastic agent, --max-restarts=1, rank 1 killed at step "
+            f"{CRASH_STEP}: resumes exactly",
             compare=_compare_resumed, expect="uninterrupted_run", weight=2.0)
 def _(resumable_train: Any, seed: int) -> Any:
     from kit.torchrun import TorchrunError, elastic_run
@@ -397,6 +400,17 @@ MISMATCH = task(
 )
 
 
+_MISMATCH_HINTS = {  # the hint of each named failure, by its cause
+    "missing call ignored": "A rank whose sequence ended early has no call where the others "
+                            "have one: that is a mismatch too (zip() would silently stop at the "
+                            "shortest).",
+    "shape ignored": "Compare the shape as well as the name: same collective, different size.",
+    "wrong ranks blamed": "The mismatched ranks are only those whose call differs from the most "
+                          "common call at that index (on a tie, the call of the lowest rank "
+                          "among the tied): the others are the norm.",
+}
+
+
 def _compare_mismatch(got: Any, expected: Any) -> None:
     """The default comparison, but a wrong set of odd ranks (or none found where there is one)
     is named by what the answer shows: every rank blamed, the majority blamed, a shape ignored,
@@ -408,16 +422,13 @@ def _compare_mismatch(got: Any, expected: Any) -> None:
             raise CheckFailed(f"returned None, but at call {expected['index']} rank(s) "
                               f"{expected['ranks']} have no call where the others have one",
                               expected=expected, got=None, cause="missing call ignored",
-                              hint="A rank whose sequence ended early has no call where the "
-                                   "others have one: that is a mismatch too (zip() would "
-                                   "silently stop at the shortest).")
+                              hint=_MISMATCH_HINTS["missing call ignored"])
         if len(names) == 1:
             raise CheckFailed(f"returned None, but at call {expected['index']} the ranks call "
                               f"{names.pop()} with different shapes", expected=expected, got=None,
-                              cause="shape ignored",
-                              hint="Compare the shape as well as the name: same collective, "
-                                   "different size.")
-    if (isinstance(expected, dict) and isinstance(got, dict) and got.get("index") == expected["index"]
+                              cause="shape ignored", hint=_MISMATCH_HINTS["shape ignored"])
+    if (isinstance(expected, dict) and isinstance(got, dict)
+            and got.get("index") == expected["index"]
             and got.get("ranks") != expected["ranks"] and isinstance(got.get("ranks"), list)):
         every = sorted(expected["calls"])
         blamed, odd = got["ranks"], expected["ranks"]
@@ -427,9 +438,7 @@ def _compare_mismatch(got: Any, expected: Any) -> None:
         raise CheckFailed(f"found the right call ({expected['index']}), but {why}: {blamed}; the "
                           f"odd ones are {odd}, whose call differs from the most common one",
                           expected=odd, got=blamed, cause="wrong ranks blamed",
-                          hint="The mismatched ranks are only those whose call differs from the "
-                               "most common call at that index (on a tie, the call of the lowest "
-                               "rank among the tied): the others are the norm.")
+                          hint=_MISMATCH_HINTS["wrong ranks blamed"])
     assert_same(got, expected)
 
 
@@ -444,8 +453,9 @@ _AR, _BC = "all_reduce", "broadcast"
 _mismatch_case("all ranks call the same sequence: None",
                {r: [(_AR, (4, 4)), (_BC, (2,)), ("barrier", ())] for r in range(4)})
 _mismatch_case("rank 2 all-reduces a different shape at call 1",
-               {r: [(_AR, (4,)), (_AR, (3,) if r == 2 else (8,)), ("barrier", ())] for r in range(4)},
-               hint="Compare the shape as well as the name: same collective, different size.")
+               {r: [(_AR, (4,)), (_AR, (3,) if r == 2 else (8,)), ("barrier", ())]
+                for r in range(4)},
+               hint=_MISMATCH_HINTS["shape ignored"])
 _mismatch_case("rank 0 broadcasts where the others all-reduce",
                {r: [(_BC if r == 0 else _AR, (16,))] for r in range(3)})
 _mismatch_case("rank 3 is missing its last call",
