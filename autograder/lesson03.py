@@ -6,9 +6,9 @@ dataset lengths, replicas, ranks, shuffle, seeds, ``drop_last`` and epochs. Task
 ``seed_worker`` runs as the ``worker_init_fn`` of real ``DataLoader`` workers on two real
 ranks, two epochs each; its streams must be distinct and reproducible (a property: no
 reference): one shared launch serves four of its cases; a loader of one worker in this
-process with RANK unset (world size 1) must draw rank 0's streams. Task 3.3 ``gather_unpadded`` runs on real
-ranks; its result must equal the single-process data in dataset order, computed by
-:mod:`autograder.references.lesson03` (trusted only).
+process with RANK unset (world size 1) must draw rank 0's streams. Task 3.3
+``gather_unpadded`` runs on real ranks; its result must equal the single-process data in
+dataset order, computed by :mod:`autograder.references.lesson03` (trusted only).
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def _compare_streams(got: Any, expected: dict[str, Any]) -> None:
     for where, want in expected.items():
         have = got[where]
         if not isinstance(have, dict) or set(have) != set(want):
-            raise CheckFailed(f"{where}: results are missing", expected=sorted(want), got=repr(have)[:200])
+            raise CheckFailed(f"{where}: results are missing", expected=sorted(want),
+                              got=repr(have)[:200])
         for key in sorted(want, key=lambda k: (k != "len", k)):
             if have[key] != want[key]:
                 what = "len(sampler)" if key == "len" else f"indices in {key}"
@@ -143,7 +144,8 @@ def _diagnose_stream(got: dict[str, Any], expected: dict[str, Any], where: str, 
                 "list out like cards, rank r taking positions r, r + num_replicas, ...",
                 "contiguous blocks")
     lengths_right = all(len(got[w][key]) == len(expected[w][key]) for w in ranks)
-    dealt = ([got[w][key][i // len(ranks)] for i in range(len(order)) for w in [ranks[i % len(ranks)]]]
+    dealt = ([got[w][key][i // len(ranks)]
+              for i in range(len(order)) for w in [ranks[i % len(ranks)]]]
              if lengths_right else [])
     distinct = len(set(wanted))
     if lengths_right and dealt[:distinct] == order[:distinct] and dealt != order:
@@ -152,7 +154,8 @@ def _diagnose_stream(got: dict[str, Any], expected: dict[str, Any], where: str, 
     # The same indices (up to the padding, which repeats the permutation's first ones), or with
     # drop_last a duplicate-free share of the same size: a permutation other than torch's.
     if "shuffle=True" in where and lengths_right and (
-            set(drawn) == set(wanted) or ("drop_last=True" in where and len(set(drawn)) == len(drawn))):
+            set(drawn) == set(wanted)
+            or ("drop_last=True" in where and len(set(drawn)) == len(drawn))):
         return ("The ranks draw the right indices in another order: the order is torch.randperm "
                 "of the length with a torch.Generator seeded with seed + epoch, as torch's "
                 "DistributedSampler draws it; another shuffle gives another order.",
@@ -180,7 +183,8 @@ _sampler_case("3 items on 8 replicas (the padding wraps around the dataset)",
               hint="With fewer items than replicas the padding repeats the whole index list "
                    "as many times as needed, then cuts it to num_samples * num_replicas.")
 _sampler_case("10 items on 4 replicas with drop_last (the uneven tail is dropped)",
-              [(10, 4, False, 0, True, [0]), (10, 4, True, 3, True, [0, 1]), (3, 4, False, 0, True, [0])],
+              [(10, 4, False, 0, True, [0]), (10, 4, True, 3, True, [0, 1]),
+               (3, 4, False, 0, True, [0])],
               hint="With drop_last each rank gets floor(len / num_replicas) items: the tail of the "
                    "(shuffled) list is dropped, nothing is padded.")
 _sampler_case("shuffle from seed + epoch, over epochs 0-3 (set_epoch)",
@@ -293,8 +297,8 @@ def _compare_search(got: Any, expected: None) -> None:
             raise CheckFailed(f"{_describe_sampler(n, replicas, 0, shuffle, s, drop_last)} "
                               f"(or another rank) raised {record['error']}",
                               expected="the indices DistributedSampler yields", got=record["error"])
-        _compare_streams(record["got"],
-                         _sampler_streams(DistributedSampler, n, replicas, shuffle, s, drop_last, epochs))
+        _compare_streams(record["got"], _sampler_streams(DistributedSampler, n, replicas, shuffle,
+                                                         s, drop_last, epochs))
 
 
 # No expectation: the trusted compare checks every example against DistributedSampler itself
@@ -555,7 +559,8 @@ def _compare_one_rank(got: Any, expected: None) -> None:
         if unset != zero:
             raise CheckFailed(f"{where}: the {lib} stream with RANK unset differs from rank 0's",
                               expected=zero[:2], got=unset[:2],
-                              hint="A process without RANK is rank 0: it must draw rank 0's streams.")
+                              hint="A process without RANK is rank 0: it must draw rank 0's "
+                                   "streams.")
 
 
 SEEDING.case("world size 1: RANK unset (a plain python run), one worker: rank 0's streams",
@@ -619,7 +624,8 @@ def _compare_gathered(got: Any, expected: list[torch.Tensor]) -> None:
                      "num_samples rows."
                 if extra > 0 else "Every sample of the dataset must come back, on every rank.")
         if (isinstance(g, torch.Tensor) and g.shape == e.shape and g.dtype == e.dtype
-                and not torch.equal(g, e) and torch.equal(g, e[concatenated_order(len(e), world_size)])):
+                and not torch.equal(g, e)
+                and torch.equal(g, e[concatenated_order(len(e), world_size)])):
             raise CheckFailed(
                 f"rank {rank}'s result is the shards concatenated rank after rank (all of rank "
                 "0's, then rank 1's, ...) and cut to num_samples: not dataset order",
