@@ -183,6 +183,15 @@ class LabServer:
         return f"{self.url}/lab/tree/{name}?reset&token={self.token}"
 
 
+def code_notebook(cells: list[str]) -> nbformat.NotebookNode:
+    """A notebook of these code cells, on the kernel JupyterLab starts by default."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    return nb
+
+
 def solved_lesson(lesson: Path, dest: Path) -> Path:
     """Copy ``lessons/NN_slug.ipynb`` to ``dest`` with each task cell holding its solution.
 

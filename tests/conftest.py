@@ -164,6 +164,24 @@ def bugs(request: pytest.FixtureRequest) -> dict[str, list[tuple[str, Any]]]:
     return seeded_bugs(_lesson(request))
 
 
+@pytest.fixture
+def scratch_task() -> Any:
+    """``make(**kw)``: a throwaway task 99.N ("thing", 3 points) registered for one test, then
+    removed. Keywords go to registry.task (reference=..., cases...)."""
+    from autograder import registry
+
+    made: list[str] = []
+
+    def make(**kw: Any) -> Any:
+        task_id = f"99.{len(made) + 1}"
+        made.append(task_id)
+        return registry.task(task_id, "thing", points=3, **kw)
+
+    yield make
+    for task_id in made:
+        registry.TASKS.pop(task_id, None)
+
+
 def run_nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
     """``nbgrader ARGS`` in ``course``; fails the test with nbgrader's output if it fails."""
     # nbgrader runs `alembic` (its database migrations) from PATH: the environment's bin/ first.

@@ -37,6 +37,7 @@ from browser_support import (  # noqa: F401 - page, server: fixtures
     cell_index,
     cell_outputs,
     code_cell,
+    code_notebook,
     copy_lessons,
     lab_fixtures,
     open_notebook,
@@ -230,14 +231,7 @@ SABOTAGE_CELLS = [
 
 
 def sabotage_notebook() -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in SABOTAGE_CELLS]
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    return nb
+    return code_notebook(SABOTAGE_CELLS)
 
 
 @pytest.mark.browser

@@ -238,16 +238,9 @@ FEEDBACK_CELLS = [
 def test_feedback_boxes_align_code_spans_render_and_dependent_failures_say_so(
         browser: Any, course: Path) -> None:
     import nbformat
+    from browser_support import cell_outputs, code_notebook, run_all_cells, wait_until_done
 
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in FEEDBACK_CELLS]
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nbformat.write(nb, course / "feedback.ipynb")
-    from browser_support import cell_outputs, run_all_cells, wait_until_done
+    nbformat.write(code_notebook(FEEDBACK_CELLS), course / "feedback.ipynb")
 
     with LabServer(course) as server:
         context = browser.new_context(viewport={"width": 1280, "height": 900})

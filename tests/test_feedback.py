@@ -9,31 +9,22 @@ failure here means a student is sent after a mistake the code did not make.
 
 from __future__ import annotations
 
+import functools
 import re
 from html.parser import HTMLParser
 
 import pytest
 from conftest import seeded_bugs
 
-from autograder import registry
 from autograder.checking import run_checks
 from autograder.compare import CheckFailed
 from autograder.results import FOLLOWS
 
 
 @pytest.fixture
-def scratch_task():
-    made: list[str] = []
-
-    def make(**kw):
-        task_id = f"98.{len(made) + 1}"
-        made.append(task_id)
-        return registry.task(task_id, "thing", points=3, hint="the task's concept",
-                             recipe="the task's recipe", **kw)
-
-    yield make
-    for task_id in made:
-        registry.TASKS.pop(task_id, None)
+def scratch_task(scratch_task):
+    """conftest's, with a hint and a recipe the feedback shows."""
+    return functools.partial(scratch_task, hint="the task's concept", recipe="the task's recipe")
 
 
 def _fails_with(cause):

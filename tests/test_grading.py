@@ -192,20 +192,28 @@ def test_out_folder_overlapping_a_submission_is_refused(tmp_path, capsys):
     assert not (tmp_path / "subs" / "grades").exists()
 
 
+def _solved_submission(folder: Path, lessons, edit=None) -> Path:
+    """A student folder holding the built solution notebook of each lesson; ``edit(lesson, nb)``
+    may change a notebook (its JSON as a dict) before it is written."""
+    from autograder.build import render, source_notebook
+
+    folder.mkdir()
+    for lesson in lessons:
+        source = course.lesson(lesson).source
+        nb = json.loads(render(source_notebook(source)))
+        if edit is not None:
+            edit(lesson, nb)
+        (folder / f"{source.stem}.ipynb").write_text(json.dumps(nb))
+    return folder
+
+
 @pytest.mark.slow
 def test_the_solutions_of_every_lesson_get_full_marks_in_the_sandbox(tmp_path):
     """Every lesson's cases run in the worker as they do in a notebook (ranks, spawn, torchrun),
     and a submission split over two workers adds up to the whole of it."""
     need_grading_sandbox()
-    from autograder.build import render, source_notebook
-    from autograder.loading import lesson_of
-
-    student = tmp_path / "alice"
-    student.mkdir()
-    lessons = []
-    for source in (spec.source for spec in course.LESSONS):
-        (student / f"{source.stem}.ipynb").write_text(render(source_notebook(source)))
-        lessons.append(lesson_of(source))
+    lessons = [spec.number for spec in course.LESSONS]
+    student = _solved_submission(tmp_path / "alice", lessons)
     # Alone with 2 workers, the submission's lessons are split over both (split_lessons).
     records = grade_batch(
         discover([student]), BatchConfig(tmp_path / "out", lessons, workers=2, seed=3)
@@ -253,19 +261,14 @@ def test_a_later_lessons_notebook_cannot_reach_an_earlier_lessons_cases(tmp_path
     """The worker loads each lesson just before its own cases run: Lesson 01's setup cell, which
     breaks dist.all_reduce for all code loaded after it, leaves Lesson 00's grade alone."""
     need_grading_sandbox()
-    from autograder.build import render, source_notebook
 
-    root = Path(__file__).resolve().parents[1]
-    student = tmp_path / "bob"
-    student.mkdir()
-    for lesson in (0, 1):
-        source = next((root / "solutions").glob(f"{lesson:02d}_*.py"))
-        nb = json.loads(render(source_notebook(source)))
+    def break_all_reduce(lesson: int, nb: dict) -> None:
         if lesson == 1:
             setup = next(c for c in nb["cells"] if c.get("id") == "setup")
             setup["source"] = "".join(setup["source"]) + \
                 "\nimport torch.distributed as _dist\n_dist.all_reduce = lambda *a, **k: None\n"
-        (student / f"{source.stem}.ipynb").write_text(json.dumps(nb))
+
+    student = _solved_submission(tmp_path / "bob", (0, 1), edit=break_all_reduce)
     records = grade_batch(discover([student]), BatchConfig(tmp_path / "out", [0, 1], workers=1,
                                                           limits=LIMITS, seed=5))
     status = {t["task"]: t["status"] for t in records["bob"]["tasks"]}
@@ -280,15 +283,9 @@ def test_one_submission_alone_spreads_its_lessons_over_the_idle_workers(tmp_path
     import threading
     import time
 
-    from autograder.build import render, source_notebook
     from autograder.grade import batch
 
-    root = Path(__file__).resolve().parents[1]
-    student = tmp_path / "carol"
-    student.mkdir()
-    for lesson in (0, 1):
-        source = next((root / "solutions").glob(f"{lesson:02d}_*.py"))
-        (student / f"{source.stem}.ipynb").write_text(render(source_notebook(source)))
+    student = _solved_submission(tmp_path / "carol", (0, 1))
     calls, lock, real = [], threading.Lock(), batch.run_worker
 
     def spy(work, limits, *, slot, **kwargs):

@@ -17,20 +17,6 @@ from autograder.compare import CheckFailed, per_rank, tensor_mismatch, within_bo
 from autograder.registry import SharedRun, Task, fresh_runs
 
 
-@pytest.fixture
-def scratch_task():
-    made: list[str] = []
-
-    def make(**kw):
-        task_id = f"99.{len(made) + 1}"
-        made.append(task_id)
-        return registry.task(task_id, "thing", points=3, **kw)
-
-    yield make
-    for task_id in made:
-        registry.TASKS.pop(task_id, None)
-
-
 # Implementations under test live at module level: the gates read a lambda's whole source line,
 # which here names the grader's own run_checks.
 def _identity(s):
