@@ -5,10 +5,11 @@ the tasks solved; Playwright drives Debian's Chromium. Every lesson already runs
 headless (tests/test_lessonNN.py), so here each runs only the cells whose rendering is the
 point: its setup, its first task and check, and in Lessons 00 and 01 the launcher's rank
 output, errors and hang report, every check and the ring stepper widget. Run All Cells, through
-the menu, runs the sabotage notebook. Each test asserts what the page shows (labelled rank output, the launcher's errors,
-``check()`` feedback, live widgets) and saves a screenshot under ``artifacts/screenshots/``
-(``KIT_UPDATE_SCREENSHOTS=1`` also refreshes ``docs/screenshots/``). The sabotage tests break
-a widget and swallow rank output on purpose and prove the same assertions then fail.
+the menu, runs the sabotage notebook. Each test asserts what the page shows (labelled rank
+output, the launcher's errors, ``check()`` feedback, live widgets) and saves a screenshot under
+``artifacts/screenshots/`` (``KIT_UPDATE_SCREENSHOTS=1`` also refreshes ``docs/screenshots/``).
+The sabotage tests break a widget and swallow rank output on purpose and prove the same
+assertions then fail.
 
 Outside CI these tests skip when Chromium or Playwright is missing; with ``CI=true`` they fail.
 """

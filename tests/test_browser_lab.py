@@ -1,4 +1,5 @@
-"""The student's Lab shows the course; the instructor's shows nbgrader's tools; the terminal is quiet.
+"""The student's Lab shows the course; the instructor's shows nbgrader's tools; the terminal is
+quiet.
 
 ``kit lab`` switches off nbgrader's Create Assignment panel, formgrader, course and assignment
 lists and their menu for the session and keeps Validate; ``kit lab --instructor`` shows them.
@@ -54,7 +55,8 @@ def what_the_lab_shows(page: Any) -> dict[str, Any]:
     page.wait_for_selector(".jp-NotebookPanel-toolbar", timeout=60_000)
     page.wait_for_timeout(1500)  # plugins add their menus and panels once the app has started
     return page.evaluate("""() => ({
-        menus: [...document.querySelectorAll('.lm-MenuBar-itemLabel')].map(e => e.textContent.trim()),
+        menus: [...document.querySelectorAll('.lm-MenuBar-itemLabel')]
+            .map(e => e.textContent.trim()),
         tabs: [...document.querySelectorAll('.jp-SideBar .lm-TabBar-tab')].map(
             e => (e.getAttribute('title') || '') + ' ' + e.innerText.trim()),
         toolbar: [...document.querySelectorAll('.jp-NotebookPanel-toolbar .jp-Toolbar-item')].map(

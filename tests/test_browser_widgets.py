@@ -69,12 +69,14 @@ def show_widget(page: Any, server: LabServer, notebook: Path, *needed: str) -> A
 _CONTROLS = """el => ({
     sliders: [...el.querySelectorAll('.widget-slider')].map(s => {
         const l = s.querySelector('.widget-label'), r = s.querySelector('.widget-readout');
-        return {label: l ? l.textContent.trim() : '', cut: l ? l.scrollWidth > l.clientWidth + 1 : true,
+        return {label: l ? l.textContent.trim() : '',
+                cut: l ? l.scrollWidth > l.clientWidth + 1 : true,
                 readout: r ? r.innerText.trim() : ''};
     }),
     toggles: [...el.querySelectorAll('.widget-toggle-buttons')].map(t => {
         const l = t.querySelector('.widget-label');
-        return {label: l ? l.textContent.trim() : '', cut: l ? l.scrollWidth > l.clientWidth + 1 : true,
+        return {label: l ? l.textContent.trim() : '',
+                cut: l ? l.scrollWidth > l.clientWidth + 1 : true,
                 active: (t.querySelector('.mod-active') || {}).textContent};
     }),
     dropdowns: [...el.querySelectorAll('.widget-dropdown')].map(d => ({

@@ -1,4 +1,5 @@
-"""kit doctor and the kit command: a readable table, a fix per problem, a non-zero exit when blocked."""
+"""kit doctor and the kit command: a readable table, a fix per problem, a non-zero exit when
+blocked."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ EXPLOITS = [
     ("4.1", "lesson04", "wraps torch's DistributedDataParallel"),
     ("4.2", "lesson04", "wraps torch's DistributedDataParallel"),
     ("4.3", "lesson04", "wraps torch's DistributedDataParallel"),
-    # code identity: copies made at load time, of the grader's code and of a library's private helper
+    # code identity: copies made at load time, of the grader's code and of a library's private
+    # helper
     ("1.2", "lesson01", "copies the grader's reference code at load time"),
     ("8.3", "lesson08", "sends through a load-time copy of torch's private schedules._batch_p2p"),
     ("9.4", "lesson09", "runs a load-time copy of the module's forward"),  # a forbidden kit method
@@ -401,7 +402,8 @@ def test_solutions_are_no_rewritten_copies_and_only_the_solution_shaped_referenc
 
 
 def test_small_functions_alike_are_not_copies(student_module):
-    # The bytecode of `return x` or a one-line formula is everyone's: only its file gives a copy away.
+    # The bytecode of `return x` or a one-line formula is everyone's: only its file gives a copy
+    # away.
     module = student_module("""
         def ring_all_reduce_time(nbytes, world_size, alpha, beta):
             return 2 * (world_size - 1) * alpha + 2 * (world_size - 1) / world_size * nbytes * beta
@@ -432,7 +434,7 @@ def test_trampolines_keep_each_functions_signature():
         assert inspect.signature(dist.all_reduce) == before
 
 
-# --------------------------------------------------------------------------- every task says what it forbids
+# ------------------------------------------------------------------ every task says what it forbids
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSON_CHECKS = sorted((ROOT / "autograder").glob("lesson[0-9][0-9].py"))
@@ -442,7 +444,8 @@ FORBIDS_NOTHING = re.compile(r"#\s*forbids nothing:\s*\S.{8,}")
 OPTIONAL = {
     "deepchem": "DeepChem's ScaffoldSplitter (10.3): not a dependency, the grader re-states it",
     "scipy": "scipy.stats.linregress (1.4): not a dependency, installed only alongside others",
-    "sklearn": "scikit-learn's linear models (1.4): not a dependency, installed only alongside others",
+    "sklearn": "scikit-learn's linear models (1.4): not a dependency, installed only alongside "
+               "others",
 }
 
 

@@ -2,8 +2,8 @@
 
 The submissions mix the correct functions, every seeded bug of tests/bugs/lesson00.py, the
 released stubs and syntax errors. Their expected scores come from the in-notebook checker
-(:func:`autograder.checking.run_checks`, same seed) run once per distinct function. The batch is graded
-with 2 workers, its process group SIGKILLed partway, then re-run: every student ends with
+(:func:`autograder.checking.run_checks`, same seed) run once per distinct function. The batch is
+graded with 2 workers, its process group SIGKILLed partway, then re-run: every student ends with
 exactly one row holding the expected grade, and the first run's finished records are kept.
 """
 

@@ -318,7 +318,8 @@ def test_nothing_is_left_running(graded):
 
 
 def _sandboxed(work: Path, code: str, hide: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
-    """Run ``code`` with this interpreter in a worker's sandbox (slot 0) in the fresh folder ``work``."""
+    """Run ``code`` with this interpreter in a worker's sandbox (slot 0) in the fresh folder
+    ``work``."""
     work.mkdir()
     os.chmod(work, 0o711)
     uid = sandbox.sandbox_uid(0)
@@ -554,7 +555,8 @@ class _FakeCgroups:
 
 
 def test_the_process_count_reads_the_pids_cgroup_once_the_worker_is_in_it(monkeypatch):
-    """The poll loop's count: /proc is scanned until the worker's pids cgroup holds it, then never."""
+    """The poll loop's count: /proc is scanned until the worker's pids cgroup holds it, then
+    never."""
     scans = []
     monkeypatch.setattr(
         sandbox.processes, "_members", lambda pid, uid: scans.append(pid) or [pid, 7, 8, 9]

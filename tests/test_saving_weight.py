@@ -132,7 +132,8 @@ def test_a_saving_task_marks_its_saving_cases_and_they_weigh_at_least_half(task_
     assert task.saving_cases, f"task {task_id} marks no case saving=True (and states no bound)"
     share = task.saving_points() / task.points
     assert share >= 0.5 - 1e-9, (
-        f"task {task_id}: its saving cases weigh {share:.0%} of its points, at least 50% is the rule: "
+        f"task {task_id}: its saving cases weigh {share:.0%} of its points, at least 50% is the "
+        "rule: "
         + ", ".join(f"{c.name[:40]!r} {task.case_points(c):.2f}" for c in task.saving_cases)
     )
     # every bound of a saving task is one of its saving cases, and names what was lost

@@ -38,7 +38,8 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
-print(f"rank={os.environ['RANK']} group={os.environ['GROUP_RANK']} local={os.environ['LOCAL_RANK']} "
+print(f"rank={os.environ['RANK']} group={os.environ['GROUP_RANK']} "
+      f"local={os.environ['LOCAL_RANK']} "
       f"world={os.environ['WORLD_SIZE']} sum={t.item():g}")
 dist.destroy_process_group()
 """
