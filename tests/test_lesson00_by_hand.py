@@ -94,7 +94,8 @@ def test_process_and_join_with_spawn_gives_the_same_result(scripts):
 
 @pytest.mark.slow
 def test_section_runs_headless_and_shows_the_spawn_failure_and_the_timings():
-    """The section's own cells, in the lesson's one headless run (shared with tests/test_runner.py)."""
+    """The section's own cells, in the lesson's one headless run (shared with
+    tests/test_runner.py)."""
     result = executed_lesson(SOURCE)
     assert result.ok, str(result.failure)
     cells = result.notebook.cells

@@ -183,7 +183,7 @@ def test_recorded_hang_is_located_by_first_mismatch(solution):
     assert found.calls[1] == ("barrier", ())
 
 
-# --------------------------------------------------------------------------- plain gloo, mismatched sizes
+# ---------------------------------------------------------------- plain gloo, mismatched sizes
 
 
 def _mismatched(collective: str, sizes: tuple[int, int]) -> list[float]:

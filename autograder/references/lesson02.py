@@ -62,7 +62,8 @@ def dist_info_from_env(env: Mapping[str, str] | None = None) -> DistInfo:
     if local_rank >= local_world_size:
         raise ValueError(f"LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_world_size}")
     if world_size % local_world_size:
-        raise ValueError(f"LOCAL_WORLD_SIZE={local_world_size} does not divide WORLD_SIZE={world_size}")
+        raise ValueError(f"LOCAL_WORLD_SIZE={local_world_size} does not divide "
+                         f"WORLD_SIZE={world_size}")
     if rank != node_rank * local_world_size + local_rank:
         raise ValueError(f"RANK={rank} != GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK "
                          f"({node_rank} * {local_world_size} + {local_rank})")

@@ -29,8 +29,8 @@ def edited_solution(lesson: int | str, *edits: tuple[str, str]) -> ModuleType:
     text = (SOLUTIONS / source).read_text()
     for old, new in edits:
         if text.count(old) != 1:
-            raise AssertionError(f"{source}: the seeded edit's text occurs {text.count(old)} times, "
-                                 f"not once: {old!r}")
+            raise AssertionError(f"{source}: the seeded edit's text occurs {text.count(old)} "
+                                 f"times, not once: {old!r}")
         text = text.replace(old, new)
     folder = Path(tempfile.mkdtemp(dir=_EDITED))
     (folder / source).write_text(text)

@@ -94,8 +94,10 @@ barrier_counts_ever = _barrier((_OPEN + _WAIT, (  # true once, then never again
     '    while store.add(f"{name}/arrived", 0) < world_size:\n'
     "        pass\n")))
 barrier_off_by_one = _barrier((  # leaves when all but one arrived
-    "    if arrived == (use + 1) * world_size:", "    if arrived >= use * world_size + world_size - 1:"))
-barrier_only_rank0_waits = _barrier((_WAIT, "    if rank == 0:  # the others leave at once\n    " + _WAIT))
+    "    if arrived == (use + 1) * world_size:",
+    "    if arrived >= use * world_size + world_size - 1:"))
+barrier_only_rank0_waits = _barrier(
+    (_WAIT, "    if rank == 0:  # the others leave at once\n    " + _WAIT))
 
 # --------------------------------------------------------------------------- 1.4 cost model
 # The check finds ring_all_reduce_time beside fit_alpha_beta, as one notebook cell defines both:
@@ -241,7 +243,8 @@ BUGS = {
         ("finds all_reduce by a computed name", ring_found_by_name),
         ("catches the gate's exception and tries another route", ring_swallows_the_gate),
         ("calls the grader's reference", ring_calls_the_graders_reference),
-        ("copies the grader's reference code at load time", _copy_of_the_reference("ring_all_reduce")),
+        ("copies the grader's reference code at load time",
+         _copy_of_the_reference("ring_all_reduce")),
     ],
     "1.3": [
         ("not reusable: a key set on the first use lets later uses through", barrier_not_reusable),

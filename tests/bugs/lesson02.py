@@ -23,7 +23,8 @@ dist_info_local_rank_is_rank = _bug(
     "dist_info_from_env",
     ('    local_rank = number("LOCAL_RANK", rank % local_world_size)',
      "    local_rank = rank % local_world_size"),
-    ("    return DistInfo(rank, local_rank, world_size", "    return DistInfo(rank, rank, world_size"))
+    ("    return DistInfo(rank, local_rank, world_size",
+     "    return DistInfo(rank, rank, world_size"))
 dist_info_bare_int_errors = _bug("dist_info_from_env", (
     "        try:\n"
     "            value = int(env[name])\n"
@@ -35,7 +36,8 @@ dist_info_distributed_only_above_one = _bug(
 
 
 _RETURN = ("    return DistInfo(rank, local_rank, world_size, local_world_size, node_rank,\n"
-           '                    env.get("MASTER_ADDR", "127.0.0.1"), master_port, "WORLD_SIZE" in env)\n')
+           '                    env.get("MASTER_ADDR", "127.0.0.1"), master_port, '
+           '"WORLD_SIZE" in env)\n')
 _CHECKS = "    if master_port > 65535:\n"  # the first of the range and consistency checks
 dist_info_without_checks = _bug(  # returns before the checks
     "dist_info_from_env", (_LOW, ""), (_CHECKS, _RETURN + _CHECKS))

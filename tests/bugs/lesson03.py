@@ -22,7 +22,8 @@ from torch.utils.data import DistributedSampler
 class _Sampler:
     """A correct ShardSampler, split into steps so that each bug replaces one of them."""
 
-    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
+    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True,
+                 seed=0, drop_last=False):
         self.num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
         self.rank = dist.get_rank() if rank is None else rank
         self.dataset, self.shuffle, self.seed, self.drop_last = dataset, shuffle, seed, drop_last
@@ -36,7 +37,8 @@ class _Sampler:
     def _order(self, n):
         if not self.shuffle:
             return list(range(n))
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        return torch.randperm(
+            n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
 
     def _pad(self, indices):
         if not indices:
@@ -175,7 +177,8 @@ BUGS = {
         ("pads with the last indices instead of the first", PadsWithTheLastIndices),
         ("pads once only: too short when the dataset is smaller than the padding", PadsOnlyOnce),
         ("ignores the epoch: the same order every epoch", IgnoresTheEpoch),
-        ("gives each rank a contiguous block instead of every num_replicas-th index", ContiguousBlocks),
+        ("gives each rank a contiguous block instead of every num_replicas-th index",
+         ContiguousBlocks),
         ("pads even with drop_last", DropLastStillPads),
         ("shuffles with Python's random instead of torch.randperm", ShufflesWithPythonRandom),
         ("treats num_replicas=None as a single replica", DefaultsToOneReplica),
@@ -195,7 +198,8 @@ BUGS = {
     "3.3": [
         ("keeps the padded duplicates", keeps_padded_duplicates),
         ("concatenates the shards rank after rank: wrong order", concatenates_rank_after_rank),
-        ("cuts every shard to num_samples // world_size: loses real samples", cuts_every_shard_evenly),
+        ("cuts every shard to num_samples // world_size: loses real samples",
+         cuts_every_shard_evenly),
     ],
 }
 
