@@ -235,16 +235,18 @@ def test_exit_zero_counts_as_returning_none():
 # ----------------------------------------------------------------------------- hangs
 
 
-def test_skipped_collective_times_out_with_diagnosis():
-    def skip_on_rank_1():
-        t = torch.ones(1)
-        if dist.get_rank() != 1:
-            dist.all_reduce(t)
-        return "done"
+def _skip_on_rank_1():
+    """Every rank but 1 all-reduces: rank 1 returns while the others wait in the collective."""
+    t = torch.ones(1)
+    if dist.get_rank() != 1:
+        dist.all_reduce(t)
+    return "done"
 
+
+def test_skipped_collective_times_out_with_diagnosis():
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
-        kit.launch(skip_on_rank_1, world_size=4, timeout=3)
+        kit.launch(_skip_on_rank_1, world_size=4, timeout=3)
     assert time.monotonic() - start < 3 + 4  # timeout + stack collection + teardown
     text = str(info.value)
     assert "waiting in all_reduce" in text
@@ -255,15 +257,9 @@ def test_skipped_collective_times_out_with_diagnosis():
 
 
 def test_deadlock_after_a_rank_returned_is_reported_long_before_the_timeout():
-    def skip_on_rank_1():
-        t = torch.ones(1)
-        if dist.get_rank() != 1:
-            dist.all_reduce(t)
-        return "done"
-
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
-        kit.launch(skip_on_rank_1, world_size=3, timeout=120)
+        kit.launch(_skip_on_rank_1, world_size=3, timeout=120)
     took = time.monotonic() - start
     assert took < 15, f"the deadlock took {took:.1f} s to report"
     text = str(info.value)
