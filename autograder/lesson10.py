@@ -230,16 +230,20 @@ def _(collate: Any, seed: int) -> list[dict[str, Any]]:
     return declarations(_companion(COLLATE, collate, "MolData"), seed)
 
 
+def _from_data_list(kind: str) -> Any:
+    """The expected batch of the ``kind`` graphs: the trusted Batch.from_data_list of them."""
+    return lambda seed: COLLATE.trusted("batch_from_data_list")(kind, seed)
+
+
 COLLATE.case("4 EGFR ligands: every attribute, batch and ptr equal Batch.from_data_list's",
-             compare=_compare_batch, weight=2,
-             expect=lambda seed: COLLATE.trusted("batch_from_data_list")("real", seed))(_collate_run("real"))
+             compare=_compare_batch, weight=2, expect=_from_data_list("real"))(_collate_run("real"))
 COLLATE.case("graphs without edges (an ion, methane, water): empty edge_index and triplet_index",
              compare=_compare_batch,
              hint="A graph with no bonds has edge_index of shape (2, 0) and triplet_index (3, 0); "
                   "its nodes still count in the offsets, batch and ptr.",
-             expect=lambda seed: COLLATE.trusted("batch_from_data_list")("edgeless", seed))(_collate_run("edgeless"))
+             expect=_from_data_list("edgeless"))(_collate_run("edgeless"))
 COLLATE.case("a single graph", compare=_compare_batch,
-             expect=lambda seed: COLLATE.trusted("batch_from_data_list")("single", seed))(_collate_run("single"))
+             expect=_from_data_list("single"))(_collate_run("single"))
 
 
 # --------------------------------------------------------------------------- task 10.2
@@ -282,7 +286,8 @@ def layer_weights(seed: int, edge_dim: int) -> dict[str, torch.Tensor]:
     for name, shape in shapes.items():
         if name.endswith("weight"):
             fan_in = shape[1]  # a bias takes the fan-in of the weight before it
-        weights[name] = (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) / math.sqrt(fan_in)
+        uniform = torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1
+        weights[name] = uniform / math.sqrt(fan_in)
     return weights
 
 
@@ -313,8 +318,8 @@ def _compare_egnn(got: Any, expected: dict[str, Any]) -> None:
         try:
             assert_same(got[key], expected[key], rtol=1e-9, atol=1e-10, path=what)
         except CheckFailed as e:
-            raise CheckFailed(e.message + " with the reference's weights loaded", expected=e.expected,
-                              got=e.got) from None
+            raise CheckFailed(e.message + " with the reference's weights loaded",
+                              expected=e.expected, got=e.got) from None
 
 
 def _orthogonal(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,8 +345,8 @@ def _compare_equivariance(got: Any, expected: dict[str, Any]) -> None:
     q, t = expected["Q"], expected["t"]
     for key in ("h", "pos", "h moved", "pos moved"):
         if not isinstance(got.get(key), torch.Tensor) or got[key].dtype != torch.float64:
-            raise CheckFailed(f"{key}: expected a float64 tensor (the layer was cast with .double())",
-                              got=repr(got.get(key))[:100])
+            raise CheckFailed(f"{key}: expected a float64 tensor "
+                              "(the layer was cast with .double())", got=repr(got.get(key))[:100])
     dh = (got["h moved"] - got["h"]).abs().max().item()
     if not dh <= 1e-9:
         raise CheckFailed(f"features change by up to {dh:.3g} when the molecule is rotated, "
@@ -409,11 +414,13 @@ def _compare_separate(got: Any, expected: Any) -> None:
     ptr = got["ptr"]
     for g, (h, x) in enumerate(got["alone"]):
         lo, hi = ptr[g], ptr[g + 1]
-        for name, whole, alone in (("h'", got["batched"][0][lo:hi], h), ("x'", got["batched"][1][lo:hi], x)):
-            if whole.shape != alone.shape or not torch.allclose(whole, alone, rtol=1e-9, atol=1e-10):
-                raise CheckFailed(f"graph {g}: {name} in a batch of 3 graphs differs from {name} of "
-                                  "the graph alone", hint="Normalise by each atom's own number of "
-                                  "neighbours, not by anything computed over the whole batch.")
+        batched_h, batched_x = got["batched"][0][lo:hi], got["batched"][1][lo:hi]
+        for name, whole, alone in (("h'", batched_h, h), ("x'", batched_x, x)):
+            if (whole.shape != alone.shape
+                    or not torch.allclose(whole, alone, rtol=1e-9, atol=1e-10)):
+                raise CheckFailed(f"graph {g}: {name} in a batch of 3 graphs differs from {name} "
+                                  "of the graph alone", hint="Normalise by each atom's own number "
+                                  "of neighbours, not by anything computed over the whole batch.")
     isolated = got["batched"][1][-1]
     if not torch.allclose(isolated, got["isolated input"], rtol=0, atol=1e-12):
         raise CheckFailed("an atom without neighbours moved (or became nan)",
@@ -504,13 +511,15 @@ def _compare_split(got: Any, expected: dict[str, Any]) -> None:
                               got=f"{len(everything)} indices, {len(set(everything))} distinct")
         for part, h, w in zip(("train", "valid", "test"), have, want):
             if h != w:
-                first = next((k for k, (a, b) in enumerate(zip(h, w)) if a != b), min(len(h), len(w)))
+                first = next((k for k, (a, b) in enumerate(zip(h, w)) if a != b),
+                             min(len(h), len(w)))
                 what, hint, recipe, cause = _diagnose_split(have, want)
                 raise CheckFailed(
                     f"{name}: the {part} indices differ from DeepChem's ScaffoldSplitter "
                     f"(sizes {list(map(len, have))}, expected {list(map(len, want))}; first "
-                    f"difference at position {first}){what}", expected=w[max(0, first - 2):first + 6],
-                    got=h[max(0, first - 2):first + 6], hint=hint, recipe=recipe, cause=cause)
+                    f"difference at position {first}){what}",
+                    expected=w[max(0, first - 2):first + 6], got=h[max(0, first - 2):first + 6],
+                    hint=hint, recipe=recipe, cause=cause)
 
 
 # What a split that differs from DeepChem's shows, read from its sizes: a train (or valid) set
@@ -712,8 +721,9 @@ def _metric_inputs(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, dict[str
 def metrics_of(ef: Any, bedroc: Any, seed: int) -> list[dict[str, Any]]:
     out = []
     for scores, labels, args in _metric_inputs(seed):
-        out.append({"enrichment_factor": plain(ef(scores.clone(), labels.clone(), args["fraction"])),
-                    "bedroc": plain(bedroc(scores.clone(), labels.clone(), args["alpha"]))})
+        out.append({
+            "enrichment_factor": plain(ef(scores.clone(), labels.clone(), args["fraction"])),
+            "bedroc": plain(bedroc(scores.clone(), labels.clone(), args["alpha"]))})
     return out
 
 
@@ -728,9 +738,10 @@ def _compare_metrics(got: Any, expected: Any) -> None:
             h = have[key]
             if isinstance(h, torch.Tensor) and h.numel() == 1:
                 h = h.item()
-            if not isinstance(h, (int, float)) or not math.isclose(h, value, rel_tol=1e-9, abs_tol=1e-12):
-                raise CheckFailed(f"{name}: {key} differs from RDKit's "
-                                  f"{'CalcEnrichment' if key == 'enrichment_factor' else 'CalcBEDROC'}",
+            if (not isinstance(h, (int, float))
+                    or not math.isclose(h, value, rel_tol=1e-9, abs_tol=1e-12)):
+                counterpart = "CalcEnrichment" if key == "enrichment_factor" else "CalcBEDROC"
+                raise CheckFailed(f"{name}: {key} differs from RDKit's {counterpart}",
                                   expected=value, got=h, hint=METRIC_HINTS[key],
                                   recipe=METRIC_RECIPES[key], cause=METRIC_WRONG)
 
@@ -821,7 +832,8 @@ def _compare_screen(got: Any, expected: dict[str, Any]) -> None:
             first = next((i for i, (a, b) in enumerate(zip(top, expected["top100"])) if a != b),
                          min(len(top), 100))
             raise CheckFailed(f"rank {rank}: top100 differs from one process at position {first}",
-                              expected=expected["top100"][first:first + 5], got=top[first:first + 5],
+                              expected=expected["top100"][first:first + 5],
+                              got=top[first:first + 5],
                               hint="Ties are broken by ascending global id, so the ranking "
                                    "does not depend on which rank held which molecule.",
                               recipe="Sort by score descending and break ties by ascending id, "
@@ -831,8 +843,8 @@ def _compare_screen(got: Any, expected: dict[str, Any]) -> None:
             value = result[key].item() if isinstance(result[key], torch.Tensor) else result[key]
             if not isinstance(value, (int, float)) or not math.isclose(value, expected[key],
                                                                         rel_tol=1e-9):
-                raise CheckFailed(f"rank {rank}: {key} of the whole screen differs from one process "
-                                  "on the whole list", expected=expected[key], got=value,
+                raise CheckFailed(f"rank {rank}: {key} of the whole screen differs from one "
+                                  "process on the whole list", expected=expected[key], got=value,
                                   hint="A top fraction of each shard is not the top fraction "
                                        "of the screen: the metrics rank the whole list.",
                                   recipe="Gather every rank's scores, labels and ids first, then "
@@ -861,7 +873,8 @@ SCREEN = task(
            "100 ids.",
     # RDKit's scoring, the whole module (CalcROC, the private _RIEHelper too).
     forbidden=("rdkit.ML.Scoring.Scoring.CalcEnrichment", "rdkit.ML.Scoring.Scoring.CalcBEDROC",
-               "rdkit.ML.Scoring.Scoring.CalcRIE", "rdkit.ML.Scoring.Scoring.CalcAUC", "rdkit.ML.Scoring",
+               "rdkit.ML.Scoring.Scoring.CalcRIE", "rdkit.ML.Scoring.Scoring.CalcAUC",
+               "rdkit.ML.Scoring",
                "autograder.references.lesson10.reference_enrichment_factor",
                "autograder.references.lesson10.reference_bedroc",
                "autograder.references.lesson10.reference_screen"),

@@ -64,7 +64,8 @@ def _counts(got: dict[str, Any], name: str, length: int) -> list[int]:
     if not isinstance(value, list) or len(value) != length:
         raise CheckFailed(f"{name} is {describe(value, 80)}, expected {length} counts",
                           expected=f"{length} counts, one per hop" if name.endswith("edges")
-                          else f"{length} counts: the seeds, then one per hop", got=describe(value, 80))
+                          else f"{length} counts: the seeds, then one per hop",
+                          got=describe(value, 80))
     return value
 
 
@@ -108,7 +109,8 @@ def star_graph(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     leaves = leaves.gather(1, order)
     position = torch.zeros(STARS * (STAR_DEGREE + 1), dtype=torch.long)
     position[leaves.reshape(-1)] = torch.arange(STAR_DEGREE).repeat(STARS)
-    edge_index = torch.stack([leaves.reshape(-1), torch.arange(STARS).repeat_interleave(STAR_DEGREE)])
+    edge_index = torch.stack([leaves.reshape(-1),
+                              torch.arange(STARS).repeat_interleave(STAR_DEGREE)])
     rowptr, col = in_neighbour_csr(edge_index, STARS * (STAR_DEGREE + 1))
     return rowptr, col, position
 
@@ -119,7 +121,8 @@ def sage_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, An
     from torch_geometric.nn import GraphSAGE
 
     edge_index = directed_graph(seed + 3)
-    x = torch.randn(300, SAGE_IN, generator=torch.Generator().manual_seed(seed + 4), dtype=torch.float64)
+    x = torch.randn(300, SAGE_IN, generator=torch.Generator().manual_seed(seed + 4),
+                    dtype=torch.float64)
     seeds = _seeds(seed + 5, LOADER_SEEDS, 300)
     state = torch.random.get_rng_state()
     torch.manual_seed(seed + 6)
@@ -157,7 +160,9 @@ def _compare_edges(got: Any, expected: dict[str, Any]) -> None:
         seeds, fanouts = EDGE_SAMPLES[label]
         where = f"{label} (seeds {seeds}, fanouts {fanouts})"
         if "raised" in have or "returned" in have:
-            raise CheckFailed(f"{where}: sample_neighbors {'raised ' + have['raised'] if 'raised' in have else 'returned ' + have['returned']}",
+            outcome = (f"raised {have['raised']}" if "raised" in have
+                       else f"returned {have['returned']}")
+            raise CheckFailed(f"{where}: sample_neighbors {outcome}",
                               expected="a SampledSubgraph with empty hops counted as 0",
                               hint="An empty frontier, a node without in-neighbours or a fan-out "
                                    "of 0 draws nothing: keep going, with 0 new nodes and 0 edges "
@@ -201,7 +206,8 @@ def _samples(sample_neighbors: Any, seed: int) -> dict[str, Any]:
             before = torch.random.get_rng_state()
             runs.append(_plain_subgraph(sample_neighbors(
                 rowptr, col, seeds, list(fanouts), torch.Generator().manual_seed(state))))
-            runs[-1]["global RNG untouched"] = bool(torch.equal(before, torch.random.get_rng_state()))
+            untouched = torch.equal(before, torch.random.get_rng_state())
+            runs[-1]["global RNG untouched"] = bool(untouched)
         out["replay"] = runs
         e_rowptr, e_col = edge_graph()
         edges: dict[str, Any] = {}
@@ -258,7 +264,8 @@ def _invariants(got: dict[str, Any], edge_index: torch.Tensor, seeds: torch.Tens
                 fanouts: list[int], what: str, *, counts_only: bool, num_nodes: int) -> None:
     if "returned" in got:
         raise CheckFailed(f"{what}: sample_neighbors returned {got['returned']}, expected a "
-                          "SampledSubgraph (n_id, edge_index, num_sampled_nodes, num_sampled_edges)")
+                          "SampledSubgraph "
+                          "(n_id, edge_index, num_sampled_nodes, num_sampled_edges)")
     n_id = _tensor(got, "n_id")
     ei = _tensor(got, "edge_index", rows=2)
     hops = len(fanouts)
@@ -434,8 +441,8 @@ def _compare_uniform(got: Any, expected: dict[str, Any]) -> None:
     for a in range(STAR_FANOUT):
         for b in range(a + 1, STAR_FANOUT):
             i, j = by_centre[:, a], by_centre[:, b]
-            pair.index_put_((torch.minimum(i, j), torch.maximum(i, j)), torch.ones(STARS, dtype=torch.long),
-                            accumulate=True)
+            pair.index_put_((torch.minimum(i, j), torch.maximum(i, j)),
+                            torch.ones(STARS, dtype=torch.long), accumulate=True)
     q = STAR_FANOUT * (STAR_FANOUT - 1) / (STAR_DEGREE * (STAR_DEGREE - 1))
     slack = binomial_bound(STARS, q)
     upper = torch.triu(torch.ones(STAR_DEGREE, STAR_DEGREE, dtype=torch.bool), 1)
@@ -460,8 +467,9 @@ def _compare_replay(got: Any, expected: None) -> None:
     fields = ("n_id", "edge_index", "num_sampled_nodes", "num_sampled_edges")
 
     def same(x: dict[str, Any], y: dict[str, Any]) -> bool:
-        return all(type(x[f]) is type(y[f]) and (torch.equal(x[f], y[f]) if isinstance(x[f], torch.Tensor)
-                                                 else x[f] == y[f]) for f in fields)
+        return all(type(x[f]) is type(y[f])
+                   and (torch.equal(x[f], y[f]) if isinstance(x[f], torch.Tensor)
+                        else x[f] == y[f]) for f in fields)
 
     if not all(r["global RNG untouched"] for r in runs):
         raise CheckFailed("sampling changed torch's global random state: every random number "
@@ -482,11 +490,13 @@ def _compare_replay(got: Any, expected: None) -> None:
 def _compare_loader(got: Any, expected: dict[str, Any]) -> None:
     loader = got["loader"] if isinstance(got, dict) else got
     if "error" in loader:
-        raise CheckFailed(f"PyG's NodeLoader or GraphSAGE failed on your batches: {loader['error']}",
+        raise CheckFailed("PyG's NodeLoader or GraphSAGE failed on your batches: "
+                          f"{loader['error']}",
                           expected="batches GraphSAGE runs on", got=loader["error"][:120])
     if not torch.equal(loader["seeds"], expected["seeds"]):
         raise CheckFailed("the first batch_size nodes of each NodeLoader batch are not its seeds",
-                          expected=expected["seeds"].tolist()[:16], got=loader["seeds"].tolist()[:16])
+                          expected=expected["seeds"].tolist()[:16],
+                          got=loader["seeds"].tolist()[:16])
     problem = tensor_mismatch(loader["out"], expected["out"], rtol=1e-9, atol=1e-10)
     if problem:
         raise CheckFailed(f"GraphSAGE on the NodeLoader batches {problem}, against GraphSAGE on "
@@ -499,7 +509,8 @@ SAMPLE = task(
     # PyG's samplers, and the loaders that draw through them (the legacy NeighborSampler, the
     # link loader, the distributed one): the sampling is the task
     forbidden=("torch_geometric.sampler", "torch_geometric.loader.NeighborLoader",
-               "torch_geometric.loader.LinkNeighborLoader", "torch_geometric.loader.NeighborSampler",
+               "torch_geometric.loader.LinkNeighborLoader",
+               "torch_geometric.loader.NeighborSampler",
                "torch_geometric.distributed"),
     hint="PyG's NeighborLoader semantics without replacement: hop by hop, every frontier node "
          "draws min(fanout, degree) distinct in-neighbours uniformly, with every random number "
@@ -551,10 +562,12 @@ SAMPLE.case("replays from the same generator state; leaves the global RNG alone"
             recipe="Pass generator= to every random call and never call torch.manual_seed or the "
                    "global RNG (nor Python's random module).")
 SAMPLE.case("PyG's NodeLoader batches it and GraphSAGE on them equals the full graph when every "
-            "neighbour is taken", uses=SAMPLES, compare=_compare_loader, expect="sage_on_full_graph",
-            hint="PyG's loaders slice data.x by n_id and run the model on the local edge_index; the "
-                 "seeds come first, so out[:batch_size] are the seeds' outputs. With every "
-                 "neighbour of 2 hops taken, a 2-layer GraphSAGE sees the whole 2-hop neighbourhood.",
+            "neighbour is taken", uses=SAMPLES, compare=_compare_loader,
+            expect="sage_on_full_graph",
+            hint="PyG's loaders slice data.x by n_id and run the model on the local edge_index; "
+                 "the seeds come first, so out[:batch_size] are the seeds' outputs. With every "
+                 "neighbour of 2 hops taken, a 2-layer GraphSAGE sees the whole 2-hop "
+                 "neighbourhood.",
             recipe="Return a SampledSubgraph whose n_id starts with the seeds and whose edge_index "
                    "uses positions in n_id, row 0 the neighbour; the loader does the rest.")
 
@@ -595,8 +608,11 @@ def _plain_plan(plan: Any) -> Any:
     if not (isinstance(plan, tuple) and len(plan) == 2):
         return describe(plan, 80)
     recv, send = (getattr(plan, "recv", plan[0]), getattr(plan, "send", plan[1]))
-    return {"recv": [plain(t) for t in recv] if isinstance(recv, (list, tuple)) else describe(recv, 80),
-            "send": [plain(t) for t in send] if isinstance(send, (list, tuple)) else describe(send, 80)}
+    def rows(side: Any) -> Any:
+        return ([plain(t) for t in side] if isinstance(side, (list, tuple))
+                else describe(side, 80))
+
+    return {"recv": rows(recv), "send": rows(send)}
 
 
 def _plans_on_rank(halo_plan: Any, seed: int) -> dict[str, Any]:
@@ -668,7 +684,8 @@ def _compare_agree(got: Any, expected: None) -> None:
                 a, b = plans[r]["send"][s].tolist(), plans[s]["recv"][r].tolist()
                 if a != b:
                     raise CheckFailed(f"{name}: rank {r}'s send[{s}] is not rank {s}'s recv[{r}]: "
-                                      "what one rank sends must be exactly what the other asked for",
+                                      "what one rank sends must be exactly what the other asked "
+                                      "for",
                                       expected=b[:16], got=a[:16])
 
 
@@ -772,7 +789,9 @@ def full_graph_plan(edge_index: torch.Tensor, part: torch.Tensor, rank: int,
 
     def needs(r: int, s: int) -> torch.Tensor:
         into = (part[edge_index[1]] == r) & (part[edge_index[0]] == s) if r != s else None
-        return torch.unique(edge_index[0][into]) if into is not None else torch.empty(0, dtype=torch.long)
+        if into is None:
+            return torch.empty(0, dtype=torch.long)
+        return torch.unique(edge_index[0][into])
 
     return HaloPlan([needs(rank, s) for s in range(world_size)],
                     [needs(s, rank) for s in range(world_size)])
@@ -860,10 +879,11 @@ def _compare_values(field: str, summed: bool = False) -> Any:
                                       cause=_grad_cause(ranks, expected[ws]))
                 continue
             for rank, r in enumerate(ranks):
-                problem = tensor_mismatch(r[field], expected[ws][field][rank], rtol=1e-9, atol=1e-10)
+                problem = tensor_mismatch(r[field], expected[ws][field][rank], rtol=1e-9,
+                                          atol=1e-10)
                 if problem:
-                    raise CheckFailed(f"{what}: rank {rank}'s {field} {problem}, against GCNConv on "
-                                      "the whole graph with the same weights",
+                    raise CheckFailed(f"{what}: rank {rank}'s {field} {problem}, against GCNConv "
+                                      "on the whole graph with the same weights",
                                       expected=describe(expected[ws][field][rank]),
                                       got=describe(r[field]),
                                       cause=FORWARD_WRONG if field == "out" else

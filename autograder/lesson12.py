@@ -87,7 +87,8 @@ FLOPS = task(
 def _flop_answers(training_flops: Any, seed: int) -> dict[str, Any]:
     out = {name: plain(training_flops(*shape)) for name, shape in FLOP_SHAPES.items()}
     out["seeded"] = [plain(training_flops(*shape)) for shape in seeded_flop_shapes(seed)]
-    out["edges"] = [_counted_or_raised(training_flops, shape) for shape in EDGE_FLOP_SHAPES.values()]
+    out["edges"] = [_counted_or_raised(training_flops, shape)
+                    for shape in EDGE_FLOP_SHAPES.values()]
     out["refused"] = {label: _counted_or_raised(training_flops, shape)
                       for label, shape in REFUSED_FLOP_SHAPES.items()}
     return out
@@ -124,8 +125,9 @@ def _compare_flops(got: Any, expected: Any, shapes: list[tuple[int, ...]]) -> No
                               expected=e, got=describe(g, 60), cause="not an int")
         if g != e:
             parts = expected["parts"][shapes.index(shape)]
+            ratio = f"{g / e:.3f}x" if e else "none at all"
             raise CheckFailed(f"{where}: {g:,} FLOPs, FlopCounterMode counts {e:,} "
-                              f"({f'{g / e:.3f}x' if e else 'none at all'}); of the forward's {parts['forward']:,}, the "
+                              f"({ratio}); of the forward's {parts['forward']:,}, the "
                               f"projections are {parts['projections']:,}, attention's two "
                               f"products {parts['attention']:,}, the output layer "
                               f"{parts['head']:,}", expected=e, got=g, cause="FLOPs differ",
@@ -145,16 +147,23 @@ for _name, _shape in FLOP_SHAPES.items():
     FLOPS.case(f"{_name}: {_shape}", uses=_flop_answers, pick=_name,
                compare=partial(_compare_flops, shapes=[_shape]),
                expect=partial(lambda seed, s: FLOPS.trusted("counted_flops")([s]), s=_shape))
+
+
+def _compare_listed_flops(got: Any, expected: Any, seed: Any = None) -> None:
+    """``_compare_flops`` over the shapes the expected answer lists."""
+    _compare_flops(got, expected, expected["shapes"])
+
+
 FLOPS.case("the edges: no blocks, an empty batch, one token per sequence with head dim 1",
            weight=0.5, uses=_flop_answers,
            pick="edges",
-           compare=lambda got, expected, seed=None: _compare_flops(got, expected, expected["shapes"]),
+           compare=_compare_listed_flops,
            expect=lambda seed: FLOPS.trusted("counted_flops")(list(EDGE_FLOP_SHAPES.values())))
 FLOPS.case("a shape the model refuses (dim not a multiple of heads, no heads): a ValueError "
            "naming the constraint", weight=0.5, uses=_flop_answers, pick="refused",
            compare=_compare_refusals)
 FLOPS.case("three shapes drawn from the seed", uses=_flop_answers, pick="seeded",
-           compare=lambda got, expected, seed=None: _compare_flops(got, expected, expected["shapes"]),
+           compare=_compare_listed_flops,
            expect=lambda seed: FLOPS.trusted("counted_flops")(seeded_flop_shapes(seed)))
 
 
@@ -162,7 +171,8 @@ FLOPS.case("three shapes drawn from the seed", uses=_flop_answers, pick="seeded"
 
 
 def traffic_sizes(seed: int) -> dict[str, int]:
-    """The model and batch of 12.2's runs: vocabularies, widths and contexts no world size divides."""
+    """The model and batch of 12.2's runs: vocabularies, widths and contexts no world size
+    divides."""
     rng = random.Random(seed * 104729 + 122)
     dim = rng.choice([10, 14, 18])
     return {"vocab": rng.choice([37, 41, 43, 53]), "dim": dim, "layers": 2, "heads": 2,
@@ -263,8 +273,8 @@ for _layout, _what in (("ddp", "torch DDP"), ("zero1", "ZeroRedundancyOptimizer 
 
 ONE_RANK_HINT = ("On one rank a shard is the whole tensor and a partial sum is already the sum: "
                  "FSDP2 gathers and reduce-scatters nothing and tensor parallelism all-reduces "
-                 "nothing, so the recorder sees no collective (an empty dict). DDP and ZeRO-1 still "
-                 "call all_reduce and broadcast on their whole buffers.")
+                 "nothing, so the recorder sees no collective (an empty dict). DDP and ZeRO-1 "
+                 "still call all_reduce and broadcast on their whole buffers.")
 
 
 def _compare_one_rank(got: Any, expected: dict[str, Any]) -> None:

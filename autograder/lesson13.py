@@ -160,7 +160,8 @@ def _compare_routing(got: Any, expected: dict[str, Any], settings: tuple[str, ..
                                        "choice.", recipe=FIELD_HINTS[field][1])
             if field == "kept" and g.dtype != torch.bool:
                 raise CheckFailed(f"{where}: kept has dtype {g.dtype}, expected torch.bool",
-                                  expected="torch.bool", got=str(g.dtype), hint=FIELD_HINTS[field][0],
+                                  expected="torch.bool", got=str(g.dtype),
+                                  hint=FIELD_HINTS[field][0],
                                   recipe="Compare the running count with the capacity: the "
                                          "comparison is a bool tensor.")
             if field == "weight":
@@ -331,7 +332,8 @@ def _balanced(seed: int, T: int, E: int, k: int, kind: str) -> tuple[torch.Tenso
         expert = torch.zeros(T, k, dtype=torch.int64)
     else:
         logits = torch.randn(T, E, generator=g, dtype=torch.float64)
-        expert = (torch.arange(T * k).view(T, k) + torch.arange(T)[:, None]) % E  # distinct per token
+        # distinct per token
+        expert = (torch.arange(T * k).view(T, k) + torch.arange(T)[:, None]) % E
     kept = torch.ones(T, k, dtype=torch.bool)
     weight = logits.softmax(-1).gather(1, expert)
     return logits, Routing(expert, weight, torch.zeros(T, k, dtype=torch.int64), kept)
@@ -581,7 +583,8 @@ def _compare_grad_values(ranks: list[Any], expected: dict[str, Any]) -> None:
              for g, e in zip(ranks, expected["ranks"])]
     if any(not isinstance(g, torch.Tensor) for g in grads):
         raise CheckFailed("the router got no gradient on some rank",
-                          expected="router.weight.grad on every rank", got=[describe(g, 40) for g in grads],
+                          expected="router.weight.grad on every rank",
+                          got=[describe(g, 40) for g in grads],
                           hint="The routing weights multiply the experts' outputs: the router "
                                "learns through them.",
                           recipe="Multiply each returned expert output by its choice's weight "
@@ -620,7 +623,8 @@ def _compare_pattern(got: Any, expected: dict[str, Any]) -> None:
                               expected=[["counts", f"<= {count_limit}"], ["tokens", out],
                                         ["results", back]], got=fwd)
         bwd = g["backward"]
-        if len(bwd) != 2 or any(op not in A2A for op, _ in bwd) or [b for _, b in bwd] != [out, back]:
+        if (len(bwd) != 2 or any(op not in A2A for op, _ in bwd)
+                or [b for _, b in bwd] != [out, back]):
             raise CheckFailed(f"rank {rank}'s backward made {_ops(bwd)}; expected the mirror of "
                               f"the forward: the results' gradients ({out} bytes) and the tokens' "
                               f"gradients ({back} bytes), two all-to-alls and nothing else",

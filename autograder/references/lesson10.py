@@ -143,13 +143,14 @@ def reference_bedroc(scores: torch.Tensor, labels: torch.Tensor, alpha: float = 
     return float(CalcBEDROC(_ranked_rows(scores, labels), 1, alpha))
 
 
-def reference_screen(scores: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
+def reference_screen(scores: torch.Tensor, labels: torch.Tensor,
+                     ids: torch.Tensor) -> dict[str, Any]:
     """The whole screen in one process: EF@1%, BEDROC(20) and the 100 best ids."""
     from rdkit.ML.Scoring.Scoring import CalcBEDROC, CalcEnrichment
 
     rows = _ranked_rows(scores, labels, ids)
-    return {"ef1": float(CalcEnrichment(rows, 1, [0.01])[0]), "bedroc": float(CalcBEDROC(rows, 1, 20.0)),
-            "top100": [r[0] for r in rows[:100]]}
+    return {"ef1": float(CalcEnrichment(rows, 1, [0.01])[0]),
+            "bedroc": float(CalcBEDROC(rows, 1, 20.0)), "top100": [r[0] for r in rows[:100]]}
 
 
 def rdkit_metrics(seed: int) -> dict[str, Any]:

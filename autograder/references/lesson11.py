@@ -150,7 +150,8 @@ def gcn_conv_on_full_graph(seed: int) -> dict[int, dict[str, Any]]:
         y = conv(x, setup["edge_index"])
         y.backward(setup["grad"])
         owns = [local_graph(setup["edge_index"], setup["part"], r).own for r in range(world_size)]
-        out[world_size] = {"out": [y.detach()[o] for o in owns], "x.grad": [x.grad[o] for o in owns],
+        out[world_size] = {"out": [y.detach()[o] for o in owns],
+                           "x.grad": [x.grad[o] for o in owns],
                            "lin.weight.grad": conv.lin.weight.grad.clone(),
                            "bias.grad": conv.bias.grad.clone()}
     return out
