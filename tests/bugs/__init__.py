@@ -37,3 +37,9 @@ def edited_solution(lesson: int | str, *edits: tuple[str, str]) -> ModuleType:
     from autograder.loading import load_tasks
 
     return load_tasks(folder / source)
+
+
+def edited_entry(lesson: int | str, name: str, *edits: tuple[str, str]) -> object:
+    """``name`` (a task's function or class, or a companion) of :func:`edited_solution`'s module
+    for ``lesson`` with ``edits`` made."""
+    return getattr(edited_solution(lesson, *edits), name)
