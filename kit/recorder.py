@@ -77,15 +77,19 @@ class Record:
     (``torch.distributed._functional_collectives``), ``"c++"`` (a torch component below Python,
     such as DDP's reducer) or ``"pg"`` (a ``ProcessGroup`` method called from user code).
     ``frame`` is the Python frame that made the call (for reports of where it came from).
+    ``group_ranks`` are the global ranks of the group it ran in, in group-rank order (which
+    axis of a DeviceMesh carried it: each axis is its own group).
     """
 
     __slots__ = ("op", "kind", "nbytes", "peer", "async_op", "group_size", "route", "frame",
-                 "start", "event", "fold")
+                 "start", "event", "fold", "group_ranks")
 
     def __init__(self, op: str, kind: str, nbytes: int, peer: int | None, async_op: bool,
-                 group_size: int, route: str, frame: Any, fold: Any) -> None:
+                 group_size: int, route: str, frame: Any, fold: Any,
+                 group_ranks: tuple[int, ...] = ()) -> None:
         self.op, self.kind, self.nbytes, self.peer = op, kind, nbytes, peer
         self.async_op, self.group_size, self.route, self.frame = async_op, group_size, route, frame
+        self.group_ranks = group_ranks
         self.fold = fold  # the outer c10d frame of an object collective: its calls fold together
         self.start = time.perf_counter()
         self.event: Any = None
@@ -178,7 +182,7 @@ class RecordingProcessGroup(_C.ProcessGroup):
         op, route, async_op, fold, frame = _caller(3)
         record = Record(op or fallback, "p2p" if (op or fallback) in P2P else kind, nbytes,
                         None if peer is None else self._global[peer], async_op, self.size(),
-                        route, frame, fold)
+                        route, frame, fold, tuple(self._global))
         for observe in list(observers):
             observe(record)
         work = call()

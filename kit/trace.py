@@ -82,6 +82,8 @@ class Event:
     # How it reached the wire: "dist" (a torch.distributed function), "functional",
     # "c++" (a torch component below Python: DDP's reducer), "pg" (a ProcessGroup method)
     route: str = ""
+    # The global ranks of the group it ran in (a DeviceMesh axis is one group per slice)
+    group_ranks: tuple[int, ...] = ()
 
     @property
     def duration(self) -> float:
@@ -179,7 +181,8 @@ def _observe(record: recorder.Record) -> None:
         return
     event = Event(_rank(), _next_index(), record.op, record.kind, record.nbytes, record.start,
                   record.start, peer=record.peer, async_op=record.async_op,
-                  group_size=record.group_size, route=record.route)
+                  group_size=record.group_size, route=record.route,
+                  group_ranks=record.group_ranks)
     record.event = event
     _fold[:] = [record.fold, event] if record.fold is not None else [None, None]
     _record(event)
@@ -192,8 +195,7 @@ def _issued(record: recorder.Record, work: Any) -> None:
     event.end = _now()
     if work is None:
         return
-    ranks = getattr(record, "group_ranks", None)
-    _pending[id(work)] = (work, event, ranks)
+    _pending[id(work)] = (work, event, list(record.group_ranks))
     if record.route != "dist":  # waited below Python (DDP's reducer): end when it completes
         try:
             work.get_future().add_done_callback(lambda _: _completed(event))

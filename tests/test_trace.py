@@ -47,6 +47,27 @@ def test_each_call_is_one_event_with_op_bytes_and_call_index():
         assert all(a.end <= b.start for a, b in zip(events, events[1:]))
 
 
+def _one_all_reduce_per_mesh_axis():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with trace() as t:
+        dist.all_reduce(torch.ones(3), group=mesh.get_group("tp"))
+        dist.all_reduce(torch.ones(5), group=mesh.get_group("dp"))
+        dist.all_reduce(torch.ones(7))
+    return [(e.nbytes, e.group_ranks) for e in t.events]
+
+
+def test_each_event_names_the_global_ranks_of_its_group_so_mesh_axes_tell_apart():
+    # Both axes of a (2, 2) mesh are groups of size 2: only their ranks say which axis it was.
+    result = launch_traced(_one_all_reduce_per_mesh_axis, world_size=4, echo=False)
+    for rank, seen in enumerate(result):
+        tp = tuple(range(rank // 2 * 2, rank // 2 * 2 + 2))  # rows of arange(4).view(2, 2)
+        dp = (rank % 2, rank % 2 + 2)  # columns
+        assert seen == [(12, tp), (20, dp), (28, (0, 1, 2, 3))], (rank, seen)
+    assert {e.group_ranks for e in result.events[3]} == {(2, 3), (1, 3), (0, 1, 2, 3)}
+
+
 def _object_collective():
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"rank": dist.get_rank(), "pad": "x" * 100})
