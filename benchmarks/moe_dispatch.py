@@ -14,7 +14,7 @@ by a barrier and the order rotating so that a noisy neighbour slows all alike:
   them all with their own rank's capacity, runs its experts' share of every token and returns
   the shares with a reduce-scatter (its backward: a reduce-scatter and an all-gather);
 * **one process**: rank 0 alone runs every expert on every rank's tokens (routed rank by rank,
-  so with the same capacities) while the others wait: the single-process MoE.
+  so with the same capacities) while the others wait: the lesson's single-process ``MoELayer``.
 
 A step's time is the slowest rank's (for one process: rank 0's); reported are medians over the
 steps and the ratio to the all-to-all, with the bytes each variant's collectives carried on rank
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autograder import course
-from autograder.loading import load_tasks
+from autograder.loading import definitions_only, load_tasks, read_cells
 from kit.launcher import preload_modules, run_ranks
 from kit.lessons.moe import expert_range, make_experts, make_router, skewed_tokens
 from kit.trace import trace
@@ -82,27 +82,14 @@ class AllGatherMoE(nn.Module):
         return funcol.wait_tensor(mine)[:T]
 
 
-class OneProcessMoE(nn.Module):
-    """Every expert, every rank's tokens (each chunk routed with its own rank's capacity)."""
-
-    def __init__(self, route, router, experts, k, capacity_factor):
-        super().__init__()
-        self.route, self.router, self.experts = route, router, experts
-        self.k, self.capacity_factor = k, capacity_factor
-
-    def forward(self, chunks):
-        outs = []
-        for x in chunks:
-            cap = math.ceil(self.k * x.shape[0] * self.capacity_factor / len(self.experts))
-            routing = self.route(self.router(x), self.k, cap)
-            out = torch.zeros_like(x)
-            for e, expert in enumerate(self.experts):
-                token, choice = torch.nonzero((routing.expert == e) & routing.kept, as_tuple=True)
-                if token.numel():
-                    out = out.index_add(0, token,
-                                        routing.weight[token, choice, None] * expert(x[token]))
-            outs.append(out)
-        return outs
+def _single_process_layer(lesson):
+    """Lesson 13's MoELayer, every expert in one process: a demo cell, which load_tasks leaves
+    out, defined here beside the loaded module's route and capacity."""
+    source = next(c.source for c in read_cells(course.lesson(13).source)
+                  if "class MoELayer(" in c.source)
+    namespace = dict(vars(lesson))
+    exec(definitions_only(source), namespace)
+    return namespace["MoELayer"]
 
 
 def _time_all(lesson, num_experts: int, k: int, d_model: int, d_hidden: int, tokens: int,
@@ -114,15 +101,15 @@ def _time_all(lesson, num_experts: int, k: int, d_model: int, d_hidden: int, tok
     xs = [skewed_tokens(tokens, d_model, router, favourite=1, skew=skew, seed=r) for r in range(W)]
     layers = {NAMES[0]: lesson.ExpertParallelMoE(router, experts, k, capacity_factor),
               NAMES[1]: AllGatherMoE(lesson.route, router, experts, k, capacity_factor)}
-    if rank == 0:
-        layers[NAMES[2]] = OneProcessMoE(lesson.route, make_router(d_model, num_experts, seed=0),
-                                         make_experts(num_experts, d_model, d_hidden), k,
-                                         capacity_factor)
+    if rank == 0:  # every expert, every rank's tokens (each routed with its own rank's capacity)
+        layers[NAMES[2]] = _single_process_layer(lesson)(
+            make_router(d_model, num_experts, seed=0),
+            make_experts(num_experts, d_model, d_hidden), k, capacity_factor)
 
     def step(name: str) -> None:
         if name == NAMES[2]:
             if rank == 0:
-                outs = layers[name]([x.clone().requires_grad_() for x in xs])
+                outs = [layers[name](x.clone().requires_grad_()) for x in xs]
                 sum(o.square().sum() for o in outs).backward()
             return
         x = xs[rank].clone().requires_grad_()  # as in a model: the input's gradient is needed

@@ -293,38 +293,45 @@ def test_plot_traces_draws_a_row_per_rank(tmp_path):
 # --------------------------------------------------------------------------- which case, which bug
 
 
+# A bug at an edge of its task: (task, the bug's label, the one case that catches it, what that
+# case's feedback names)
+EDGE_BUGS = [
+    ("12.1", "counts a model that cannot exist", "a shape the model refuses",
+     "dim 10 on 4 heads (dim not a multiple of heads)"),
+    ("12.1", "the output layer counted in every block", "the edges", "layers=0"),
+    ("12.3", "the excess in standard deviations", "two ranks", "two ranks"),
+    ("12.3", "names a straggler where there is none", "no straggler to find",
+     "one rank's trace (world size 1)"),
+]
+
+
+def _bug(bugs, task_id, label_start):
+    return next(i for description, i in bugs[task_id] if description.startswith(label_start))
+
+
 @pytest.mark.parametrize("task_id, bug, caught_by", [
     ("12.1", "attention's score matmuls forgotten", "long sequences"),
     ("12.1", "the LM head", "a large vocabulary"),
     ("12.2", "no padding counted", "fsdp"),
     ("12.2", "TP's backward all-reduce forgotten", "tp"),
-    ("12.1", "counts a model that cannot exist", "a shape the model refuses"),
-    ("12.1", "the output layer counted in every block", "the edges"),
-    ("12.3", "the excess in standard deviations", "two ranks"),
-    ("12.3", "names a straggler where there is none", "no straggler to find"),
+    *[(task_id, bug, caught_by) for task_id, bug, caught_by, _ in EDGE_BUGS],
 ])
 def test_each_bug_is_caught_by_the_case_that_targets_it(bugs, task_id, bug, caught_by):
-    impl = next(i for description, i in bugs[task_id] if description.startswith(bug))
-    failed = failed_cases(task_id, impl)
+    failed = failed_cases(task_id, _bug(bugs, task_id, bug))
     assert failed and any(name.startswith(caught_by) or caught_by in name for name in failed), (
         failed
     )
-    if task_id == "12.2" or bug.startswith(("counts a model", "the output layer counted",
-                                            "the excess", "names a straggler")):
+    if task_id == "12.2" or (task_id, bug) in {(t, b) for t, b, _, _ in EDGE_BUGS}:
         assert all(name.startswith(caught_by) for name in failed), failed
 
 
-@pytest.mark.parametrize("task_id, bug, names", [
-    ("12.1", "counts a model that cannot exist", "dim 10 on 4 heads (dim not a multiple of heads)"),
-    ("12.1", "the output layer counted in every block", "layers=0"),
-    ("12.3", "the excess in standard deviations", "two ranks"),
-    ("12.3", "names a straggler where there is none", "one rank's trace (world size 1)"),
-])
+@pytest.mark.parametrize("task_id, bug, names",
+                         [(task_id, bug, names) for task_id, bug, _, names in EDGE_BUGS])
 def test_an_edge_bug_gets_feedback_naming_its_regime(bugs, task_id, bug, names):
     from autograder.checking import run_checks
 
-    impl = next(i for description, i in bugs[task_id] if description.startswith(bug))
-    failed = [c for c in run_checks(task_id, impl).cases if c.status == "failed"]
+    failed = [c for c in run_checks(task_id, _bug(bugs, task_id, bug)).cases
+              if c.status == "failed"]
     assert len(failed) == 1 and names in failed[0].message, [c.message for c in failed]
 
 

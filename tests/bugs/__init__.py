@@ -43,3 +43,17 @@ def edited_entry(lesson: int | str, name: str, *edits: tuple[str, str]) -> objec
     """``name`` (a task's function or class, or a companion) of :func:`edited_solution`'s module
     for ``lesson`` with ``edits`` made."""
     return getattr(edited_solution(lesson, *edits), name)
+
+
+def solution_demo(lesson: int, name: str) -> object:
+    """``name``, a class or function of a demo cell of lesson ``lesson``'s solution (given code,
+    which the loader leaves out when no task uses it), defined in a fresh load of the solution so
+    that it sees the solution's names: for a bug built on the lesson's own code."""
+    from autograder.course import lesson as spec
+    from autograder.loading import definitions_only, read_cells
+
+    module = edited_solution(lesson)
+    cell = next(c for c in read_cells(spec(lesson).source)
+                if f"class {name}(" in c.source or f"def {name}(" in c.source)
+    exec(definitions_only(cell.source), vars(module))  # the trusted solution's own cell
+    return getattr(module, name)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import types
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from autograder.references.lesson10 import ReferenceEGNNLayer
-from bugs import edited_solution
+from bugs import edited_entry, edited_solution
 from bugs import lesson10_pasted as pasted_rdkit
 
 SOLUTION = edited_solution(10)
@@ -29,8 +30,13 @@ def _bound(fn, **names):
                               fn.__defaults__, fn.__closure__)
 
 
-def _edited(name, *edits):
-    return getattr(edited_solution(10, *edits), name)
+_edited = partial(edited_entry, 10)
+_SET_ORDER = "key=lambda s: (len(s), s[0]), reverse=True"  # the solution's order of the sets
+
+
+def _set_order(key):
+    """scaffold_split with the scaffold sets sorted by ``key`` instead."""
+    return _edited("scaffold_split", (_SET_ORDER, key))
 
 
 # --------------------------------------------------------------------------- task 10.2
@@ -102,12 +108,10 @@ BUGS = {
         ("subclasses the grader's reference layer", EGNNLayerIsTheReference),
     ],
     "10.3": [
-        ("scaffold sets ordered by size only", _edited("scaffold_split", (
-            "key=lambda s: (len(s), s[0]), reverse=True", "key=len, reverse=True"))),
-        ("ties between equal-sized sets by ascending first index", _edited("scaffold_split", (
-            "key=lambda s: (len(s), s[0]), reverse=True", "key=lambda s: (-len(s), s[0])"))),
-        ("the smallest scaffold sets first", _edited("scaffold_split", (
-            "key=lambda s: (len(s), s[0]), reverse=True", "key=lambda s: (len(s), s[0])"))),
+        ("scaffold sets ordered by size only", _set_order("key=len, reverse=True")),
+        ("ties between equal-sized sets by ascending first index",
+         _set_order("key=lambda s: (-len(s), s[0])")),
+        ("the smallest scaffold sets first", _set_order("key=lambda s: (len(s), s[0])")),
         ("scaffolds keep chirality", _edited("scaffold_split", (
             "MurckoScaffoldSmiles(mol=mol, includeChirality=False)\n        groups",
             "MurckoScaffoldSmiles(mol=mol, includeChirality=True)\n        groups"))),

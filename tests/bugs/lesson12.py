@@ -8,23 +8,16 @@ model, the recorder's bytes read off a real run, and blaming the rank that waits
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.nn import functional as F
 
-from bugs import edited_solution
+from bugs import edited_entry
 
-
-def _flops(*edits):
-    return edited_solution(12, *edits).training_flops
-
-
-def _traffic(*edits):
-    return edited_solution(12, *edits).step_traffic
-
-
-def _straggler(*edits):
-    return edited_solution(12, *edits).find_straggler
-
+_flops = partial(edited_entry, 12, "training_flops")
+_traffic = partial(edited_entry, 12, "step_traffic")
+_straggler = partial(edited_entry, 12, "find_straggler")
 
 _RETURN = "    return 3 * forward  #"
 _FORWARD = "forward = layers * (projections + attention) + head"

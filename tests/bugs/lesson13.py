@@ -11,29 +11,20 @@ notebook provides them.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from bugs import edited_solution
+from bugs import edited_entry, edited_solution, solution_demo
 
 SOLUTION = edited_solution(13)
 route = SOLUTION.route  # the 13.3 bugs route correctly: each breaks the layer, not the router
 AllToAll = SOLUTION.AllToAll
-
-
-def _route(*edits):
-    return edited_solution(13, *edits).route
-
-
-def _loss(*edits):
-    return edited_solution(13, *edits).load_balancing_loss
-
-
-def _moe(*edits):
-    return edited_solution(13, *edits).ExpertParallelMoE
-
+_route = partial(edited_entry, 13, "route")
+_loss = partial(edited_entry, 13, "load_balancing_loss")
+_moe = partial(edited_entry, 13, "ExpertParallelMoE")
 
 _TOKEN_ORDER = (("order = expert.t().reshape(-1)  # (k * T,)", "order = expert.reshape(-1)"),
                 ("position = position.view(k, num_tokens).t()",
@@ -164,12 +155,11 @@ class MoEGathersThroughTheGroup(SOLUTION.ExpertParallelMoE):
         return super().forward(x)
 
 
-class MoECopiesEveryExpert(nn.Module):
-    """Every rank broadcasts its experts to all: each holds all E and computes its own tokens."""
+class MoECopiesEveryExpert(solution_demo(13, "MoELayer")):
+    """Every rank broadcasts its experts to all: each holds all E and computes its own tokens
+    with the lesson's single-process layer."""
 
     def __init__(self, router, experts_local, k, capacity_factor, group=None):
-        super().__init__()
-        self.router, self.k, self.capacity_factor = router, k, capacity_factor
         W, rank = dist.get_world_size(group), dist.get_rank(group)
         n_local = len(experts_local)
         experts = []
@@ -181,19 +171,7 @@ class MoECopiesEveryExpert(nn.Module):
                         dist.broadcast(p, src=dist.get_global_rank(group, owner)
                                        if group is not None else owner, group=group)
                 experts.append(module)
-        self.experts = nn.ModuleList(experts)
-
-    def forward(self, x):
-        E = len(self.experts)
-        cap = math.ceil(self.k * x.shape[0] * self.capacity_factor / E)
-        routing = route(self.router(x), self.k, cap)
-        out = torch.zeros_like(x)
-        for e, module in enumerate(self.experts):
-            token, choice = torch.nonzero((routing.expert == e) & routing.kept, as_tuple=True)
-            if token.numel():
-                out = out.index_add(0, token,
-                                    routing.weight[token, choice, None] * module(x[token]))
-        return out
+        super().__init__(router, nn.ModuleList(experts), k, capacity_factor)
 
 
 def _copy_of(module: nn.Module) -> nn.Module:
