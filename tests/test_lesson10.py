@@ -113,8 +113,7 @@ def test_the_lessons_worked_example_is_deepchems_split():
     import re
 
     text = SOURCE.read_text(encoding="utf-8")
-    table = text[text.index("| SMILES |"):text.index("| scaffold |")]
-    smiles = re.findall(r"`([^`]+)`", table)
+    smiles = re.findall(r"^# \| \d+ \| `([^`]+)` \|", text, flags=re.MULTILINE)  # index | SMILES
     train, valid, test = (_json_list(x) for x in re.search(
         r"DeepChem gives train `(\[[\d, ]*\])`, valid `(\[[\d, ]*\])`, test `(\[[\d, ]*\])`",
         " ".join(text.replace("# ", "").split())).groups())
