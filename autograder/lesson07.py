@@ -206,6 +206,11 @@ def _watched_training(impl: Any, seed: int, **kwargs: Any) -> dict[str, Any]:
 SKIP_WRONG, SCALE_WRONG = "skip decision", "scale schedule"
 
 
+def _first_difference(got: list, expected: list) -> tuple[int, Any, Any] | None:
+    """The first step at which two per-step records differ, with both entries; else None."""
+    return next(((step, g, e) for step, (g, e) in enumerate(zip(got, expected)) if g != e), None)
+
+
 def _compare_scaled(got: Any, expected: dict[str, Any], where: str = "") -> None:
     _no_torch_helper(got, "the task is a loss scaler of your own")
     if got["default scale"] != expected["default scale"]:
@@ -215,27 +220,26 @@ def _compare_scaled(got: Any, expected: dict[str, Any], where: str = "") -> None
                                "GradScaler starts.",
                           recipe="The defaults are init_scale=2.0**16, growth_factor=2.0, "
                                  "backoff_factor=0.5, growth_interval=2000.")
-    for step, (g, e) in enumerate(zip(got["stepped"], expected["stepped"])):
-        if g != e:
-            raise CheckFailed(
-                f"{where}step {step}: the optimizer {'stepped' if g else 'skipped'}, torch's "
-                f"GradScaler {'stepped' if e else 'skipped'} (inf steps {list(INF_STEPS)}, NaN "
-                f"steps {list(NAN_STEPS)})", expected=expected["stepped"], got=got["stepped"],
-                hint="A step is skipped exactly when some gradient overflowed: an inf or a NaN.",
-                cause=SKIP_WRONG,
-                recipe="In unscale_(), test every gradient with torch.isfinite (it catches both "
-                       "inf and NaN); in step(), skip the optimizer when any test failed.")
-    for step, (g, e) in enumerate(zip(got["scales"], expected["scales"])):
-        if g != e:
-            raise CheckFailed(
-                f"{where}the scale after update() of step {step} is {g}, "
-                f"torch's GradScaler has {e}",
-                expected=expected["scales"], got=got["scales"],
-                hint="The scale backs off after every overflow and grows only after "
-                     "growth_interval good steps in a row.", cause=SCALE_WRONG,
-                recipe="After a skipped step: scale *= backoff_factor and the count of good steps "
-                       "starts again from 0. After growth_interval good steps in a row: scale *= "
-                       "growth_factor and the count starts again.")
+    if (skip := _first_difference(got["stepped"], expected["stepped"])) is not None:
+        step, g, e = skip
+        raise CheckFailed(
+            f"{where}step {step}: the optimizer {'stepped' if g else 'skipped'}, torch's "
+            f"GradScaler {'stepped' if e else 'skipped'} (inf steps {list(INF_STEPS)}, NaN "
+            f"steps {list(NAN_STEPS)})", expected=expected["stepped"], got=got["stepped"],
+            hint="A step is skipped exactly when some gradient overflowed: an inf or a NaN.",
+            cause=SKIP_WRONG,
+            recipe="In unscale_(), test every gradient with torch.isfinite (it catches both "
+                   "inf and NaN); in step(), skip the optimizer when any test failed.")
+    if (scale := _first_difference(got["scales"], expected["scales"])) is not None:
+        step, g, e = scale
+        raise CheckFailed(
+            f"{where}the scale after update() of step {step} is {g}, torch's GradScaler has {e}",
+            expected=expected["scales"], got=got["scales"],
+            hint="The scale backs off after every overflow and grows only after "
+                 "growth_interval good steps in a row.", cause=SCALE_WRONG,
+            recipe="After a skipped step: scale *= backoff_factor and the count of good steps "
+                   "starts again from 0. After growth_interval good steps in a row: scale *= "
+                   "growth_factor and the count starts again.")
     assert_same(got["params"], expected["params"], rtol=1e-6, atol=1e-7, path=f"{where}parameters")
 
 

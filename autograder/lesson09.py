@@ -373,12 +373,9 @@ def _mask_edges(mask_tokens: Any, seed: int) -> dict[str, Any]:
     for name, tokens in _nothing_maskable(seed).items():
         out[name] = _guarded_mask(mask_tokens, tokens, seed)
     for prob in OUT_OF_RANGE:
-        try:
-            mask_tokens(_peptide_tokens(seed, 4).clone(), _alphabet(),
-                        torch.Generator().manual_seed(seed), mask_prob=prob)
-            out[f"mask_prob = {prob}"] = {"returned": "a result"}
-        except Exception as e:  # noqa: BLE001 - what it raised is the answer
-            out[f"mask_prob = {prob}"] = {"raised": type(e).__name__, "message": str(e)[:300]}
+        out[f"mask_prob = {prob}"] = _outcome(
+            mask_tokens, _peptide_tokens(seed, 4).clone(), _alphabet(),
+            torch.Generator().manual_seed(seed), mask_prob=prob)
     return out
 
 
@@ -420,15 +417,34 @@ def _compare_nothing_maskable(got: Any, expected: dict[str, torch.Tensor]) -> No
                                        "its labels stay -100 and its tokens unchanged.")
 
 
+def _outcome(fn: Any, *args: Any, **kwargs: Any) -> dict[str, str]:
+    """What ``fn(*args, **kwargs)`` did with an argument it must refuse: returned, or raised
+    (and said what)."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - what it raised is the answer
+        return {"raised": type(e).__name__, "message": str(e)[:300]}
+    return {"returned": "a result"}
+
+
+def _not_refused(got: Any, key: str, name: str, returned: str = "returned a result") -> str | None:
+    """None when ``got[key]`` (an :func:`_outcome`) is a ValueError whose message names ``name``,
+    else what the code did instead."""
+    did = got.get(key, {}) if isinstance(got, dict) else {}
+    if did.get("raised") == "ValueError" and name in did.get("message", ""):
+        return None
+    if "returned" in did:
+        return returned
+    return f"raised {did.get('raised')}: {did.get('message', '')}"
+
+
 def _compare_out_of_range(got: Any, expected: Any) -> None:
     for prob in OUT_OF_RANGE:
-        did = got.get(f"mask_prob = {prob}", {}) if isinstance(got, dict) else {}
-        if did.get("raised") != "ValueError" or "mask_prob" not in did.get("message", ""):
+        did = _not_refused(got, f"mask_prob = {prob}", "mask_prob")
+        if did is not None:
             raise CheckFailed(
                 f"mask_prob = {prob} is not a probability",
-                expected="a ValueError naming mask_prob and its range [0, 1]",
-                got=("returned a result" if "returned" in did
-                     else f"raised {did.get('raised')}: {did.get('message', '')}"),
+                expected="a ValueError naming mask_prob and its range [0, 1]", got=did,
                 hint="A selection probability outside [0, 1] is a mistake of the caller: "
                      "comparing draws with it would select nothing or everything silently.",
                 recipe="First thing: if not 0 <= mask_prob <= 1, raise ValueError(...) naming "
@@ -967,24 +983,19 @@ def _run_chunked(chunked: Any, seed: int) -> dict[str, Any]:
     out["peak bytes"], out["largest bytes"] = usage.peak, usage.largest
     module, z = triangle(seed, torch.float64), pair(seed, 5, torch.float64)
     for chunk in BAD_CHUNKS:  # no block of rows at all: refused, not an empty or endless loop
-        try:
-            with torch.no_grad():
-                chunked(module, z.clone(), chunk)
-            out[f"chunk_size {chunk}"] = {"returned": "a result"}
-        except Exception as e:  # noqa: BLE001 - what it raised is the answer
-            out[f"chunk_size {chunk}"] = {"raised": type(e).__name__, "message": str(e)[:300]}
+        with torch.no_grad():
+            out[f"chunk_size {chunk}"] = _outcome(chunked, module, z.clone(), chunk)
     return out
 
 
 def _compare_bad_chunks(got: Any, expected: Any) -> None:
     for chunk in BAD_CHUNKS:
-        did = got.get(f"chunk_size {chunk}", {}) if isinstance(got, dict) else {}
-        if did.get("raised") != "ValueError" or "chunk_size" not in did.get("message", ""):
+        did = _not_refused(got, f"chunk_size {chunk}", "chunk_size",
+                           returned="returned a result (the output's rows never written)")
+        if did is not None:
             raise CheckFailed(
                 f"chunk_size {chunk}: no block of rows has {chunk} rows",
-                expected="a ValueError naming chunk_size (it must be a positive integer)",
-                got=("returned a result (the output's rows never written)" if "returned" in did
-                     else f"raised {did.get('raised')}: {did.get('message', '')}"),
+                expected="a ValueError naming chunk_size (it must be a positive integer)", got=did,
                 hint="The rows go in blocks of chunk_size: a size below 1 gives no block (a "
                      "step of 0 is no loop, a negative one runs no step and leaves the output "
                      "unwritten). Refuse it with a message that names chunk_size.",
