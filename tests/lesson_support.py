@@ -65,3 +65,33 @@ def fails_exactly(task_id: str, impl: Any, prefix: str) -> tuple[list[Any], Any]
         c.name for c in report.cases if c.name.startswith(prefix)
     ], report.to_text()
     return failed, report
+
+
+def fails_only_its_bounds(task_id: str, impl: Any, lost: str | list[str] | tuple[str, ...],
+                          at_least: float) -> Any:
+    """Runs the task's checks on ``impl``, a mistake with the right values that keeps what the
+    technique frees, and asserts the meter alone sees it: every value case passes; every bound
+    case (`` is within `` in its name) fails with 0 points, names the saving lost (``lost``: one
+    phrase for every bound, or one per bound in order) and holds ``at_least`` times the bound or
+    more; the score is the value cases' share, at most half the task's points. Returns the
+    report."""
+    import re
+
+    from autograder.checking import run_checks
+
+    task = get_task(task_id)
+    report = run_checks(task_id, impl)
+    bounds = [c for c in report.cases if " is within " in c.name]
+    values = [c for c in report.cases if " is within " not in c.name]
+    phrases = [lost] * len(bounds) if isinstance(lost, str) else list(lost)
+    assert bounds and len(bounds) == len(phrases), report.to_text()
+    assert all(c.status == "passed" for c in values), report.to_text()
+    for case, phrase in zip(bounds, phrases):
+        assert case.status == "failed" and case.points == 0, report.to_text()
+        assert phrase in case.message, case.message
+        held = float(re.search(r"holds ([\d.]+)x the bound", case.message)[1])
+        assert held >= at_least, case.message
+    value_share = sum(task.case_points(c) for c in task.cases if " is within " not in c.name)
+    # right values with the saving thrown away keep at most half of the points (issue 45)
+    assert report.score == pytest.approx(min(value_share, task.points / 2))
+    return report
