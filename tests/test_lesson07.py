@@ -188,7 +188,7 @@ def test_compile_ready_matches_eager_with_inductor_too(solution):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_compile_ready_compiles_twice_over_three_sequence_lengths_and_a_python_range_once_per_length(
+def test_compile_ready_compiles_twice_over_three_lengths_and_a_python_range_once_per_length(
     solution, bugs
 ):
     """The second length makes T dynamic (automatic dynamic shapes), the third reuses that graph;
@@ -264,7 +264,8 @@ def test_lesson07_runs_headless_with_its_solutions_and_shows_what_it_claims():
     printed = printed_text(result)
     formula = [line for line in printed.splitlines() if line.startswith("T=")]
     assert len(formula) == 4 and all(line.split()[3] == line.split()[6] for line in formula)
-    # the constants derived from the student's count: Korthikanti's 16 values, + (2 * 2 + a) per token
+    # the constants derived from the student's count: Korthikanti's 16 values, + (2 * 2 + a) per
+    # token
     assert (
         "derived: alpha = 64 bytes (16 fp32 values) per token and hidden unit, beta = 32 bytes"
         in printed
@@ -285,8 +286,9 @@ def test_lesson07_runs_headless_with_its_solutions_and_shows_what_it_claims():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bitwise_checkpoint_cases_hold_whatever_thread_count_each_side_runs_with(threads):
-    # The batch grader computes the expectation in its own process and runs the student's code in a
-    # sandboxed worker, whose intra-op thread counts may differ (the gradients then differ by ~1e-8).
+    # The batch grader computes the expectation in its own process and runs the student's code in
+    # a sandboxed worker, whose intra-op thread counts may differ (the gradients then differ by
+    # ~1e-8).
     from conftest import solutions
 
     from autograder.registry import get_task

@@ -324,7 +324,7 @@ def test_an_uneven_tensor_parallel_split_loses_only_the_indivisible_case(bugs):
     assert "ValueError" in failed[0].expected
 
 
-# --------------------------------------------------------------------------- kit.lessons.parallelism
+# ------------------------------------------------------------------------ kit.lessons.parallelism
 
 
 def _gpipe_order(m):
@@ -404,7 +404,8 @@ def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert "sum of the 4 partial results + bias equals the MLP: True" in printed
     assert printed.count("rank 0: all_reduce of 262 kB") == 2  # one forward, one backward
     assert (
-        "head-parallel attention equals the unsharded one: True | forward collectives: ['all_reduce']"
+        "head-parallel attention equals the unsharded one: True | forward collectives: "
+        "['all_reduce']"
         in printed
     )
     kept = {

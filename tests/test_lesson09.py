@@ -135,7 +135,7 @@ def test_pretrained_weights_are_never_downloaded(tmp_path):
         load_pretrained_esm2("esm2_t6_8M_UR50D", path=tmp_path / "missing.pt")
 
 
-# --------------------------------------------------------------------------- solutions vs references
+# ------------------------------------------------------------------------ solutions vs references
 
 
 @settings(max_examples=60, deadline=None)
@@ -254,7 +254,8 @@ def test_chunked_equals_the_whole_module(solution, length, chunk_size):
 
 # --------------------------------------------------------------------------- the meter's bounds
 
-# Each mistake gives the right values (and, for the ring, the right traffic): only the meter sees it.
+# Each mistake gives the right values (and, for the ring, the right traffic): only the meter sees
+# it.
 BOUND_ONLY = [("9.3", "keeps every block it received (right values and traffic)",
                "its memory grows with the whole sequence L"),
               ("9.4", "every row's logits at once",
