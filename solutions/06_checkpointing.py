@@ -76,9 +76,9 @@ from kit.lessons.resume import (
 from kit.torchrun import TorchrunError, init_process_group_per_attempt, torchrun, write_script
 
 # %% [markdown]
-# The setup cell's helpers come from [`kit/lessons/resume.py`](../kit/lessons/resume.py): `make_model()` (a
-# small transformer with dropout, the same initial weights in every process), `shard_model`
-# (FSDP2's `fully_shard` on each block, then the root), `make_optimizer` (AdamW),
+# The setup cell's helpers come from [`kit/lessons/resume.py`](../kit/lessons/resume.py):
+# `make_model()` (a small transformer with dropout, the same initial weights in every process),
+# `shard_model` (FSDP2's `fully_shard` on each block, then the root), `make_optimizer` (AdamW),
 # `make_sampler()` (a shuffling `DistributedSampler` that also remembers its `position` in the
 # epoch), `seed_everything(seed)` (torch, Python and NumPy seeded with `seed + rank`),
 # `train_step(state)` (one step; it draws from all three RNGs and adds 1 to `state.step`) and
@@ -116,7 +116,8 @@ def save_costs(folder: str, dims: list[int]) -> list[dict]:
         # (a) gather the full state on rank 0, which writes one file
         dist.barrier()
         start = time.perf_counter()
-        full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_state_dict(model, optimizer,
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist.get_rank() == 0:
             torch.save(full, f"{folder}/full-{dim}.pt")
         dist.barrier()
@@ -147,13 +148,16 @@ import matplotlib.pyplot as plt
 
 dims = [r["dim"] for r in costs[0]]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-ax1.plot(dims, [r["full_bytes"] / 2**20 for r in costs[0]], "o-", label="rank 0: gather + torch.save")
+ax1.plot(dims, [r["full_bytes"] / 2**20 for r in costs[0]], "o-",
+         label="rank 0: gather + torch.save")
 ax1.plot(dims, [max(c[i]["dcp_bytes"] for c in costs) / 2**20 for i in range(len(dims))], "s-",
          label="busiest rank: DCP")
 ax1.set(xlabel="model width (dim)", ylabel="checkpoint state held (MiB)",
         title="Memory: one rank holds everything")
-ax2.plot(dims, [max(c[i]["full_s"] for c in costs) for i in range(len(dims))], "o-", label="gather + torch.save")
-ax2.plot(dims, [max(c[i]["dcp_s"] for c in costs) for i in range(len(dims))], "s-", label="dcp.save")
+ax2.plot(dims, [max(c[i]["full_s"] for c in costs) for i in range(len(dims))], "o-",
+         label="gather + torch.save")
+ax2.plot(dims, [max(c[i]["dcp_s"] for c in costs) for i in range(len(dims))], "s-",
+         label="dcp.save")
 ax2.set(xlabel="model width (dim)", ylabel="seconds", title="Time on 4 ranks (CPU, gloo)")
 for ax in (ax1, ax2):
     ax.legend()
@@ -234,8 +238,9 @@ plt.show()
 
 
 # %% tags=["task-6.1"]
-def save_shards(ckpt_dir: str, name: str, local: torch.Tensor, offset: int, global_numel: int) -> None:
-    """Save this rank's piece of a 1-D tensor to its own file, plus metadata that finds every piece.
+def save_shards(ckpt_dir: str, name: str, local: torch.Tensor, offset: int,
+                global_numel: int) -> None:
+    """Save this rank's piece of a 1-D tensor to its own file, and metadata finding every piece.
 
     local holds elements offset .. offset + local.numel() of a tensor of global_numel elements.
     Called on every rank of the default process group, each with its own piece; pieces may have
@@ -265,7 +270,7 @@ def save_shards(ckpt_dir: str, name: str, local: torch.Tensor, offset: int, glob
 
 
 def load_shards(ckpt_dir: str, name: str, offset: int, numel: int) -> torch.Tensor:
-    """Return elements [offset, offset + numel) of the saved tensor, opening only overlapping pieces.
+    """Return elements [offset, offset + numel) of a saved tensor, opening only overlapping pieces.
 
     Uses no collectives: any process may call it, with any range of the tensor.
     """
@@ -380,14 +385,16 @@ for kind in ("DDP", "FSDP2"):
 # %%
 def same_key_on_every_rank(folder: str) -> list:
     rank = dist.get_rank()
-    dcp.save({"rng": torch.full((3,), float(rank)), "position": {"value": rank}}, checkpoint_id=folder)
+    dcp.save({"rng": torch.full((3,), float(rank)), "position": {"value": rank}},
+             checkpoint_id=folder)
     back = {"rng": torch.zeros(3), "position": {"value": -1}}
     dcp.load(back, checkpoint_id=folder)
     return [back["rng"][0].item(), back["position"]["value"]]
 
 
 with tempfile.TemporaryDirectory() as folder:
-    print("each rank saved its rank, then loaded:", launch(same_key_on_every_rank, folder, world_size=3))
+    print("each rank saved its rank, then loaded:",
+          launch(same_key_on_every_rank, folder, world_size=3))
 
 # %% [markdown]
 # Every rank got one rank's values back. Put per-rank state under a key that names the rank
@@ -532,7 +539,8 @@ print(blocked)
 fig, ax = plt.subplots(figsize=(8, 1.8))
 ax.barh(["dcp.save"], [blocked["save"]["blocked"]], color="C3", label="training blocked")
 ax.barh(["dcp.async_save"], [blocked["async_save"]["blocked"]], color="C3")
-ax.barh(["dcp.async_save"], [blocked["async_save"]["until written"] - blocked["async_save"]["blocked"]],
+ax.barh(["dcp.async_save"],
+        [blocked["async_save"]["until written"] - blocked["async_save"]["blocked"]],
         left=[blocked["async_save"]["blocked"]], color="C2", label="writing in the background")
 ax.set(xlabel="seconds after the save starts (rank 0)")
 ax.legend(loc="lower right")
@@ -647,7 +655,8 @@ def train_with_checkpoints(ckpt_root: str, total_steps: int, every: int) -> dict
         if state.step % every == 0:
             if pending is not None:
                 pending.result()  # at most one save in flight
-            pending = dcp.async_save({"train": state}, checkpoint_id=str(root / f"step-{state.step:06d}"),
+            pending = dcp.async_save({"train": state},
+                                     checkpoint_id=str(root / f"step-{state.step:06d}"),
                                      process_group=ckpt_group)
     if pending is not None:
         pending.result()
@@ -680,7 +689,8 @@ script = write_script(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.stateful import Stateful
     import kit.lessons.resume
-    from kit.lessons.resume import full_parameters, make_model, make_optimizer, make_sampler, seed_everything, shard_model
+    from kit.lessons.resume import (full_parameters, make_model, make_optimizer, make_sampler,
+                                    seed_everything, shard_model)
     from kit.torchrun import init_process_group_per_attempt
     """,
     TrainingState,
