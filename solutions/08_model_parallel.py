@@ -249,7 +249,8 @@ class ColumnParallelLinear(nn.Module):
                              f"({linear.out_features} % {t} != 0)")
         rows = slice(r * linear.out_features // t, (r + 1) * linear.out_features // t)
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[rows].clone())
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach()[rows].clone()))
         ### END SOLUTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -543,7 +544,8 @@ class SequenceParallelMLP(nn.Module):
 
     Args:
         norm: the full nn.LayerNorm(h); kept whole on every rank as ``self.norm``.
-        linear1: the full nn.Linear(h, f); ``self.linear1`` keeps rows: weight (f/t, h), bias (f/t,).
+        linear1: the full nn.Linear(h, f); ``self.linear1`` keeps rows: weight (f/t, h), bias
+            (f/t,).
         linear2: the full nn.Linear(f, h); ``self.linear2`` keeps columns: weight (h, f/t) and the
             whole bias (h,).
         group: the tensor-parallel process group (None: the default group).
@@ -599,7 +601,8 @@ check("8.2", SequenceParallelMLP)
 # %%
 def saved_bytes(kind, batch=2, seq=64, hidden=64):
     torch.manual_seed(0)
-    norm, lin1, lin2 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+    norm, lin1 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden)
+    lin2 = nn.Linear(4 * hidden, hidden)
     t, r = dist.get_world_size(), dist.get_rank()
     x = torch.randn(batch, seq, hidden)
     if kind == "unsharded":
@@ -712,7 +715,8 @@ def dtensor_sequence_parallel(hidden=64, seq=16):
     torch.manual_seed(0)
     block = nn.ModuleDict({"norm": nn.LayerNorm(hidden), "up": nn.Linear(hidden, 4 * hidden),
                            "down": nn.Linear(4 * hidden, hidden)})
-    ours = SequenceParallelMLP(copy.deepcopy(block["norm"]), block["up"], block["down"])  # its own norm
+    # our block gets its own copy of the norm
+    ours = SequenceParallelMLP(copy.deepcopy(block["norm"]), block["up"], block["down"])
     parallelize_module(block, mesh, {"norm": SequenceParallel(),
                                      "up": ColwiseParallel(input_layouts=Shard(1)),
                                      "down": RowwiseParallel(output_layouts=Shard(1))})
@@ -750,7 +754,8 @@ def fsdp_times_tp(hidden=32):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
-    reference = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+    reference = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                              nn.Linear(4 * hidden, hidden))
     reference.load_state_dict(model.state_dict())
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
@@ -1208,7 +1213,8 @@ fig, axes = plt.subplots(2, 1, figsize=(9, 4.2), sharex=True)
 for ax, (name, (orders, times)) in zip(axes, runs.items()):
     run = simulate_schedule(orders, **times)
     bubble = (run.makespan - 2 * v * m) / (2 * v * m)
-    print(f"{name}: bubble {bubble:.4f} of the work (formula {(p - 1) / (m * times.get('chunks', 1)):.4f}); "
+    formula = (p - 1) / (m * times.get("chunks", 1))
+    print(f"{name}: bubble {bubble:.4f} of the work (formula {formula:.4f}); "
           f"peak in flight {run.peak_in_flight}")
     plot_schedule(orders, ax=ax, **times, title=f"{name}: bubble {bubble:.1%} of the work, "
                                                 f"in flight {run.peak_in_flight}")
@@ -1234,8 +1240,8 @@ plt.show()
 # | tensor ($t$) | weights ÷ $t$, activations ÷ $t$ (with sequence parallelism) | 4 all-reduces of the activation per layer and micro-batch, inside the node |
 # | pipeline ($p$) | weights ÷ $p$; stage 0 holds $p$ micro-batches of activations (1F1B) | one activation and one gradient per micro-batch, to a neighbour; a bubble of $\frac{p-1}{m+p-1}$ |
 #
-# `kit.lessons.parallelism.layout_table` puts numbers on it for a GPT-style model (12 $h^2$ parameters
-# per layer; 16 bytes per parameter for bf16 weights and gradients and fp32 Adam states;
+# `kit.lessons.parallelism.layout_table` puts numbers on it for a GPT-style model (12 $h^2$
+# parameters per layer; 16 bytes per parameter for bf16 weights and gradients and fp32 Adam states;
 # Korthikanti's activation formula with sequence parallelism) and prices the communication with
 # Lesson 01's model, with NVLink inside a node of 8 GPUs and a 25 GB/s link between nodes. Here,
 # a 13B-parameter model (40 layers, $h$ = 5120) on 64 GPUs, 512 sequences of 2048 tokens per
@@ -1250,7 +1256,8 @@ for r in sorted(layout_table(model_13b, 64), key=lambda r: sum(r.comm_seconds.va
     fits = "" if r.memory_bytes < 80e9 else "  (does not fit in 80 GB)"
     print(f"{r.dp:3d} {r.tp:3d} {r.pp:3d} {r.memory_bytes / 1e9:10.1f}GB "
           f"{r.comm_bytes['dp'] / 1e9:7.2f} {r.comm_bytes['tp'] / 1e9:7.1f} "
-          f"{r.comm_bytes['pp'] / 1e9:7.2f} {sum(r.comm_seconds.values()):7.2f} {r.bubble:7.0%}{fits}")
+          f"{r.comm_bytes['pp'] / 1e9:7.2f} {sum(r.comm_seconds.values()):7.2f} "
+          f"{r.bubble:7.0%}{fits}")
 
 # %% [markdown]
 # The table is sorted by the estimated communication time per step. Pure data parallelism does
@@ -1348,7 +1355,11 @@ for step in range(3):
 # > import torch.distributed as dist
 # > from torch.distributed.device_mesh import init_device_mesh
 # > from torch.distributed.fsdp import fully_shard
-# > from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+# > from torch.distributed.tensor.parallel import (
+# >     ColwiseParallel,
+# >     RowwiseParallel,
+# >     parallelize_module,
+# > )
 # > from kit.lessons.models import TinyTransformer
 # >
 # > torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -1356,7 +1367,8 @@ for step in range(3):
 # > mesh = init_device_mesh("cuda", (4, 8), mesh_dim_names=("dp", "tp"))  # tp: one node's 8 GPUs
 # > model = TinyTransformer(dim=2048, layers=16, heads=16).cuda()  # each block: mlp.0, GELU, mlp.2
 # > for block in model.blocks:
-# >     parallelize_module(block, mesh["tp"], {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+# >     parallelize_module(block, mesh["tp"],
+# >                        {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
 # >     fully_shard(block, mesh=mesh["dp"])
 # > fully_shard(model, mesh=mesh["dp"])
 # > # ... the usual loop; each "dp" row of the mesh reads its own slice of the data

@@ -27,7 +27,8 @@ SHARD_OK = '''def shard_range(n, rank, world_size):
     return range(start, start + base + (1 if rank < extra else 0))
 '''
 MEAN_OK = '''def global_mean(local):
-    total = torch.stack([local.sum(dtype=torch.float64), torch.tensor(local.numel(), dtype=torch.float64)])
+    total = torch.stack([local.sum(dtype=torch.float64),
+                         torch.tensor(local.numel(), dtype=torch.float64)])
     dist.all_reduce(total)
     return (total[0] / total[1]).to(local.dtype)
 '''
@@ -108,8 +109,10 @@ import json as _json, pathlib as _pathlib
 for _p in {targets!r}:
     try:
         _pathlib.Path(_p).mkdir(parents=True, exist_ok=True)
-        (_pathlib.Path(_p) / "correct.json").write_text(_json.dumps({{"student": "correct", "score": 0}}))
-        (_pathlib.Path(_p) / "writer.json").write_text(_json.dumps({{"student": "writer", "score": 5}}))
+        (_pathlib.Path(_p) / "correct.json").write_text(
+            _json.dumps({{"student": "correct", "score": 0}}))
+        (_pathlib.Path(_p) / "writer.json").write_text(
+            _json.dumps({{"student": "writer", "score": 5}}))
         (_pathlib.Path(_p).parent / "grades.csv").write_text("student,score\\nwriter,5\\n")
     except OSError:
         pass
@@ -126,12 +129,15 @@ def shard_range(n, rank, world_size):
     return [AlwaysEqual(0)] * 3
 '''
 
+Outcomes = dict[str, tuple[str, float]]  # {task: (status, score)}
+
 # name -> (edit of the released notebook, {task: (status, score)}). "{out}" is the output folder.
-CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[str, float]]]] = {
+CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, Outcomes]] = {
     "correct": (_code(), {"0.1": PASS_1, "0.2": PASS_2}),
     "stub": (lambda nb: nb, {"0.1": ("not implemented", 0), "0.2": ("not implemented", 0)}),
     "malformed_json": ("truncate", {"0.1": ("error", 0), "0.2": ("error", 0)}),
-    "cell_deleted": (_then(_code(), _drop_cell("task-0-2")), {"0.1": PASS_1, "0.2": ("missing", 0)}),
+    "cell_deleted": (_then(_code(), _drop_cell("task-0-2")),
+                     {"0.1": PASS_1, "0.2": ("missing", 0)}),
     "metadata_deleted": (_then(_code(), _strip_metadata), {"0.1": PASS_1, "0.2": PASS_2}),
     "cells_duplicated": (_then(_code(), _duplicate_all), {"0.1": PASS_1, "0.2": PASS_2}),
     "cells_retyped": (_then(_code(), _retype), {"0.1": PASS_1, "0.2": PASS_2}),
@@ -140,23 +146,29 @@ CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[st
                          {"0.1": ("missing", 0), "0.2": PASS_2}),
     "syntax_error": (_code(shard="def shard_range(n, rank, world_size)\n    return range(n)\n"),
                      {"0.1": ("error", 0), "0.2": PASS_2}),
-    "infinite_loop": (_code(shard="def shard_range(n, rank, world_size):\n    while True:\n        pass\n"),
+    "infinite_loop": (_code(shard="def shard_range(n, rank, world_size):\n"
+                                  "    while True:\n        pass\n"),
                       {"0.1": ("timeout", 0), "0.2": PASS_2}),
-    "memory_bomb": (_code(shard="def shard_range(n, rank, world_size):\n    hoard = []\n    while True:\n"
+    "memory_bomb": (_code(shard="def shard_range(n, rank, world_size):\n"
+                                "    hoard = []\n    while True:\n"
                                 "        hoard.append(torch.ones(1 << 26))\n"),
                     {"0.1": ("error", 0), "0.2": PASS_2}),
-    "fork_bomb": (_code(shard="def shard_range(n, rank, world_size):\n    while True:\n        os.fork()\n"),
+    "fork_bomb": (_code(shard="def shard_range(n, rank, world_size):\n"
+                              "    while True:\n        os.fork()\n"),
                   {"0.1": ("error", 0), "0.2": PASS_2}),
-    "exit_at_import": (_code(setup_extra="import sys\nsys.exit(0)"), {"0.1": ("error", 0), "0.2": ("error", 0)}),
-    "os_exit_at_import": (_code(shard=SHARD_OK + "_ = os._exit(3)\n"), {"0.1": ("error", 0), "0.2": ("error", 0)}),
+    "exit_at_import": (_code(setup_extra="import sys\nsys.exit(0)"),
+                       {"0.1": ("error", 0), "0.2": ("error", 0)}),
+    "os_exit_at_import": (_code(shard=SHARD_OK + "_ = os._exit(3)\n"),
+                          {"0.1": ("error", 0), "0.2": ("error", 0)}),
     "os_exit_in_task": (_code(shard="def shard_range(n, rank, world_size):\n    os._exit(0)\n"),
                         {"0.1": ("error", 0), "0.2": PASS_2}),
-    "prints_fake_pass": (_code(shard="def shard_range(n, rank, world_size):\n"
-                                     "    print('Task 0.1 shard_range: all 5 checks passed, 2/2 points')\n"
-                                     "    print('{\"score\": 5, \"max_score\": 5, \"status\": \"passed\"}')\n"
-                                     "    return []\n",
-                               mean=MEAN_WRONG),
-                         {"0.1": ("failed", 0), "0.2": ("failed", 0)}),
+    "prints_fake_pass": (_code(
+        shard="def shard_range(n, rank, world_size):\n"
+              "    print('Task 0.1 shard_range: all 5 checks passed, 2/2 points')\n"
+              "    print('{\"score\": 5, \"max_score\": 5, \"status\": \"passed\"}')\n"
+              "    return []\n",
+        mean=MEAN_WRONG),
+        {"0.1": ("failed", 0), "0.2": ("failed", 0)}),
     "patches_torch_and_checks": (_code(mean=MEAN_WRONG, setup_extra=(
         "import builtins, autograder.registry, autograder.checking\n"
         "torch.allclose = lambda *a, **k: True\ntorch.equal = lambda *a, **k: True\n"
@@ -165,9 +177,12 @@ CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[st
         "builtins.AssertionError = Exception\n"
         "autograder.checking.run_checks = lambda *a, **k: None")),
         {"0.1": PASS_1, "0.2": ("failed", 0)}),
-    "always_equal_objects": (_code(shard=ALWAYS_EQUAL), {"0.1": ("error", 0), "0.2": PASS_2}),
-    "writes_output_folder": ("{forge}", {"0.1": ("not implemented", 0), "0.2": ("not implemented", 0)}),
-    "huge_file": (_code(shard="def shard_range(n, rank, world_size):\n    with open('big.bin', 'wb') as f:\n"
+    "always_equal_objects": (_code(shard=ALWAYS_EQUAL),
+                             {"0.1": ("error", 0), "0.2": PASS_2}),
+    "writes_output_folder": ("{forge}",
+                             {"0.1": ("not implemented", 0), "0.2": ("not implemented", 0)}),
+    "huge_file": (_code(shard="def shard_range(n, rank, world_size):\n"
+                              "    with open('big.bin', 'wb') as f:\n"
                               "        while True:\n            f.write(bytes(1 << 20))\n"),
                   {"0.1": ("error", 0), "0.2": PASS_2}),
     "huge_output": (_code(shard="def shard_range(n, rank, world_size):\n    while True:\n"
@@ -176,8 +191,10 @@ CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, dict[str, tuple[st
 }
 
 
-def write_corpus(folder: Path, out: Path, names: list[str] | None = None) -> dict[str, dict[str, tuple[str, float]]]:
-    """Write ``<name>.ipynb`` for each corpus entry; returns the expected ``{name: {task: (status, score)}}``."""
+def write_corpus(folder: Path, out: Path,
+                 names: list[str] | None = None) -> dict[str, Outcomes]:
+    """Write ``<name>.ipynb`` for each corpus entry; returns the expected
+    ``{name: {task: (status, score)}}``."""
     folder.mkdir(parents=True, exist_ok=True)
     released = json.loads(LESSON.read_text())
     expected = {}
@@ -189,8 +206,8 @@ def write_corpus(folder: Path, out: Path, names: list[str] | None = None) -> dic
             path.write_text(json.dumps(released)[:5000])
         elif edit == "{forge}":
             targets = [str(out / "records"), str(out / "records" / "..")]
-            path.write_text(json.dumps(_code(shard=None, mean=None, setup_extra=FORGED_RECORD.format(targets=targets))(
-                copy.deepcopy(released))))
+            forge = _code(shard=None, mean=None, setup_extra=FORGED_RECORD.format(targets=targets))
+            path.write_text(json.dumps(forge(copy.deepcopy(released))))
         else:
             path.write_text(json.dumps(edit(copy.deepcopy(released))))
         expected[name] = want

@@ -37,11 +37,16 @@ class Targets:
     token: str  # unique per run: names every file or process an attack creates
 
 
-_UNPRIVILEGED = "import os as _os\nif _os.getuid() == 0:  # never as root: a broken sandbox must not hurt this machine\n    raise SystemExit('refusing to attack as root')\n"
+_UNPRIVILEGED = (
+    "import os as _os\n"
+    "if _os.getuid() == 0:  # never as root: a broken sandbox must not hurt this machine\n"
+    "    raise SystemExit('refusing to attack as root')\n"
+)
 
 WRITES_PROJECT = '''
 import os, pathlib, sys
-for _d in [{root!r} + "/autograder", {root!r} + "/kit", {root!r} + "/autograder/__pycache__", {root!r}]:
+for _d in [{root!r} + "/autograder", {root!r} + "/kit", {root!r} + "/autograder/__pycache__",
+           {root!r}]:
     _p = pathlib.Path(_d) / ("_pwned_" + {token!r} + ".py")
     try:
         _p.write_text("raise SystemExit('pwned')\\n")
@@ -54,7 +59,8 @@ try:
     print("ATTACK writes_project: created", _pth)
 except OSError as _e:
     print("ATTACK writes_project: cannot create", _pth, type(_e).__name__)
-for _f in ["autograder/registry.py", "autograder/lesson00.py", "autograder/grade/batch.py", "kit/__init__.py"]:
+for _f in ["autograder/registry.py", "autograder/lesson00.py", "autograder/grade/batch.py",
+           "kit/__init__.py"]:
     _f = pathlib.Path({root!r}) / _f
     try:
         open(_f, "r+b").close()  # opening for writing changes nothing, but proves the permission
@@ -83,8 +89,10 @@ import json, pathlib
 _out = pathlib.Path({out!r})
 for _p, _text in [(_out / ("pwned_" + {token!r}), "x"),
                   (_out / "grades.csv", "student,score\\nwrites_output,100\\n"),
-                  (_out / "records" / "writes_output.json", json.dumps({{"student": "writes_output", "score": 100}})),
-                  (_out / "records" / ({victim!r} + ".json"), json.dumps({{"student": {victim!r}, "score": 0}}))]:
+                  (_out / "records" / "writes_output.json",
+                   json.dumps({{"student": "writes_output", "score": 100}})),
+                  (_out / "records" / ({victim!r} + ".json"),
+                   json.dumps({{"student": {victim!r}, "score": 0}}))]:
     try:
         _p.write_text(_text)
         print("ATTACK writes_output: wrote", _p)
@@ -195,15 +203,16 @@ def write_corpus(targets: Targets) -> dict[str, float]:
     """Write one notebook per attack and per bystander; returns each student's expected score."""
     folder = targets.submissions
     folder.mkdir(parents=True, exist_ok=True)
-    fields = {"root": str(targets.root), "site": str(targets.site_packages), "out": str(targets.out),
-              "subs": str(folder), "victim": targets.victim, "grader_pid": targets.grader_pid,
-              "port": targets.port, "token": targets.token}
+    fields = {"root": str(targets.root), "site": str(targets.site_packages),
+              "out": str(targets.out), "subs": str(folder), "victim": targets.victim,
+              "grader_pid": targets.grader_pid, "port": targets.port, "token": targets.token}
     expected = {}
     for name, attack in ATTACKS.items():
         code = _UNPRIVILEGED + attack.format(**fields)
         (folder / f"{name}.ipynb").write_text(_notebook(SHARD_OK, MEAN_OK, code))
         expected[name] = 5.0
-    victim = f"# VICTIM_{targets.token}: this notebook's secret, which no other submission may read\n"
+    victim = (f"# VICTIM_{targets.token}: this notebook's secret, which no other submission "
+              "may read\n")
     (folder / f"{targets.victim}.ipynb").write_text(_notebook(SHARD_OK, MEAN_OK, victim))
     (folder / "correct.ipynb").write_text(_notebook(SHARD_OK, MEAN_OK))
     (folder / "stub.ipynb").write_text(_notebook(None, None))
