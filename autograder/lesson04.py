@@ -1,7 +1,7 @@
 """Checks for Lesson 04, "Data parallelism from scratch": tasks 4.1-4.4.
 
-Every case trains :class:`kit.lessons.models.AwkwardNet` (a frozen layer, a never-used layer, a branch
-used on some steps only, tied embedding/output weights and a buffer) on real ranks: each rank
+Every case trains :class:`kit.lessons.models.AwkwardNet` (a frozen layer, a never-used layer, a
+branch used on some steps only, tied embedding/output weights and a buffer) on real ranks: each rank
 starts from *different* weights and buffers, wraps the model in the student's class and takes
 SGD steps on its own slice of every global batch. The trusted side trains one model in one
 process on the whole batch from rank 0's initial weights; every rank's gradients after
@@ -89,7 +89,8 @@ DDP = ("torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distribut
        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook",
        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook",
        "torch.distributed.algorithms.ddp_comm_hooks",
-       "torch.distributed.utils._sync_module_states", "torch.distributed.utils._sync_params_and_buffers",
+       "torch.distributed.utils._sync_module_states",
+       "torch.distributed.utils._sync_params_and_buffers",
        "torch.distributed._broadcast_coalesced", "torch.distributed._composable.replicate",
        "torch.distributed._composable.replicate_with_fsdp",
        "torch.distributed.fsdp.FullyShardedDataParallel")
@@ -198,7 +199,8 @@ def _no_sync_contract(ddp: Any) -> dict[str, Any]:
 
 NO_SYNC_CONTRACT = {"before": True, "inside": False, "the error came out": True,
                     "after a raise": True, "after an inner no_sync": False,
-                    "after the outer no_sync": True, "after no_sync with the flag already off": False}
+                    "after the outer no_sync": True,
+                    "after no_sync with the flag already off": False}
 
 
 def _compare_no_sync_contract(got: Any, expected: Any) -> None:
@@ -276,8 +278,9 @@ def _compare_initial(got: Any, expected: dict[str, Any]) -> None:
 # named_parameters() lists once, under this name.
 TIED = "embed.weight"
 TIED_HINT = ("Only the tied weight's gradient is wrong: embed.weight is the same Parameter as "
-             "head.weight, with one gradient. Listing parameters module by module meets it twice, "
-             "so it is hooked or reduced twice; take the module's parameters(), which gives it once.")
+             "head.weight, with one gradient. Listing parameters module by module meets it "
+             "twice, so it is hooked or reduced twice; take the module's parameters(), which "
+             "gives it once.")
 
 # What a wrong gradient's mismatch says -> (hint, cause): the slip it shows, not the task's idea.
 _GRADIENT_SLIPS = {
@@ -342,11 +345,13 @@ def _calls_slip(calls: dict[str, int], want: dict[str, int], units: str) -> tupl
         return "the counts could not be read", "", ""
     backward = [k for k in want if k not in (FINISH, BLOCKING)]
     last, under_no_sync = backward[-1], backward[:-1]
-    total, due = sum(calls[k] for k in backward + [FINISH]), sum(want[k] for k in backward + [FINISH])
+    total = sum(calls[k] for k in backward + [FINISH])
+    due = sum(want[k] for k in backward + [FINISH])
     if calls[BLOCKING]:
         return (f"{calls[BLOCKING]} of them blocked (not async_op)",
                 "An all-reduce that blocks inside the hook stalls backward until it is done: "
-                "start it asynchronously (async_op) and wait for its work only in finish.", "blocking")
+                "start it asynchronously (async_op) and wait for its work only in finish.",
+                "blocking")
     if any(calls[k] for k in under_no_sync):
         return ("all-reduces started during a backward() under no_sync",
                 "Inside no_sync() backward must not communicate: the hook returns at once while "
@@ -393,6 +398,26 @@ def _calls_slip(calls: dict[str, int], want: dict[str, int], units: str) -> tupl
 NEVER_USED = ("unused.",)
 SOMETIMES_USED = ("extra.",)
 
+SEED_STEPS, SEED_EXTRA = 3, [1]
+
+
+def _start_and_training_cases(t: Task, world_size: int, buckets: str = "",
+                              start_cap_mb: float | None = None,
+                              cap_mb: float | None = None) -> SharedRun:
+    """The first two cases of tasks 4.1-4.3: rank 0's weights everywhere right after wrapping
+    (3 ranks), then SEED_STEPS steps on ``world_size`` ranks equal one process on the whole
+    batch. Returns that training run, which later cases of ``t`` judge too."""
+    t.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
+           uses=_training(t, 3, steps=0, cap_mb=start_cap_mb), compare=_compare_initial,
+           hint=BROADCAST_HINT, recipe=BROADCAST_RECIPE,
+           expect=_trusted(t, "single_process", 3, 0, []))
+    run = _training(t, world_size, SEED_STEPS, SEED_EXTRA, cap_mb=cap_mb)
+    t.case(f"{SEED_STEPS} SGD steps on {world_size} ranks{buckets} equal one process on the "
+           "whole batch (frozen, unused, tied parameters, a branch used on step 1 only)",
+           uses=run, compare=_compare_training,
+           expect=_trusted(t, "single_process", world_size, SEED_STEPS, SEED_EXTRA))
+    return run
+
 
 # --------------------------------------------------------------------------- task 4.1
 
@@ -407,19 +432,8 @@ NAIVE = task(
            "size. Skip parameters whose gradient is None.",
 )
 
-SEED_STEPS, SEED_EXTRA = 3, [1]
-_naive_wrapped = _training(NAIVE, 3, steps=0)
-_naive_on_2 = _training(NAIVE, 2, SEED_STEPS, SEED_EXTRA)
-_naive_on_4 = _training(NAIVE, 4, 2, [0])
-
-NAIVE.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
-           uses=_naive_wrapped, compare=_compare_initial, hint=BROADCAST_HINT,
-           recipe=BROADCAST_RECIPE, expect=_trusted(NAIVE, "single_process", 3, 0, []))
-NAIVE.case("3 SGD steps on 2 ranks equal one process on the whole batch "
-           "(frozen, unused, tied parameters, a branch used on step 1 only)",
-           uses=_naive_on_2, compare=_compare_training,
-           expect=_trusted(NAIVE, "single_process", 2, SEED_STEPS, SEED_EXTRA))
-NAIVE.case("the same on 4 ranks", uses=_naive_on_4, compare=_compare_training,
+_naive_on_2 = _start_and_training_cases(NAIVE, 2)
+NAIVE.case("the same on 4 ranks", uses=_training(NAIVE, 4, 2, [0]), compare=_compare_training,
            expect=_trusted(NAIVE, "single_process", 4, 2, [0]))
 
 
@@ -463,16 +477,7 @@ OVERLAPPED = task(
            "world size, and forget the handles.",
 )
 
-_overlapped_wrapped = _training(OVERLAPPED, 3, steps=0)
-_overlapped_on_3 = _training(OVERLAPPED, 3, SEED_STEPS, SEED_EXTRA)
-
-OVERLAPPED.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
-                uses=_overlapped_wrapped, compare=_compare_initial, hint=BROADCAST_HINT,
-                recipe=BROADCAST_RECIPE, expect=_trusted(OVERLAPPED, "single_process", 3, 0, []))
-OVERLAPPED.case("3 SGD steps on 3 ranks equal one process on the whole batch "
-                "(frozen, unused, tied parameters, a branch used on step 1 only)",
-                uses=_overlapped_on_3, compare=_compare_training,
-                expect=_trusted(OVERLAPPED, "single_process", 3, SEED_STEPS, SEED_EXTRA))
+_overlapped_on_3 = _start_and_training_cases(OVERLAPPED, 3)
 
 
 def _compare_one_per_grad_in_backward(got: Any, expected: list[int]) -> None:
@@ -518,18 +523,10 @@ BUCKETED = task(
 
 SMALL_CAP = 600 / MIB  # 6 buckets of AwkwardNet, one of them holding the unused layer
 LARGE_CAP = 1500 / MIB  # 4 buckets
-_bucketed_wrapped = _training(BUCKETED, 3, steps=0, cap_mb=LARGE_CAP)
-_bucketed_on_2 = _training(BUCKETED, 2, SEED_STEPS, SEED_EXTRA, cap_mb=SMALL_CAP)
-_bucketed_on_4 = _training(BUCKETED, 4, 2, [0], cap_mb=LARGE_CAP)
-
-BUCKETED.case("broadcasts rank 0's parameters and buffers at construction (3 ranks)",
-              uses=_bucketed_wrapped, compare=_compare_initial, hint=BROADCAST_HINT,
-              recipe=BROADCAST_RECIPE, expect=_trusted(BUCKETED, "single_process", 3, 0, []))
-BUCKETED.case("3 SGD steps on 2 ranks, 600-byte buckets, equal one process on the whole batch "
-              "(frozen, unused, tied parameters, a branch used on step 1 only)",
-              uses=_bucketed_on_2, compare=_compare_training,
-              expect=_trusted(BUCKETED, "single_process", 2, SEED_STEPS, SEED_EXTRA))
-BUCKETED.case("the same on 4 ranks with 1500-byte buckets", uses=_bucketed_on_4,
+_bucketed_on_2 = _start_and_training_cases(BUCKETED, 2, ", 600-byte buckets,",
+                                           start_cap_mb=LARGE_CAP, cap_mb=SMALL_CAP)
+BUCKETED.case("the same on 4 ranks with 1500-byte buckets",
+              uses=_training(BUCKETED, 4, 2, [0], cap_mb=LARGE_CAP),
               compare=_compare_training, expect=_trusted(BUCKETED, "single_process", 4, 2, [0]))
 
 

@@ -378,9 +378,9 @@ for i, names in enumerate(bucket_plan(AwkwardNet(), bucket_size_mb=600 / 2**20))
 # parameters that require grad into buckets with the walk of `bucket_plan` above (a parameter
 # larger than the cap gets a bucket of its own), and register a hook on each. In the hook
 # (its first two lines, given, skip everything inside `no_sync()` for Task 4.4), count the
-# parameter as ready in its bucket; when the whole bucket is ready, flatten its gradients into one tensor
-# (`torch.cat` of `g.reshape(-1)`, zeros for a gradient that is None), divide by the world
-# size and start one async all-reduce. In `finish_gradient_synchronization()`: start the
+# parameter as ready in its bucket; when the whole bucket is ready, flatten its gradients into
+# one tensor (`torch.cat` of `g.reshape(-1)`, zeros for a gradient that is None), divide by the
+# world size and start one async all-reduce. In `finish_gradient_synchronization()`: start the
 # buckets that never became ready, wait for every bucket, copy each slice back into its
 # `p.grad` (leave a None gradient None) and reset the counters for the next step.
 
@@ -623,7 +623,8 @@ plot_timeline(last_step(torch_traced.events),
               title="torch DDP: the Reducer's bucket all-reduces, issued from C++ inside backward")
 plt.show()
 reducer = [e for e in last_step(torch_traced.events)[0] if e.op == "all_reduce"]
-print(f"torch DDP      {len(reducer):4d} all-reduces in one step, routes {sorted({e.route for e in reducer})}, "
+print(f"torch DDP      {len(reducer):4d} all-reduces in one step, "
+      f"routes {sorted({e.route for e in reducer})}, "
       f"{sum(e.nbytes for e in reducer) / 1e6:.2f} MB")
 
 # %% [markdown]
@@ -798,7 +799,8 @@ for name, ms in step_ms.items():
 # >   buffer: no copy into the bucket before the all-reduce and none back after it, and one
 # >   gradient-sized buffer less in memory. Your `BucketedDDP` copies both ways.
 # > - Across nodes only the launch changes:
-# >   `torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py`.
+# >   `torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d
+# >   --rdzv_endpoint=HOST:29500 train.py`.
 
 # %% [markdown]
 # ## Summary

@@ -129,7 +129,8 @@ for stage in range(4):
 #   optimizer it wraps, `optimizer.optim`; count that too.
 
 # %% tags=["task-5.1"]
-def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def state_bytes(module: nn.Module,
+                optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes of training state this rank holds: {"params", "grads", "optimizer"}.
 
     - "params": the module's parameters; "grads": their .grad tensors (None counts 0);
@@ -274,7 +275,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for work, r, with_grad, flat in reduces:
             work.wait()
             if r == self.rank:  # the sum over ranks -> the mean, back into .grad
-                for p, g in zip(with_grad, (flat / self.world_size).split([p.numel() for p in with_grad])):
+                for p, g in zip(with_grad,
+                                (flat / self.world_size).split([p.numel() for p in with_grad])):
                     p.grad.copy_(g.view_as(p))
         for outer, inner in zip(self.param_groups, self.optim.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})  # e.g. a new lr
@@ -689,7 +691,8 @@ except LaunchError as e:
 # is in flight while unit $i$ computes, and by the time it is needed it has (often) arrived.
 # On one laptop CPU the collectives and the matrix products share the same cores, so how
 # much the forward gains varies from run to run (compare the two printed forward times); on
-# GPUs NCCL runs on its own stream and prefetching hides most of the communication. The price is memory: two units are whole at once instead of one. On GPUs,
+# GPUs NCCL runs on its own stream and prefetching hides most of the communication. The price
+# is memory: two units are whole at once instead of one. On GPUs,
 # torch's FSDP2 issues all-gathers on their own CUDA stream ahead of the compute that needs
 # them, prefetches the next module in backward by default, and takes explicit plans through
 # `module.set_modules_to_forward_prefetch([...])` and `set_modules_to_backward_prefetch`.
@@ -1064,7 +1067,8 @@ except LaunchError as e:
 # >
 # > - **HSDP across nodes:** `init_device_mesh("cuda", (nnodes, 8), mesh_dim_names=("replicate",
 # >   "shard"))` shards within a node over NVLink and all-reduces across nodes; launch with
-# >   `torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py`.
+# >   `torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d
+# >   --rdzv_endpoint=HOST:29500 train.py`.
 # > - **CPU offload:** `fully_shard(..., offload_policy=CPUOffloadPolicy())` keeps the shards,
 # >   gradients and optimizer step in CPU memory and copies parameters to the GPU per unit.
 # > - **Prefetching** runs on separate CUDA streams, so all-gathers overlap compute for real;

@@ -229,7 +229,8 @@ def test_nbgrader_autograde_gives_lesson04_full_marks_solved_and_zero_untouched(
 
 
 def _torch_ddp_steps(steps: int, cap_mb: float) -> list[list[tuple[str, str, int, bool, bool]]]:
-    """Each rank: torch DDP on a transformer, every step traced; (op, route, bytes, async, in backward)."""
+    """Each rank: torch DDP on a transformer, every step traced; (op, route, bytes, async, in
+    backward)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from kit.trace import region, trace

@@ -94,6 +94,8 @@ def expected_calls(cap_mb: float, steps: int, extra: list[int], micro: int) -> l
     return out
 
 
-def bucket_calls(seed: int, cap_mb: float, steps: int, extra: list[int], micro: int) -> dict[str, Any]:
-    """The plan for ``cap_mb`` and the all-reduces each step must start (``_compare_bucket_calls``)."""
+def bucket_calls(seed: int, cap_mb: float, steps: int, extra: list[int],
+                 micro: int) -> dict[str, Any]:
+    """The plan for ``cap_mb`` and the all-reduces each step must start
+    (``_compare_bucket_calls``)."""
     return {"plan": bucket_plan(cap_mb), "calls": expected_calls(cap_mb, steps, extra, micro)}
