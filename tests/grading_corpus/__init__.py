@@ -130,6 +130,13 @@ def shard_range(n, rank, world_size):
 '''
 
 Outcomes = dict[str, tuple[str, float]]  # {task: (status, score)}
+ERROR_1 = {"0.1": ("error", 0), "0.2": PASS_2}  # task 0.1's code fails to run, 0.2 passes
+
+
+def _shard(body: str) -> str:
+    """A ``shard_range`` whose body (its indented lines) is ``body``."""
+    return "def shard_range(n, rank, world_size):\n" + body
+
 
 # name -> (edit of the released notebook, {task: (status, score)}). "{out}" is the output folder.
 CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, Outcomes]] = {
@@ -146,28 +153,20 @@ CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, Outcomes]] = {
                          {"0.1": ("missing", 0), "0.2": PASS_2}),
     "syntax_error": (_code(shard="def shard_range(n, rank, world_size)\n    return range(n)\n"),
                      {"0.1": ("error", 0), "0.2": PASS_2}),
-    "infinite_loop": (_code(shard="def shard_range(n, rank, world_size):\n"
-                                  "    while True:\n        pass\n"),
+    "infinite_loop": (_code(shard=_shard("    while True:\n        pass\n")),
                       {"0.1": ("timeout", 0), "0.2": PASS_2}),
-    "memory_bomb": (_code(shard="def shard_range(n, rank, world_size):\n"
-                                "    hoard = []\n    while True:\n"
-                                "        hoard.append(torch.ones(1 << 26))\n"),
-                    {"0.1": ("error", 0), "0.2": PASS_2}),
-    "fork_bomb": (_code(shard="def shard_range(n, rank, world_size):\n"
-                              "    while True:\n        os.fork()\n"),
-                  {"0.1": ("error", 0), "0.2": PASS_2}),
+    "memory_bomb": (_code(shard=_shard("    hoard = []\n    while True:\n"
+                                       "        hoard.append(torch.ones(1 << 26))\n")), ERROR_1),
+    "fork_bomb": (_code(shard=_shard("    while True:\n        os.fork()\n")), ERROR_1),
     "exit_at_import": (_code(setup_extra="import sys\nsys.exit(0)"),
                        {"0.1": ("error", 0), "0.2": ("error", 0)}),
     "os_exit_at_import": (_code(shard=SHARD_OK + "_ = os._exit(3)\n"),
                           {"0.1": ("error", 0), "0.2": ("error", 0)}),
-    "os_exit_in_task": (_code(shard="def shard_range(n, rank, world_size):\n    os._exit(0)\n"),
-                        {"0.1": ("error", 0), "0.2": PASS_2}),
-    "prints_fake_pass": (_code(
-        shard="def shard_range(n, rank, world_size):\n"
-              "    print('Task 0.1 shard_range: all 5 checks passed, 2/2 points')\n"
-              "    print('{\"score\": 5, \"max_score\": 5, \"status\": \"passed\"}')\n"
-              "    return []\n",
-        mean=MEAN_WRONG),
+    "os_exit_in_task": (_code(shard=_shard("    os._exit(0)\n")), ERROR_1),
+    "prints_fake_pass": (_code(shard=_shard(
+        "    print('Task 0.1 shard_range: all 5 checks passed, 2/2 points')\n"
+        "    print('{\"score\": 5, \"max_score\": 5, \"status\": \"passed\"}')\n"
+        "    return []\n"), mean=MEAN_WRONG),
         {"0.1": ("failed", 0), "0.2": ("failed", 0)}),
     "patches_torch_and_checks": (_code(mean=MEAN_WRONG, setup_extra=(
         "import builtins, autograder.registry, autograder.checking\n"
@@ -177,17 +176,13 @@ CORPUS: dict[str, tuple[Callable[[Notebook], Notebook] | str, Outcomes]] = {
         "builtins.AssertionError = Exception\n"
         "autograder.checking.run_checks = lambda *a, **k: None")),
         {"0.1": PASS_1, "0.2": ("failed", 0)}),
-    "always_equal_objects": (_code(shard=ALWAYS_EQUAL),
-                             {"0.1": ("error", 0), "0.2": PASS_2}),
+    "always_equal_objects": (_code(shard=ALWAYS_EQUAL), ERROR_1),
     "writes_output_folder": ("{forge}",
                              {"0.1": ("not implemented", 0), "0.2": ("not implemented", 0)}),
-    "huge_file": (_code(shard="def shard_range(n, rank, world_size):\n"
-                              "    with open('big.bin', 'wb') as f:\n"
-                              "        while True:\n            f.write(bytes(1 << 20))\n"),
-                  {"0.1": ("error", 0), "0.2": PASS_2}),
-    "huge_output": (_code(shard="def shard_range(n, rank, world_size):\n    while True:\n"
-                                "        print('x' * 100000)\n"),
-                    {"0.1": ("error", 0), "0.2": PASS_2}),
+    "huge_file": (_code(shard=_shard("    with open('big.bin', 'wb') as f:\n"
+                                     "        while True:\n            f.write(bytes(1 << 20))\n")),
+                  ERROR_1),
+    "huge_output": (_code(shard=_shard("    while True:\n        print('x' * 100000)\n")), ERROR_1),
 }
 
 
