@@ -275,7 +275,8 @@ def _zero_train(make: Any, seed: int, kind: str, rank: int, world_size: int,
         optimizer = make(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
     for step in range(ZERO_STEPS):
         if rank is None:
-            x, y = token_batch(world_size * ZERO_PER_RANK, ZERO_LENGTH, ZERO_VOCAB, seed * 7919 + step)
+            x, y = token_batch(world_size * ZERO_PER_RANK, ZERO_LENGTH, ZERO_VOCAB,
+                               seed * 7919 + step)
         else:
             x, y = _slice(seed, step, rank, world_size, ZERO_PER_RANK, ZERO_LENGTH, ZERO_VOCAB)
         if kind == "adamw":
@@ -488,7 +489,8 @@ ZERO.bound("optimizer state per rank", formula="total / W + the largest paramete
                   "others; reduce each gradient to its owner instead of all-reducing every "
                   "gradient to every rank; let each owner broadcast what it stepped.",
            expect="zero_state_bound", uses=ZERO_RUN, pick=_least("memory", "optimizer state"),
-           weight=4)  # the saving ZeRO-1 exists for: half the task (the state in every rank's memory)
+           # the saving ZeRO-1 exists for: half the task (the state in every rank's memory)
+           weight=4)
 
 
 # --------------------------------------------------------------------------- task 5.3
@@ -555,7 +557,8 @@ def _fsdp_on_rank(impl: Any, seed: int) -> dict[str, Any]:
                 _loss(logits, y).backward()
                 fsdp.finish_gradient_synchronization()
             run["left after forward"].append(left)
-            run["collectives"].append([(e.op, e.nbytes) for e in t.events if e.kind == "collective"])
+            run["collectives"].append([(e.op, e.nbytes) for e in t.events
+                                       if e.kind == "collective"])
             if step == 0:
                 run["grads"] = _shard_grads(model, unit_modules)
             optimizer.step()
@@ -659,7 +662,8 @@ def _compare_fsdp_grads(got: Any, expected: dict[str, Any]) -> None:
         for rank, piece in enumerate(pieces):
             if not (isinstance(piece, list) and len(piece) == 1):
                 raise CheckFailed(
-                    f"rank {rank}: unit {prefix} holds {len(piece) if isinstance(piece, list) else 0}"
+                    f"rank {rank}: unit {prefix} holds "
+                    f"{len(piece) if isinstance(piece, list) else 0}"
                     " parameters of its own after wrapping; expected one, its flat shard",
                     expected=1, got=piece if not isinstance(piece, list) else len(piece),
                     hint="After wrapping, a unit's only parameter is its flat shard, so that any "
@@ -681,7 +685,8 @@ def _compare_fsdp_grads(got: Any, expected: dict[str, Any]) -> None:
         if sizes != [padded // world_size] * world_size:
             raise CheckFailed(f"unit {prefix} ({numel} elements): shards of {sizes} elements on "
                               f"the {world_size} ranks; padded to {padded}, each holds "
-                              f"{padded // world_size}", expected=[padded // world_size] * world_size,
+                              f"{padded // world_size}",
+                              expected=[padded // world_size] * world_size,
                               got=sizes, hint="Shards are equal: a flat size the world size does "
                                               "not divide is padded first.",
                               recipe="Pad the flat buffer with zeros to the next multiple of the "
@@ -768,7 +773,8 @@ def _compare_fsdp_bytes(got: Any, expected: dict[str, Any]) -> None:
 def _expected_collectives(units: dict[str, Any], world_size: int, dtype: torch.dtype | None
                           ) -> tuple[list[int], list[int]]:
     size = torch.empty(0, dtype=dtype or torch.float32).element_size()
-    padded = [_padded(sum(math.prod(s) for _, s in params), world_size) for params in units.values()]
+    padded = [_padded(sum(math.prod(s) for _, s in params), world_size)
+              for params in units.values()]
     return sorted(p * size for p in padded for _ in range(2)), sorted(p * 4 for p in padded)
 
 
@@ -914,7 +920,8 @@ FSDP_TASK.bound(
     recipe="In the forward pre-hook, keep the gathered buffer in local variables only (remember "
            "its storage's address, not the tensor); in the forward hook, delete the views, so "
            "that nothing refers to the buffer any more.",
-    cause=GATHERED_KEPT, expect="fsdp_after_forward_bound", uses=FSDP_RUN, pick=_least("memory", "after forward"))
+    cause=GATHERED_KEPT, expect="fsdp_after_forward_bound", uses=FSDP_RUN,
+    pick=_least("memory", "after forward"))
 FSDP_TASK.bound(
     "peak bytes during the forward",
     formula="the activations + 3 gathered units (the one computing, its all-gather's staging "
@@ -924,7 +931,8 @@ FSDP_TASK.bound(
          "activations; every unit still gathered when the next one gathers adds its full size.",
     recipe="Free each unit's gathered buffer in its forward hook (delete the views, keep no "
            "other reference), before the next unit's pre-hook gathers.",
-    cause=GATHERED_KEPT, expect="fsdp_forward_peak_bound", uses=FSDP_RUN, pick=_least("memory", "forward peak"))
+    cause=GATHERED_KEPT, expect="fsdp_forward_peak_bound", uses=FSDP_RUN,
+    pick=_least("memory", "forward peak"))
 
 
 # --------------------------------------------------------------------------- task 5.4
@@ -1001,7 +1009,8 @@ def _fsdp2_on_rank(impl: Any, seed: int) -> dict[str, Any]:
             model = returned if isinstance(returned, nn.Module) else model
             usage.mark("sharded")
         run: dict[str, Any] = {
-            "placements": {n: str(tuple(p.placements)) if isinstance(p, DTensor) else "a plain tensor"
+            "placements": {n: (str(tuple(p.placements)) if isinstance(p, DTensor)
+                               else "a plain tensor")
                            for n, p in model.named_parameters()},
             "fully_shard applied to": [name or "the root" for name, m in model.named_modules()
                                        if isinstance(m, FSDPModule)],
@@ -1033,7 +1042,8 @@ def _fsdp2_on_rank(impl: Any, seed: int) -> dict[str, Any]:
     grad = model.blocks[0].qkv.weight.grad
     out["bf16"] = {"forward weight dtype": seen, "logits dtype": str(logits.dtype),
                    "grad dtype": str(grad.dtype) if grad is not None else "None"}
-    out["memory"] = {"after forward": _fsdp2_memory(impl, seed, init_device_mesh("cpu", (world_size,)))}
+    memory_mesh = init_device_mesh("cpu", (world_size,))  # a mesh of its own, as before
+    out["memory"] = {"after forward": _fsdp2_memory(impl, seed, memory_mesh)}
     return out
 
 
@@ -1094,7 +1104,8 @@ def _compare_fsdp2_bytes(got: Any, expected: dict[str, Any]) -> None:
 def _compare_mixed(got: Any, expected: dict[str, Any]) -> None:
     for rank, run in enumerate(got):
         mixed = run["bf16"]
-        if not mixed["forward weight dtype"] or set(mixed["forward weight dtype"]) != {"torch.bfloat16"}:
+        dtypes = mixed["forward weight dtype"]
+        if not dtypes or set(dtypes) != {"torch.bfloat16"}:
             raise CheckFailed(f"rank {rank}: with param_dtype=torch.bfloat16, blocks.0.qkv runs "
                               f"with weights of {mixed['forward weight dtype']}",
                               expected=["torch.bfloat16"], got=mixed["forward weight dtype"],
@@ -1112,7 +1123,8 @@ def _compare_mixed(got: Any, expected: dict[str, Any]) -> None:
 
 FSDP2 = task(
     "5.4", preload=PRELOAD,
-    # Lesson 06's kit.lessons.resume.shard_model wraps a TinyTransformer the same way: not an answer here.
+    # Lesson 06's kit.lessons.resume.shard_model wraps a TinyTransformer the same way: not an
+    # answer here.
     forbidden=("kit.lessons.resume.shard_model",),
     hint="FSDP2 shards unit by unit: each block is its own unit of all-gather, the root takes "
          "the parameters no block holds, and mixed precision is a policy every unit is given.",
@@ -1222,7 +1234,8 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _returned(value: Any) -> Any:
-    """What the student's function returned, as plain data (a DTensor is not the 0-d tensor asked for)."""
+    """What the student's function returned, as plain data (a DTensor is not the 0-d tensor
+    asked for)."""
     if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor:
         return f"<a {type(value).__name__}, not a plain tensor>"
     return value.detach().clone() if isinstance(value, torch.Tensor) else repr(value)[:80]
@@ -1242,7 +1255,8 @@ def _clip_on_rank(impl: Any, seed: int) -> dict[str, Any]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = _clip_shard(_clip_model(seed))
     x, y = _clip_batch(seed, world_size, CLIP_PER_RANK)
-    x, y = x[rank * CLIP_PER_RANK:(rank + 1) * CLIP_PER_RANK], y[rank * CLIP_PER_RANK:(rank + 1) * CLIP_PER_RANK]
+    mine = slice(rank * CLIP_PER_RANK, (rank + 1) * CLIP_PER_RANK)
+    x, y = x[mine], y[mine]
     out: dict[str, Any] = {}
     for label, norm_type, max_norm in CLIP_CALLS:
         model.zero_grad(set_to_none=True)
@@ -1276,7 +1290,8 @@ def _step_on_rank(impl: Any, seed: int) -> dict[str, Any]:
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         micro = list(zip(x.split(STEP_MICRO_SIZE), y.split(STEP_MICRO_SIZE)))
         marks: list[tuple[int, int]] = []  # (events so far, batch rows) at each loss_fn call
-        order: list[str] = []  # "loss i" at each loss_fn call, "backward i" when its backward starts
+        # "loss i" at each loss_fn call, "backward i" when its backward starts
+        order: list[str] = []
 
         with trace() as t:
             def loss_fn(out_: torch.Tensor, target: torch.Tensor, t: Any = t, marks: list = marks,
@@ -1363,7 +1378,8 @@ def _compare_clip(labels: tuple[str, ...]) -> Any:
                         continue
                     problem = tensor_mismatch(mine, grad, rtol=1e-12, atol=1e-12)
                     if problem is not None:
-                        idle = want["norm"].item() < CLIP_CALLS[-1][2] and label == CLIP_CALLS[-1][0]
+                        idle = (want["norm"].item() < CLIP_CALLS[-1][2]
+                                and label == CLIP_CALLS[-1][0])
                         raise CheckFailed(  # idle: the case's own hint (the factor capped at 1)
                             f"{len(got)} ranks, rank {rank}, norm type {label}: {name}.grad after "
                             f"clipping {problem}, compared with torch's clipping of the unsharded "
@@ -1420,7 +1436,8 @@ def _clip_bytes(runs: Any) -> dict[str, Any]:
 
 def _compare_step_values(got: Any, expected: dict[str, Any]) -> None:
     for step, want in enumerate(expected["steps"]):
-        clipping = "clipping idle" if STEP_NORMS[step] >= CLIP_HUGE else f"max_norm {STEP_NORMS[step]}"
+        clipping = ("clipping idle" if STEP_NORMS[step] >= CLIP_HUGE
+                    else f"max_norm {STEP_NORMS[step]}")
         for rank, run in enumerate(got):
             have = run["steps"][step]
             problem = tensor_mismatch(have["loss"], want["loss"][rank], rtol=1e-12, atol=1e-12)
@@ -1491,7 +1508,8 @@ def _compare_step_pattern(got: Any, expected: Any) -> None:
                          "at a time: each micro-batch has its own forward, loss and backward.",
                     recipe="Loop over the micro-batches: forward, loss_fn, backward of the loss "
                            "divided by their number.")
-            interleaved = [f"{what} {i}" for i in range(STEP_MICRO) for what in ("loss", "backward")]
+            interleaved = [f"{what} {i}" for i in range(STEP_MICRO)
+                           for what in ("loss", "backward")]
             if have["order"] != interleaved:
                 raise CheckFailed(
                     f"rank {rank}, step {step + 1}: losses and backwards ran in the order "
@@ -1500,8 +1518,8 @@ def _compare_step_pattern(got: Any, expected: Any) -> None:
                     hint="Accumulation exists so that only one micro-batch's activations are alive "
                          "at a time: each micro-batch's backward frees them before the next "
                          "forward.",
-                    recipe="Inside the loop over micro-batches, call backward on each loss (divided "
-                           "by their number) right after computing it.")
+                    recipe="Inside the loop over micro-batches, call backward on each loss "
+                           "(divided by their number) right after computing it.")
             last = marks[-1][0]  # events issued before the last loss_fn call
             scatters = [i for i, (op, _) in enumerate(events) if "reduce_scatter" in op]
             early = sum(1 for i in scatters if i < last)

@@ -44,8 +44,9 @@ from autograder.registry import pickle_for_worker, task
 
 # DDP's Dynamo, FSDP2's, DCP's and the lesson's modules, imported once before ranks fork (the
 # elastic agent's workers are forked too, so they start with them).
-PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-           "torch.distributed.fsdp", "kit.lessons.resume",
+PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint",
+           "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
+           "kit.lessons.resume",
            "torch.distributed.checkpoint._fsspec_filesystem")  # dcp.save/load import it lazily
 # DCP's save and load entry points, new and old (deprecated aliases, the private functions under
 # them, the checkpointer class, the torch.save converters): 6.1 builds them; 6.2's TrainingState
@@ -78,7 +79,8 @@ LOAD_SPLITS = {
     4: [1, 29_999, 45_001, 24_999],
 }
 STEPS_LOAD_SPLITS = {1: [777], 2: [301, 476], 3: [0, 600, 177], 4: [1, 299, 200, 277]}
-BYTES_SLACK = 32 * 1024  # per piece file and for the metadata: headers, buffers (torch.load: ~20 KB)
+# per piece file and for the metadata: headers, buffers (torch.load: ~20 KB)
+BYTES_SLACK = 32 * 1024
 # What a rank may write beyond its own pieces: each piece file's zip header and directory
 # (torch.save: ~1.5 KiB), on rank 0 the metadata of the two tensors, and what the collectives
 # send through gloo's sockets (the kernel counts those writes too): 16 KiB. The correct save
@@ -124,7 +126,8 @@ def _install_audit_hook() -> None:
     # of autograder that refuses calls from student code, and an audit hook runs in the frame
     # of whatever code opened the file.
     def audit(event: str, args: tuple) -> None:
-        if _OPENED is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        if (_OPENED is not None and event == "open" and args
+                and isinstance(args[0], (str, bytes, os.PathLike))):
             try:
                 _OPENED.append(os.path.abspath(os.fsdecode(os.fspath(args[0]))))
             except (TypeError, ValueError):
@@ -149,7 +152,8 @@ def _bytes_read() -> int:
 
 
 def _save_on_rank(save_shards: Any, root: str, seed: int) -> dict[str, int]:
-    """Save this rank's pieces of both tensors; the bytes they hold and the bytes written meanwhile."""
+    """Save this rank's pieces of both tensors; the bytes they hold and the bytes written
+    meanwhile."""
     w, rank = dist.get_world_size(), dist.get_rank()
     tensors = _tensors(seed)
     pieces = {}
@@ -198,7 +202,8 @@ def _shards_run(save_shards: Any, seed: int) -> dict[str, Any]:
     load_shards = SHARDS.companion(save_shards, "load_shards")
     if load_shards is None:
         raise CheckFailed("no load_shards function was found next to save_shards",
-                          hint="Define load_shards(ckpt_dir, name, offset, numel) in the task's cell.")
+                          hint="Define load_shards(ckpt_dir, name, offset, numel) in the task's "
+                               "cell.")
     jobs = _load_jobs()
     writes = {}
     with tempfile.TemporaryDirectory(prefix="kit-shards-") as root:
@@ -292,7 +297,8 @@ _value_case("an int64 tensor in the same folder, with empty pieces and empty ran
                    "tensor of that dtype).")
 
 
-def _probe_files(got: list[dict[str, Any]], jobs: list[tuple], w: int) -> tuple[set[str], list[set[str]]]:
+def _probe_files(got: list[dict[str, Any]], jobs: list[tuple],
+                 w: int) -> tuple[set[str], list[set[str]]]:
     """What loading one element of each non-empty piece opened: files common to all (metadata)
     and, per piece, the files only some loads opened (its own data)."""
     probes = [set(got[i]["opened"]) for i, j in enumerate(jobs) if j[0] == w and j[4] == "probe"]
@@ -316,7 +322,8 @@ def _opened_beyond(got: list[dict[str, Any]], jobs: list[tuple]) -> dict[int, se
             if sw != w:
                 continue
             if everything:
-                if sum(max(offset, o) < min(offset + numel, o + n) for o, n in pieces) < len(pieces):
+                overlapping = sum(max(offset, o) < min(offset + numel, o + n) for o, n in pieces)
+                if overlapping < len(pieces):
                     extra[i] = set(got[i]["opened"])
                 continue
             needed = set(common).union(*[own[k] for k, (o, n) in enumerate(pieces)
@@ -389,8 +396,9 @@ def _compare_bytes(got: Any, expected: list[int]) -> None:
             w, name, offset, numel, _ = job
             if i in beyond:  # the bytes of pieces it had no need to open
                 raise CheckFailed(
-                    f"saved on {w} ranks, load_shards({name!r}, offset={offset}, numel={numel}) read "
-                    f"{g:,} bytes: it opened {sorted(beyond[i])}, files of pieces outside that range",
+                    f"saved on {w} ranks, load_shards({name!r}, offset={offset}, numel={numel}) "
+                    f"read {g:,} bytes: it opened {sorted(beyond[i])}, files of pieces outside "
+                    "that range",
                     expected=f"at most {allowed:,} bytes", got=f"{g:,} bytes", cause=_OPENS_OTHERS,
                     hint="Open only the pieces that overlap [offset, offset + numel): where they "
                          "lie comes from the metadata.")
@@ -529,7 +537,8 @@ def _resume_all(impl: Any, seed: int, root: str, unused_error: str | None) -> di
     out: dict[str, Any] = {kind: _resume_on_rank(impl, kind, seed, TOTAL - SAVE_AT,
                                                  os.path.join(root, kind))
                            for kind in ("ddp", "fsdp")}
-    out["reshard"] = _resume_on_rank(impl, "fsdp", seed, 0, os.path.join(root, "fsdp4"))["snapshot"]["params"]
+    resharded = _resume_on_rank(impl, "fsdp", seed, 0, os.path.join(root, "fsdp4"))
+    out["reshard"] = resharded["snapshot"]["params"]
     out["unused"] = unused_error
     if unused_error is None:
         try:
@@ -616,7 +625,8 @@ def _compare_resume(kind: str) -> Callable[[Any, Any], None]:
                 try:
                     assert_same(g["snapshot"][part], e["snapshot"][part], rtol=0.0, atol=0.0)
                 except CheckFailed as f:
-                    owner = _whose(g["snapshot"][part], [x["snapshot"][part] for x in expected], rank)
+                    owner = _whose(g["snapshot"][part], [x["snapshot"][part] for x in expected],
+                                   rank)
                     if owner is not None:  # the state came back, but another rank's
                         raise CheckFailed(
                             f"rank {rank}: right after dcp.load, {what} is rank {owner}'s, not its "
@@ -654,8 +664,8 @@ _resume_case("fsdp", "FSDP2 on 2 ranks")
 STATE.case(f"FSDP2 saved on 4 ranks after {SAVE_AT_4} steps, loaded on 2: equal full parameters",
            uses=RESUME_RUN, pick="reshard",
            expect=lambda seed: [STATE.trusted("straight_runs")(seed)[1][0]["final"]] * 2,
-           compare=lambda got, expected: assert_same(got, expected, rtol=0.0, atol=0.0,
-                                                     path="full parameters after loading on 2 ranks"),
+           compare=lambda got, expected: assert_same(
+               got, expected, rtol=0.0, atol=0.0, path="full parameters after loading on 2 ranks"),
            hint="get_state_dict gives FSDP2's DTensors, and DCP reshards them at load time: save "
                 "those, not each rank's local shard.")
 
@@ -672,7 +682,8 @@ def _compare_unused(got: Any, expected: list[dict[str, Any]]) -> None:
         assert_same(g["losses"], e["losses"], rtol=0.0, atol=0.0,
                     path=f"{_UNUSED}: rank {rank}: losses of the {UNUSED_MORE} resumed steps")
         assert_same(g["final"], e["final"], rtol=0.0, atol=0.0,
-                    path=f"{_UNUSED}: rank {rank}: parameters after {UNUSED_AT + UNUSED_MORE} steps")
+                    path=f"{_UNUSED}: rank {rank}: parameters after {UNUSED_AT + UNUSED_MORE} "
+                         "steps")
 
 
 STATE.case(f"FSDP2 on 2 ranks with an unused head (no gradient, so no optimizer state, at the "
@@ -689,7 +700,8 @@ RUN_TOTAL = 10
 
 
 def _is_function(impl: Any) -> bool:
-    return isinstance(impl, types.FunctionType) and isinstance(getattr(impl, "__globals__", None), dict)
+    return (isinstance(impl, types.FunctionType)
+            and isinstance(getattr(impl, "__globals__", None), dict))
 
 
 _NOT_A_FUNCTION = ("train_with_checkpoints must be a function that calls the setup's "
@@ -786,8 +798,8 @@ class _Watch:
         for module in (dcp, state_dict_loader):
             module.load = load
 
-    def train_step(self, original: Callable[[Any], float], before: Callable[[Any], None] = lambda s: None
-                   ) -> Callable[[Any], float]:
+    def train_step(self, original: Callable[[Any], float],
+                   before: Callable[[Any], None] = lambda s: None) -> Callable[[Any], float]:
         def train_step(state: Any) -> float:
             self.steps.append(int(state.step))
             before(state)
@@ -878,6 +890,14 @@ def _plain_state(params: Any) -> Any:
     if isinstance(params, dict) and all(isinstance(v, torch.Tensor) for v in params.values()):
         return {str(k): v.detach().clone() for k, v in params.items()}
     return f"<a {type(params).__name__}, not a dict of tensors>"
+
+
+def _same_params(params: Any, expected: Any, who: str, path: str) -> None:
+    """A rank's returned parameters (``_plain_state``'s: a str names what came back instead)
+    equal the uninterrupted run's, bit for bit."""
+    if isinstance(params, str):
+        raise CheckFailed(f"{who} returned {params}", expected="a dict of tensors")
+    assert_same(params, expected, rtol=0.0, atol=0.0, path=path)
 
 
 def _quick_run(impl: Any, seed: int) -> list[dict[str, Any]]:
@@ -992,8 +1012,8 @@ def _compare_quick_resume(got: Any, expected: Any) -> None:
     for rank, g in enumerate(got):
         bad = [name for name, has_meta in g["loads"] if not has_meta]
         if bad:
-            raise CheckFailed(f"rank {rank} loaded {bad[0]}, which has no .metadata: a half-written "
-                              "checkpoint", expected=f"step-{newest:06d}", got=bad[0],
+            raise CheckFailed(f"rank {rank} loaded {bad[0]}, which has no .metadata: a "
+                              "half-written checkpoint", expected=f"step-{newest:06d}", got=bad[0],
                               hint="A checkpoint is complete only once DCP has written .metadata "
                                    "(last, by rank 0): skip folders without it.")
         first = g["resumed_steps"][0] if g["resumed_steps"] else None
@@ -1004,10 +1024,8 @@ def _compare_quick_resume(got: Any, expected: Any) -> None:
                 expected=f"resume at step {newest} (the newest complete checkpoint)", got=first,
                 hint="Order checkpoints by the step in their name, not by modification time: "
                      "copies, restores and coarse clocks reorder mtimes.")
-        if isinstance(g["second"], str):
-            raise CheckFailed(f"rank {rank} returned {g['second']}", expected="a dict of tensors")
-        assert_same(g["second"], expected, rtol=0.0, atol=0.0,
-                    path=f"rank {rank}: parameters after resuming and training to {QUICK_TOTAL}")
+        _same_params(g["second"], expected, f"rank {rank}",
+                     f"rank {rank}: parameters after resuming and training to {QUICK_TOTAL}")
 
 
 LOOP.case(f"with step-{QUICK_FIRST:06d} half-written and mtimes that lie, a rerun to "
@@ -1023,10 +1041,11 @@ def _compare_finished(got: Any, expected: Any) -> None:
     for rank, g in enumerate(got):
         f = g["finished"]
         if [name for name, _ in f["loads"]] != [f"step-{QUICK_TOTAL:06d}"]:
-            raise CheckFailed(f"{where}: rank {rank}'s rerun loaded {[n for n, _ in f['loads']] or 'nothing'}",
+            loaded = [n for n, _ in f["loads"]] or "nothing"
+            raise CheckFailed(f"{where}: rank {rank}'s rerun loaded {loaded}",
                               expected=f"step-{QUICK_TOTAL:06d}", got=f["loads"],
-                              hint="Resume from the newest complete checkpoint, even when it is the "
-                                   "last step's.")
+                              hint="Resume from the newest complete checkpoint, even when it is "
+                                   "the last step's.")
         if f["steps"]:
             raise CheckFailed(
                 f"{where}: rank {rank}'s rerun called train_step at steps {f['steps']}",
@@ -1038,10 +1057,8 @@ def _compare_finished(got: Any, expected: Any) -> None:
                               expected="no save", got=f["saves"],
                               hint="Save only after a step that was taken; never write into a "
                                    "folder that holds a complete checkpoint.")
-        if isinstance(f["params"], str):
-            raise CheckFailed(f"{where}: rank {rank} returned {f['params']}", expected="a dict of tensors")
-        assert_same(f["params"], expected, rtol=0.0, atol=0.0,
-                    path=f"{where}: rank {rank}'s parameters")
+        _same_params(f["params"], expected, f"{where}: rank {rank}",
+                     f"{where}: rank {rank}'s parameters")
 
 
 LOOP.case(f"after the last step: a rerun to {QUICK_TOTAL} with step-{QUICK_TOTAL:06d} complete "
@@ -1143,11 +1160,14 @@ def _torchrun_run(impl: Any, seed: int) -> dict[str, Any]:
             logs = {}
             for rank in range(2):
                 log = work / f"log-rank{rank}-attempt{attempt}.json"
-                logs[rank] = json.loads(log.read_text()) if log.exists() else {"steps": [], "loads": []}
-            result["attempts"].append({"complete_at_start": json.loads(start.read_text()), "logs": logs})
+                logs[rank] = (json.loads(log.read_text()) if log.exists()
+                              else {"steps": [], "loads": []})
+            result["attempts"].append({"complete_at_start": json.loads(start.read_text()),
+                                       "logs": logs})
         params = [work / f"params-rank{r}.pt" for r in range(2)]
         result["params"] = ([torch.load(p, weights_only=True) for p in params]
-                            if result["error"] is None and all(p.exists() for p in params) else None)
+                            if result["error"] is None and all(p.exists() for p in params)
+                            else None)
     return result
 
 
@@ -1161,15 +1181,13 @@ def _compare_torchrun_params(got: Any, expected: Any) -> None:
         raise CheckFailed(f"torchrun ran {len(got['attempts'])} attempt(s), expected 3 (two kills)",
                           expected=3, got=len(got["attempts"]))
     for rank, params in enumerate(got["params"]):
-        if isinstance(params, str):
-            raise CheckFailed(f"rank {rank} returned {params}", expected="a dict of tensors")
-        assert_same(params, expected, rtol=0.0, atol=0.0,
-                    path=f"rank {rank}: final parameters after two kills")
+        _same_params(params, expected, f"rank {rank}",
+                     f"rank {rank}: final parameters after two kills")
 
 
-LOOP.case("under torchrun's elastic agent, 2 workers, --max-restarts=2: a rank SIGKILLed in the middle "
-          "of a save, then one at a secret step; the final parameters equal an uninterrupted "
-          "run's bit for bit", uses=TORCHRUN_RUN, compare=_compare_torchrun_params,
+LOOP.case("under torchrun's elastic agent, 2 workers, --max-restarts=2: a rank SIGKILLed in the "
+          "middle of a save, then one at a secret step; the final parameters equal an "
+          "uninterrupted run's bit for bit", uses=TORCHRUN_RUN, compare=_compare_torchrun_params,
           expect=_uninterrupted(RUN_TOTAL), weight=2)
 
 
@@ -1183,8 +1201,9 @@ def _compare_torchrun_resumes(got: Any, expected: Any) -> None:
             bad = [name for name, has_meta in log["loads"] if not has_meta]
             if bad:
                 raise CheckFailed(f"attempt {attempt}, rank {rank} loaded {bad[0]}, which had no "
-                                  ".metadata: an incomplete checkpoint", expected=f"step-{newest:06d}",
-                                  got=bad[0], hint="Skip folders without .metadata.")
+                                  ".metadata: an incomplete checkpoint",
+                                  expected=f"step-{newest:06d}", got=bad[0],
+                                  hint="Skip folders without .metadata.")
             if log["steps"] and log["steps"][0] != newest:
                 raise CheckFailed(
                     f"attempt {attempt}, rank {rank} started training at step {log['steps'][0]}, "

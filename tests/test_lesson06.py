@@ -88,7 +88,7 @@ def test_lesson06_states_what_each_task_bounds():
     assert bounds == {"6.1": ["bytes a rank writes beyond its own pieces"], "6.2": [], "6.3": []}
 
 
-# --------------------------------------------------------------------------- what the lesson says about DCP
+# ------------------------------------------------------------- what the lesson says about DCP
 
 
 def _same_key(folder):
@@ -205,7 +205,7 @@ def test_async_save_requires_a_group_with_a_cpu_backend_as_the_lesson_quotes():
            "'cpu:gloo,cuda:nccl'" in source
 
 
-# --------------------------------------------------------------------------- kit.lessons.resume and the kill plan
+# ------------------------------------------------- kit.lessons.resume and the kill plan
 
 
 @settings(max_examples=20, deadline=None)

@@ -1,8 +1,9 @@
 """The grader's answers for Lesson 05 (trusted only): task 5.1's count of the bytes a rank holds
 (storages once, a DTensor by its local shard), the one-process runs the sharded trainers of 5.2,
 5.3 and 5.4 must equal and torch's clipping of 5.5's unsharded model (each computed once per
-seed while a check runs, on one thread as the ranks run), and the bounds each technique promises, computed from the sizes of the models the
-memory runs use (the activations measured on the unwrapped model, in this process).
+seed while a check runs, on one thread as the ranks run), and the bounds each technique
+promises, computed from the sizes of the models the memory runs use (the activations measured on
+the unwrapped model, in this process).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def _fsdp_compute(seed: int) -> dict[str, Any]:
         unit_names = {f"{prefix}.{n}" for prefix, params in units.items() for n, _ in params}
         params = dict(model.named_parameters())
         optimizer = torch.optim.AdamW(params.values(), lr=1e-2, weight_decay=0.1, eps=L.EPS)
-        run: dict[str, Any] = {"units": {p: [(n, tuple(s)) for n, s in v] for p, v in units.items()}}
+        run: dict[str, Any] = {"units": {p: [(n, tuple(s)) for n, s in v]
+                                         for p, v in units.items()}}
         for step in range(L.FSDP_STEPS):
             total = {n: torch.zeros_like(p) for n, p in params.items()}
             for rank in range(L.FSDP_RANKS):

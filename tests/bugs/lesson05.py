@@ -88,7 +88,8 @@ _REDUCE_SCATTER = (
     "        grad = torch.empty_like(self.shard)\n"
     "        dist.reduce_scatter_single(grad, grad_full.float().contiguous())  # sum over ranks\n"
     "        return grad / self.world_size\n")
-_SAVING = ("        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)\n"
+_SAVING = ("        self.saving = torch.autograd.graph.saved_tensors_hooks("
+           "self.pack, self.unpack)\n"
            "        self.saving.__enter__()\n", "")
 _SAVED = ("        self.saving.__exit__(None, None, None)\n", "")
 
@@ -116,7 +117,8 @@ FSDPDropsTheRemainder = _bug(  # numel // W per rank: a unit W does not divide l
      "self.padded = flat.numel() // self.world_size * self.world_size  # pad < 0 cuts"),
     ("        out, offset = {}, 0\n",
      "        out, offset = {}, 0\n"
-     "        full = F.pad(full, (0, max(0, sum(s.numel() for s in self.shapes) - full.numel())))\n"))
+     "        full = F.pad(full, (0, max(0, sum(s.numel() for s in self.shapes)"
+     " - full.numel())))\n"))
 FSDPReplicatedNotAveraged = _bug(  # every rank's layer norms drift apart
     "FSDP", ("        for p in self.replicated:\n            if p.grad is not None:\n",
              "        for p in []:\n            if p.grad is not None:\n"))
@@ -189,7 +191,8 @@ def apply_fsdp2_borrows_lesson06(model, mesh, param_dtype=None, reduce_dtype=Non
 # The check finds train_step beside clip_grad_norm_ in the edited solution: a clip bug steps
 # with the solution's train_step, a train_step bug clips with the solution's clip_grad_norm_.
 
-_REDUCE = "    dist.all_reduce(local, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM)\n"
+_REDUCE = ("    dist.all_reduce(local, op=dist.ReduceOp.MAX if p == math.inf"
+           " else dist.ReduceOp.SUM)\n")
 _POWERS = ("    for g in shards:\n"
            "        if g.numel() == 0:\n"
            "            continue  # an uneven split leaves some ranks an empty piece\n"
@@ -278,7 +281,8 @@ BUGS = {
             "    gathered = torch.empty(dist.get_world_size(), dtype=local.dtype)\n"
             "    dist.all_gather_into_tensor(gathered, local.reshape(1))\n"
             "    local = gathered.max() if p == math.inf else gathered.sum()\n")))),
-        ("adds up the ranks' maxima for the inf norm", _clip((_REDUCE, "    dist.all_reduce(local)\n"))),
+        ("adds up the ranks' maxima for the inf norm",
+         _clip((_REDUCE, "    dist.all_reduce(local)\n"))),
         ("ignores norm_type", _clip(("    p = float(norm_type)\n", "    p = 2.0\n"))),
         ("scales gradients up when the norm is below max_norm", _clip((
             "scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)",
