@@ -654,11 +654,12 @@ for k, v in kept.items():
 # `parallelize_module(module, mesh, plan)` turns submodules' weights into DTensors following a
 # plan written as data, a dict from submodule name to style:
 #
-# | style | weight placement | what happens at the boundaries |
-# | --- | --- | --- |
-# | `ColwiseParallel()` | `Shard(0)` of `weight` (out, in): your rows | input replicated (f), output stays sharded |
-# | `RowwiseParallel()` | `Shard(1)`: your columns | output `Partial`, all-reduced to replicated (g) |
-# | `SequenceParallel()` | `Replicate()` (a LayerNorm's) | runs on `Shard(1)` of the input: the sequence shard |
+# - `ColwiseParallel()`: the weight is `Shard(0)` of `weight` (out, in), your rows; the input
+#   arrives replicated (f) and the output stays sharded.
+# - `RowwiseParallel()`: `Shard(1)`, your columns; the output is `Partial`, all-reduced to
+#   replicated (g).
+# - `SequenceParallel()`: `Replicate()` (a LayerNorm's weight); it runs on `Shard(1)` of the
+#   input, the sequence shard.
 #
 # It runs on CPU ranks with gloo: the mesh is `init_device_mesh("cpu", (t,))`. Here it is next
 # to your layers, on the same weights:
@@ -1234,11 +1235,14 @@ plt.show()
 # With $N$ GPUs, a layout is a factorisation $N = d \times t \times p$ (data × tensor ×
 # pipeline). Each dimension costs something different per rank and per step:
 #
-# | | memory per rank | communication per rank and step |
-# | --- | --- | --- |
-# | data ($d$) | weights, gradients, optimizer states whole (÷ $d$ with FSDP/ZeRO) | one all-reduce of the gradients: $2\frac{d-1}{d}\cdot$ params |
-# | tensor ($t$) | weights ÷ $t$, activations ÷ $t$ (with sequence parallelism) | 4 all-reduces of the activation per layer and micro-batch, inside the node |
-# | pipeline ($p$) | weights ÷ $p$; stage 0 holds $p$ micro-batches of activations (1F1B) | one activation and one gradient per micro-batch, to a neighbour; a bubble of $\frac{p-1}{m+p-1}$ |
+# - **data ($d$)**: memory per rank: weights, gradients and optimizer states whole (÷ $d$ with
+#   FSDP/ZeRO); communication per rank and step: one all-reduce of the gradients,
+#   $2\frac{d-1}{d}\cdot$ params.
+# - **tensor ($t$)**: memory: weights ÷ $t$, activations ÷ $t$ (with sequence parallelism);
+#   communication: 4 all-reduces of the activation per layer and micro-batch, inside the node.
+# - **pipeline ($p$)**: memory: weights ÷ $p$, and stage 0 holds $p$ micro-batches of
+#   activations (1F1B); communication: one activation and one gradient per micro-batch, to a
+#   neighbour, and a bubble of $\frac{p-1}{m+p-1}$.
 #
 # `kit.lessons.parallelism.layout_table` puts numbers on it for a GPT-style model (12 $h^2$
 # parameters per layer; 16 bytes per parameter for bf16 weights and gradients and fp32 Adam states;
