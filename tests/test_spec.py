@@ -97,9 +97,6 @@ def test_the_slug_scan_sees_a_path_and_skips_a_docstring(tmp_path):
 # ---------------------------------------------------------------- seeded bugs built from solutions
 
 MOST_SHARED = 12  # lines a bugs module may share with its solution and reference (imports...)
-# Bugs modules not yet rebuilt from their solution: what they still share, as a ceiling that may
-# only fall (a test below fails once one is under MOST_SHARED, so the entry is then removed).
-STILL_COPIED = {}
 
 
 def _lines(text: str) -> set[str]:
@@ -130,17 +127,10 @@ def test_seeded_bugs_are_built_from_the_solution_not_copied(lesson):
     or the reference's code, which goes stale when they change."""
     seeded_bugs(lesson)  # the module imports and lists its bugs
     shared = _copied(lesson)
-    most = STILL_COPIED.get(lesson, MOST_SHARED)
-    assert len(shared) <= most, (
+    assert len(shared) <= MOST_SHARED, (
         f"tests/bugs/lesson{lesson:02d}.py writes out {len(shared)} lines of the solution or "
         "reference again: build those bugs from the solution with edited_solution(...):\n"
         + "\n".join(shared))
-
-
-def test_the_bugs_still_copied_are_still_over_the_limit():
-    """An entry of STILL_COPIED whose module is rebuilt must go, so the limit holds it again."""
-    for lesson in STILL_COPIED:
-        assert len(_copied(lesson)) > MOST_SHARED, f"remove lesson {lesson} from STILL_COPIED"
 
 
 # ---------------------------------------------------------------- the spec refuses what is wrong
