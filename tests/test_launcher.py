@@ -274,9 +274,13 @@ def test_a_busy_subgroup_after_a_rank_returned_is_not_a_deadlock():
         if dist.get_rank() == 0:
             return 0
         t = torch.ones(8_000_000)
-        start = time.monotonic()
-        while time.monotonic() - start < 2.5:  # long transfers, same line, past the probes
+        start, more = time.monotonic(), torch.ones(1)
+        while more.item():  # long transfers, same line, past the probes
             dist.all_reduce(t, group=group)
+            # Ranks 1 and 2 agree on when to stop: each reading its own clock, one of them would
+            # reduce once more than the other, a real deadlock the launcher rightly reports.
+            more.fill_(time.monotonic() - start < 2.5)
+            dist.all_reduce(more, op=dist.ReduceOp.MIN, group=group)
         return 1
 
     assert kit.launch(ranks_1_2_keep_reducing, world_size=3, timeout=60) == [0, 1, 1]
