@@ -191,6 +191,15 @@ LESSONS: tuple[Lesson, ...] = (
            (_t("13.1", "route", 4), _t("13.2", "load_balancing_loss", 3),
             _t("13.3", "ExpertParallelMoE", 6)),
            grading_seconds=0.4, gpu_smoke="ExpertParallelMoE on a (dp, ep) mesh (train_moe.py)"),
+    Lesson(14, "composing_parallelism", "Capstone: FSDP2, tensor, sequence and pipeline "
+           "parallelism on one DeviceMesh, resumed at another layout",
+           (_t("14.1", "build_mesh", 3), _t("14.2", "parallelize", 6, "axis_traffic"),
+            _t("14.3", "build_pipeline", 5),
+            _t("14.4", "save_checkpoint", 4, "load_checkpoint")),
+           grading_seconds=3.0,
+           gpu_smoke="a (pp, dp, tp) mesh: your parallelize and 1F1B stages under NCCL (train.py)",
+           needs=("fair-esm", "modlamp"),
+           data="windows of modlamp's real peptides, masked for an ESM-2-style encoder"),
 )
 
 _SLUG = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
