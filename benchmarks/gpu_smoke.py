@@ -551,6 +551,44 @@ def lesson13(device: torch.device) -> str:
             f"here: forward and backward == MoELayer on {device.type}")
 
 
+def lesson14(device: torch.device) -> str:
+    """train.py: your build_mesh, parallelize and build_pipeline on a (pp, dp, tp) mesh under
+    the rank's backend; the losses follow one process, and a checkpoint saved at that layout
+    resumes at (dp=W, tp=1) on the same curve."""
+    import tempfile
+
+    from kit.lessons import composition as comp
+
+    m = _lesson(14)
+    world_size = dist.get_world_size()
+    tp = 2 if world_size % 2 == 0 else 1
+    pp = 2 if world_size % 4 == 0 else 1
+    dp = world_size // (tp * pp)
+    batches = comp.masked_batches(4, 4 * dp)
+    want = comp.one_process_losses(batches)
+    mesh = m.build_mesh(world_size, dp, tp, pp)
+    if pp > 1:
+        part, schedule = m.build_pipeline(comp.encoder(0).to(device), mesh, 2, comp.masked_lm_loss)
+    else:
+        part, schedule = m.parallelize(comp.encoder(0).to(device), mesh), None
+    optimizer = comp.optimizer_for(part)
+    losses = comp.train_steps(part, mesh, batches[:2], optimizer, schedule)
+    with tempfile.TemporaryDirectory() as root:
+        path = [f"{root}/ckpt" if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(path, src=0)  # every rank saves to rank 0's folder
+        if pp == 1:
+            m.save_checkpoint(part, optimizer, 2, path[0])
+            mesh = m.build_mesh(world_size, world_size, 1, 1)
+            part = m.parallelize(comp.encoder(1).to(device), mesh)
+            optimizer = comp.optimizer_for(part)
+            assert m.load_checkpoint(part, optimizer, path[0]) == 2
+        losses += comp.train_steps(part, mesh, batches[2:], optimizer, schedule)
+        dist.barrier()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-3, atol=1e-4)
+    resumed = "; pipeline, no resume" if pp > 1 else f"; saved, resumed at (dp={world_size})"
+    return f"mesh (pp={pp}, dp={dp}, tp={tp}): 4 steps on the one-process curve{resumed}"
+
+
 def worker(local_rank: int, world_size: int, port: int, shared: str, backend: str = "nccl") -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # started by mp.spawn: set what torchrun sets
         os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),

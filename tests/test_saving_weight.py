@@ -2,7 +2,7 @@
 messages per rank), the cases that measure it (``saving=True``, every bound) are worth at least
 half of its points, so that right values with the saving thrown away keep at most half.
 
-Every task of Lessons 05-13 is classified here, as a saving (what it saves) or not (why not): a
+Every task of Lessons 05 on is classified here, as a saving (what it saves) or not (why not): a
 new task must be added to one list, and a saving task that forgets its marker, or weighs its
 saving lightly, fails.
 """
@@ -35,6 +35,8 @@ SAVING_TASKS = {
     "11.2": "bytes: each rank asks for the ids it needs, nobody gathers the graph",
     "11.3": "bytes and memory: lin's outputs of the halo rows only, tables of own + halo rows",
     "13.3": "bytes and memory: kept tokens to their expert's rank only, E/W experts per rank",
+    "14.2": "bytes per mesh axis and parameters: 1/(dp tp) of the blocks, 1/dp of the rest",
+    "14.3": "parameters: a stage's own blocks; activations in flight: 1F1B's, not all of them",
 }
 
 # task -> why its point is not a saving
@@ -59,6 +61,8 @@ NOT_A_SAVING = {
     "12.3": "a diagnosis: which rank is slow, and why",
     "13.1": "routing values",
     "13.2": "a loss's value and gradient",
+    "14.1": "a layout: which ranks share a group",
+    "14.4": "a resume at another layout; its bound guards against a gathering save",
 }
 
 # A seeded bug that throws the saving away (its values right, at least on the main cases): (task,
@@ -82,6 +86,10 @@ THROWS_THE_SAVING_AWAY = {
         "keeps the whole weights and runs the full-width MLP on every rank",
     ): "keeps both whole weights on every rank",
     ("8.4", "GPipe's order: all forwards, then all backwards"): "activations held at once",
+    ("14.2", "no tensor parallel: blocks whole on every tp rank"): "a rank keeps weights",
+    ("14.2", "plain tensor parallel: no sequence parallel, activations replicated"):
+        "activations gathered and reduce-scattered by sequence",
+    ("14.3", "GPipe: every forward before any backward"): "which holds every micro-batch's",
     (
         "9.3",
         "keeps every block and attends over their concatenation",
@@ -117,7 +125,7 @@ def _tasks() -> dict[str, Task]:
     return {t.id: t for lesson in LESSONS for t in lesson_tasks(lesson)}
 
 
-def test_every_task_of_lessons_05_to_13_is_classified_once():
+def test_every_task_of_lessons_05_on_is_classified_once():
     ids = set(_tasks())
     assert not set(SAVING_TASKS) & set(NOT_A_SAVING)
     assert set(SAVING_TASKS) | set(NOT_A_SAVING) == ids, (

@@ -21,9 +21,9 @@ from autograder.lesson14 import (
     BATCH,
     PARALLEL_LAYOUT,
     PARAM_SHARES,
-    PARAM_SLACK,
     PIPE_LAYERS,
     PIPE_LAYOUT,
+    RESUMED,
     SAVE_AT,
     TRAIN_STEPS,
 )
@@ -200,7 +200,8 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, path: st
 
 def one_process(seed: int) -> dict[str, Any]:
     """14.2: the whole encoder's losses over the run's batches, in one process."""
-    return {"losses": one_process_losses(masked_batches(TRAIN_STEPS, BATCH, seed=seed), seed)}
+    batches = masked_batches(TRAIN_STEPS, BATCH, seed=seed)[:-1]  # the traced step reports none
+    return {"losses": one_process_losses(batches, seed)}
 
 
 def pipeline_one_process(seed: int) -> dict[str, Any]:
@@ -211,7 +212,8 @@ def pipeline_one_process(seed: int) -> dict[str, Any]:
 
 def resume_curve(seed: int) -> dict[str, Any]:
     """14.4: the uninterrupted curve the save and the resume together must follow."""
-    return {"losses": one_process_losses(masked_batches(2 * SAVE_AT, BATCH, seed=seed), seed)}
+    return {"losses": one_process_losses(masked_batches(SAVE_AT + RESUMED, BATCH, seed=seed),
+                                         seed)}
 
 
 def _nbytes(params: Any) -> int:
@@ -245,5 +247,5 @@ def pipeline_bound(seed: int) -> dict[str, Any]:
         root = (_nbytes(model.tok.parameters()) if stage == 0 else 0) + (
             _nbytes([*model.norm.parameters(), *model.head.parameters()])
             if stage == pp - 1 else 0)
-        bounds += [blocks / (dp * tp) + root / dp + PARAM_SLACK] * (dp * tp)
+        bounds += [PARAM_SHARES * (blocks / (dp * tp) + root / dp)] * (dp * tp)
     return {"bound": bounds}

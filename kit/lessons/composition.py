@@ -9,6 +9,7 @@ checkpoint are the lesson's tasks.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,12 @@ DIM, HEADS, LAYERS = 64, 4, 4
 SEQ_LEN = 32  # tokens per window: a multiple of every tp the lesson uses
 MASKED = 5  # masked tokens per window: the same count everywhere, so every split averages alike
 MASK_ID = 32  # <mask> in fair-esm's alphabet
+
+# FSDP2 warns (torch 2.13, _fsdp_state.py) when a wrapped module returns a view, as a linear
+# layer on a 3-D input and tensor parallel's local outputs do: an in-place op on it would skip
+# the backward gather. Nothing here writes into a module's output in place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+\) returned a view",
+                        category=UserWarning)
 
 
 # --------------------------------------------------------------------------- the model
@@ -211,20 +218,25 @@ def _shard(batch: tuple[torch.Tensor, torch.Tensor], mesh: Any
 
 
 def train_steps(model: nn.Module, mesh: Any, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                optimizer: torch.optim.Optimizer, schedule: Any = None) -> list[float]:
+                optimizer: torch.optim.Optimizer, schedule: Any = None,
+                report: bool = True) -> list[float]:
     """Train on ``batches`` (whole batches: each data-parallel rank takes its share) and return
     each step's loss over the whole batch, the same list on every rank.
 
     Without ``schedule`` every rank runs the whole ``model``; with one (a pipeline schedule over
     the mesh's "pp" axis) the first stage feeds tokens, the last computes the loss, and the
-    loss reaches every rank by a broadcast on "pp" and an average on "dp"."""
+    loss reaches every rank by a broadcast on "pp" and an average on "dp". ``report=False``
+    skips those two collectives (a traced step then holds the training's messages only) and
+    returns this rank's own losses (0.0 off the last pipeline stage)."""
     import torch.distributed as dist
 
     pp, stage = axis_of(mesh, "pp")
     dp, _ = axis_of(mesh, "dp")
+    device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
+              else torch.device("cpu"))
     losses = []
     for batch in batches:
-        tokens, targets = _shard(batch, mesh)
+        tokens, targets = (t.to(device) for t in _shard(batch, mesh))
         if schedule is None:
             loss = masked_lm_loss(model(tokens), targets)
             loss.backward()
@@ -234,13 +246,12 @@ def train_steps(model: nn.Module, mesh: Any, batches: Sequence[tuple[torch.Tenso
             kwargs = {"target": targets, "losses": parts} if stage == pp - 1 else {}
             schedule.step(tokens, **kwargs) if stage == 0 else schedule.step(**kwargs)
             value = (torch.stack(parts).mean().detach().reshape(1) if parts
-                     else torch.zeros(1))
-            if pp > 1:
-                dist.broadcast(value, group=mesh["pp"].get_group(),
-                               group_src=pp - 1)
+                     else torch.zeros(1, device=device))
+            if pp > 1 and report:
+                dist.broadcast(value, group=mesh["pp"].get_group(), group_src=pp - 1)
         optimizer.step()
         optimizer.zero_grad()
-        if dp > 1:
+        if dp > 1 and report:
             dist.all_reduce(value, group=mesh["dp"].get_group())
             value /= dp
         losses.append(value.item())
