@@ -529,9 +529,45 @@ def _ckpt_run(save_checkpoint: Any, seed: int) -> list[dict[str, Any]]:
                               timeout=RANK_TIMEOUT_S, echo=False, preload=CKPT.preload))
 
 
+def _ckpt_one_process(save_checkpoint: Any, seed: int) -> dict[str, Any]:
+    """World size 1, no process group: a plain encoder saved after SAVE_AT steps, loaded into a
+    fresh one (DCP saves in one process when torch.distributed is not initialized)."""
+    import warnings
+
+    load_checkpoint = CKPT.companion(save_checkpoint, "load_checkpoint")
+    batches = comp.masked_batches(SAVE_AT + RESUMED, BATCH, seed=seed)
+    model = comp.encoder(seed)
+    optimizer = comp.optimizer_for(model)
+    mesh = _NO_MESH
+    comp.train_steps(model, mesh, batches[:SAVE_AT], optimizer)
+    with tempfile.TemporaryDirectory(prefix="kit-capstone-") as root, \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        save_checkpoint(model, optimizer, SAVE_AT, f"{root}/one")
+        if load_checkpoint is None:
+            raise CheckFailed("no load_checkpoint function was found next to save_checkpoint",
+                              hint="Define load_checkpoint(model, optimizer, path) in the task's "
+                                   "cell.")
+        model = comp.encoder(seed + 1)
+        optimizer = comp.optimizer_for(model)
+        step = load_checkpoint(model, optimizer, f"{root}/one")
+    losses = comp.train_steps(model, mesh, batches[SAVE_AT:], optimizer)
+    return [{"step": step if isinstance(step, int) else describe(step), "losses": losses}]
+
+
+class _NoMesh:
+    """What train_steps reads of a mesh, for one process: no axes, on the CPU."""
+
+    mesh_dim_names = ()
+    device_type = "cpu"
+
+
+_NO_MESH = _NoMesh()
+
+
 def _compare_resume(got: Any, expected: Any) -> None:
     want = expected["losses"]
-    for rank, g in enumerate(per_rank(got, 4)):
+    for rank, g in enumerate(per_rank(got, len(got) if isinstance(got, list) else 4)):
         if g["step"] != SAVE_AT:
             raise CheckFailed(f"rank {rank}: load_checkpoint returned {g['step']!r}; the run was "
                               f"saved at step {SAVE_AT}", expected=SAVE_AT, got=g["step"],
@@ -558,6 +594,8 @@ CKPT = task(
            "set_state_dict with the loaded model and optimizer states; return the step.",
 )
 CKPT_RUN = CKPT.shared(_ckpt_run)
+CKPT.case("one process, no process group: saved after a step, loaded into a fresh model",
+          uses=CKPT.shared(_ckpt_one_process), compare=_compare_resume, expect="resume_curve")
 CKPT.case("saved at (dp=2, tp=2), resumed at (dp=4, tp=1): the step and the rest of the "
           "one-process curve", uses=CKPT_RUN, compare=_compare_resume, expect="resume_curve",
           weight=3)
