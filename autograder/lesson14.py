@@ -424,14 +424,17 @@ def _compare_schedule(got: Any, expected: Any) -> None:
         sends = [i for i, (op, _, _) in enumerate(have) if "send" in op]
         recvs = [i for i, (op, _, _) in enumerate(have) if "recv" in op]
         hint = "1F1B alternates one forward and one backward once the pipeline is full."
-        if _stage(rank) == 0 and recvs and len([i for i in sends if i < recvs[0]]) > PIPE_LAYOUT[2]:
-            hint = (f"Stage 0 sent {len([i for i in sends if i < recvs[0]])} micro-batches before "
-                    "the first gradient came back: all forwards, then all backwards (GPipe), "
-                    "which holds every micro-batch's activations. Use Schedule1F1B.")
+        early = len([i for i in sends if recvs and i < recvs[0]])
+        detail = ""
+        if _stage(rank) == 0 and early > PIPE_LAYOUT[2]:
+            detail = (f": stage 0 sent {early} micro-batches before the first gradient came "
+                      "back, all forwards then all backwards (GPipe), which holds every "
+                      "micro-batch's activations at once")
+            hint = "Use Schedule1F1B: stage 0 then holds at most pp micro-batches' activations."
         raise CheckFailed(f"rank {rank} (stage {_stage(rank)}) exchanged {len(have)} messages "
                           f"({sum(b for _, b, _ in have):,} bytes) on the pp axis; 1F1B with "
                           f"{MICRO} micro-batches exchanges {len(want)} "
-                          f"({sum(b for _, b, _ in want):,} bytes) in its own order",
+                          f"({sum(b for _, b, _ in want):,} bytes) in its own order{detail}",
                           expected=[op for op, _, _ in want], got=[op for op, _, _ in have],
                           hint=hint)
 

@@ -132,11 +132,7 @@ def test_a_3d_mesh_puts_tp_on_neighbours_and_pp_farthest_apart():
     assert all(r["tp"] == [2 * (i // 2), 2 * (i // 2) + 1] for i, r in enumerate(got))
 
 
-def test_build_mesh_names_the_sizes_when_they_do_not_fit():
-    from autograder.loading import load_tasks
-
-    solution = load_tasks(comp.__file__.replace("kit/lessons/composition.py",
-                                                "solutions/14_composing_parallelism.py"))
+def test_build_mesh_names_the_sizes_when_they_do_not_fit(solution):
     with pytest.raises(ValueError, match=r"2 \* 2 \* 1 = 4, but the world has 6 ranks"):
         solution.build_mesh(6, 2, 2, 1)
     with pytest.raises(ValueError, match="tp must be an int of at least 1"):
