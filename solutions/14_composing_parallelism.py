@@ -472,15 +472,15 @@ check("14.4", save_checkpoint)
 # %%
 def save_then_resume(path: str, batches) -> list[float]:
     losses = []
-    for layout, part in (((2, 2, 1), batches[:3]), ((4, 1, 1), batches[3:])):
+    for layout, part, seed in (((2, 2, 1), batches[:3], 0), ((4, 1, 1), batches[3:], 1)):
         mesh = build_mesh(dist.get_world_size(), *layout)
-        model = parallelize(encoder(1), mesh)  # other weights: the checkpoint must replace them
+        model = parallelize(encoder(seed), mesh)  # seed 1: weights the checkpoint must replace
         optimizer = optimizer_for(model)
-        if part is batches[3:]:
+        if seed == 1:
             print(f"resumed at step {load_checkpoint(model, optimizer, path)} with layout "
                   f"dp={layout[0]} tp={layout[1]}")
         losses += train_steps(model, mesh, part, optimizer)
-        if part is batches[:3]:
+        if seed == 0:
             save_checkpoint(model, optimizer, 3, path)
     return losses
 
