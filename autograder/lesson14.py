@@ -451,8 +451,8 @@ PIPE = task(
            "micro-batches than stages; keep the stage's run of block keys (the first len % pp "
            "stages one more) and delete the others from model.blocks; set tok to None off stage "
            "0 and norm and head to None off the last; parallelize; wrap it in a PipelineStage "
-           "over mesh['pp']'s group and return it with Schedule1F1B(stage, n_microbatches, "
-           "loss_fn=loss_fn).",
+           "over mesh['pp']'s group and return the stage's model with a 1F1B schedule of that "
+           "stage over the given number of micro-batches, computing the loss with loss_fn.",
 )
 PIPE_RUN = PIPE.shared(_pipeline_on_rank, world_size=4, timeout=RANK_TIMEOUT_S)
 PIPE.case("(pp=2, tp=2), 5 blocks, 4 micro-batches: two steps on the one-process curve",
@@ -591,10 +591,11 @@ CKPT = task(
          "each rank's shards with their place in the whole tensor; a load at any layout reads "
          "the pieces its shards overlap. Both the weights and AdamW's moments must travel, and "
          "the step with them.",
-    recipe="save: get_state_dict(model, optimizer), then dcp.save of a dict holding both and the "
-           "step (a tensor) at checkpoint_id=path. load: get_state_dict of the new model and "
-           "optimizer as the template, with a step placeholder; dcp.load into it; "
-           "set_state_dict with the loaded model and optimizer states; return the step.",
+    recipe="To save, take the model's and the optimizer's state dicts from DCP's get_state_dict "
+           "and hand DCP's save one dict holding both and the step (as a tensor), with the path "
+           "as the checkpoint id. To load, build the same dict from the new model and optimizer "
+           "as the template, with a placeholder step, load into it in place, put both states "
+           "back with set_state_dict and return the step.",
 )
 CKPT_RUN = CKPT.shared(_ckpt_run)
 CKPT.case("one process, no process group: saved after a step, loaded into a fresh model",
