@@ -376,7 +376,6 @@ def _pipeline_on_rank(build_pipeline: Any, seed: int) -> dict[str, Any]:
     losses = comp.train_steps(stage_model, mesh, batches[:1], optimizer, schedule)
     with trace() as t:
         losses += comp.train_steps(stage_model, mesh, batches[1:], optimizer, schedule)
-    pp_group = [e for e in t.events if e.kind == "p2p"]
     parts = {"tok": getattr(stage_model, "tok", None) is not None,
              "norm": getattr(stage_model, "norm", None) is not None,
              "head": getattr(stage_model, "head", None) is not None}
@@ -384,7 +383,7 @@ def _pipeline_on_rank(build_pipeline: Any, seed: int) -> dict[str, Any]:
     return {"losses": losses, "held": usage.marks["parameters"], "refusals": refusals,
             "blocks": sorted(blocks.keys(), key=int) if blocks is not None else None,
             "parts": parts,
-            "p2p": [[e.op, int(e.nbytes), e.peer] for e in pp_group]}
+            "p2p": [[e.op, int(e.nbytes), e.peer] for e in t.events if e.kind == "p2p"]}
 
 
 def _stage(rank: int) -> int:
@@ -478,6 +477,16 @@ RESUMED = 2  # steps after the resume: the second is the first the moments chang
 SAVE_PEAK_SHARES = 4.5  # a save may use this many times the rank's share of model + optimizer
 
 
+def _their_load(save_checkpoint: Any) -> Any:
+    """The companion ``load_checkpoint`` beside ``save_checkpoint``, or a CheckFailed."""
+    found = CKPT.companion(save_checkpoint, "load_checkpoint")
+    if found is None:
+        raise CheckFailed("no load_checkpoint function was found next to save_checkpoint",
+                          hint="Define load_checkpoint(model, optimizer, path) in the task's "
+                               "cell.")
+    return found
+
+
 def _their_parallelize(fn: Any) -> Any:
     """The student's own ``parallelize`` (task 14.2) beside ``fn``: 14.4 checkpoints the layout
     it builds."""
@@ -521,11 +530,7 @@ def _ckpt_on_rank(save_checkpoint: Any, load_checkpoint: Any, seed: int,
 def _ckpt_run(save_checkpoint: Any, seed: int) -> list[dict[str, Any]]:
     from kit.launcher import run_ranks
 
-    load_checkpoint = CKPT.companion(save_checkpoint, "load_checkpoint")
-    if load_checkpoint is None:
-        raise CheckFailed("no load_checkpoint function was found next to save_checkpoint",
-                          hint="Define load_checkpoint(model, optimizer, path) in the task's "
-                               "cell.")
+    load_checkpoint = _their_load(save_checkpoint)
     with tempfile.TemporaryDirectory(prefix="kit-capstone-") as root:
         return list(run_ranks(_ckpt_on_rank, (save_checkpoint, load_checkpoint, seed,
                                               f"{root}/step{SAVE_AT}"), world_size=4,
@@ -537,24 +542,19 @@ def _ckpt_one_process(save_checkpoint: Any, seed: int) -> dict[str, Any]:
     fresh one (DCP saves in one process when torch.distributed is not initialized)."""
     import warnings
 
-    load_checkpoint = CKPT.companion(save_checkpoint, "load_checkpoint")
+    load_checkpoint = _their_load(save_checkpoint)
     batches = comp.masked_batches(SAVE_AT + RESUMED, BATCH, seed=seed)
     model = comp.encoder(seed)
     optimizer = comp.optimizer_for(model)
-    mesh = _NO_MESH
-    comp.train_steps(model, mesh, batches[:SAVE_AT], optimizer)
+    comp.train_steps(model, _NO_MESH, batches[:SAVE_AT], optimizer)
     with tempfile.TemporaryDirectory(prefix="kit-capstone-") as root, \
             warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
         save_checkpoint(model, optimizer, SAVE_AT, f"{root}/one")
-        if load_checkpoint is None:
-            raise CheckFailed("no load_checkpoint function was found next to save_checkpoint",
-                              hint="Define load_checkpoint(model, optimizer, path) in the task's "
-                                   "cell.")
         model = comp.encoder(seed + 1)
         optimizer = comp.optimizer_for(model)
         step = load_checkpoint(model, optimizer, f"{root}/one")
-    losses = comp.train_steps(model, mesh, batches[SAVE_AT:], optimizer)
+    losses = comp.train_steps(model, _NO_MESH, batches[SAVE_AT:], optimizer)
     return [{"step": step if isinstance(step, int) else describe(step), "losses": losses}]
 
 
