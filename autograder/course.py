@@ -175,7 +175,7 @@ LESSONS: tuple[Lesson, ...] = (
     Lesson(11, "big_graphs", "Graphs that do not fit one machine: neighbour sampling, METIS "
            "partitions, halo exchange",
            (_t("11.1", "sample_neighbors", 4), _t("11.2", "halo_plan", 4),
-            _t("11.3", "HaloGCNConv", 5)),
+            _t("11.3", "HaloGCNConv", 5), _t("11.4", "fetch_features", 4)),
            grading_seconds=1.2,
            no_gpu_smoke="its Running at scale note needs pyg-lib, which PyPI lacks",
            needs=("torch-geometric", "pymetis"),
@@ -189,7 +189,7 @@ LESSONS: tuple[Lesson, ...] = (
     Lesson(13, "mixture_of_experts", "Mixture of experts: top-k routing with capacity, load "
            "balancing, expert parallelism with all-to-all",
            (_t("13.1", "route", 4), _t("13.2", "load_balancing_loss", 3),
-            _t("13.3", "ExpertParallelMoE", 6)),
+            _t("13.3", "ExpertParallelMoE", 6), _t("13.4", "grouped_experts", 4)),
            grading_seconds=0.4, gpu_smoke="ExpertParallelMoE on a (dp, ep) mesh (train_moe.py)"),
     Lesson(14, "composing_parallelism", "Capstone: FSDP2, tensor, sequence and pipeline "
            "parallelism on one DeviceMesh, resumed at another layout",

@@ -718,3 +718,242 @@ MOE.bound("expert weights per rank", formula=f"{BOUND_SLACK} x (router + E/W exp
           recipe="Keep the experts you are given as they are, and find the others by rank: "
                  "expert e lives on rank e // (E / W); send tokens there instead of fetching "
                  "weights.")
+
+
+# --------------------------------------------------------------------------- task 13.4
+
+# (tokens T, experts E, k, dtype, kind) of each setting grouped_experts is run on; d_model 16
+# and d_hidden 32 keep every row a multiple of 16 bytes, which F.grouped_mm needs on CPU.
+GROUPED_D, GROUPED_H = 16, 32
+GROUPED_SETTINGS: dict[str, tuple[int, int, int, str, str]] = {
+    "k=2, float32": (24, 4, 2, "float32", "random"),
+    "k=1, bfloat16": (20, 4, 1, "bfloat16", "random"),
+    "k=3, 13 tokens on 4 experts, bfloat16": (13, 4, 3, "bfloat16", "random"),
+    "an expert no token chooses": (16, 4, 2, "float32", "avoid 2"),
+    "one expert": (9, 1, 1, "float32", "random"),
+    "skewed": (32, 4, 2, "float32", "skewed"),
+    "no tokens": (0, 4, 2, "float32", "random"),
+    "lists": (10, 3, 2, "float32", "random"),  # expert, weight and the experts as Python lists
+}
+# The run the kernels and bytes of one forward are measured on: 8 experts, balanced.
+GROUPED_MEASURED = (64, 8, 2, "float32", "random")
+MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm",
+           "aten.matmul", "aten.dot", "aten.mv", "aten.addmv", "aten.addbmm",
+           "aten._scaled_grouped_mm")
+# What one forward may allocate: this times the bytes of the grouped path's activations (rows
+# of d_model and d_hidden per choice: F.grouped_mm measured 2.9x, a padded bmm 3.5x);
+# a copy of the weights per choice holds d_model x d_hidden per choice (24x).
+GROUPED_SLACK = 5.0
+
+
+def grouped_inputs(seed: int, setting: tuple[int, int, int, str, str]) -> dict[str, torch.Tensor]:
+    """float64 tokens, k distinct experts per token, weights summing to 1, the stacked experts
+    and an upstream gradient. ``skewed`` sends about 3/4 of the first choices to expert 0;
+    ``avoid 2`` never chooses expert 2."""
+    T, E, k, _, kind = setting
+    g = torch.Generator().manual_seed(seed * 131 + T * 7 + E + k)
+    f64 = {"generator": g, "dtype": torch.float64}
+    scores = torch.rand(T, E, **f64)
+    if kind == "skewed":
+        scores[:, 0] += (torch.rand(T, **f64) < 0.75) * 2.0
+    if kind == "avoid 2":
+        scores[:, 2] = -1.0
+    expert = scores.argsort(dim=1, descending=True)[:, :k]
+    return {"x": torch.randn(T, GROUPED_D, **f64), "expert": expert,
+            "weight": torch.randn(T, k, **f64).softmax(-1),
+            "w1": torch.randn(E, GROUPED_D, GROUPED_H, **f64) / GROUPED_D ** 0.5,
+            "b1": 0.5 * torch.randn(E, GROUPED_H, **f64),
+            "w2": torch.randn(E, GROUPED_H, GROUPED_D, **f64) / GROUPED_H ** 0.5,
+            "b2": 0.5 * torch.randn(E, GROUPED_D, **f64),
+            "upstream": torch.randn(T, GROUPED_D, **f64)}
+
+
+GRADS = ("x", "weight", "w1", "b1", "w2", "b2")
+
+
+def _grouped_once(grouped_experts: Any, seed: int, name: str) -> dict[str, Any]:
+    setting = GROUPED_SETTINGS[name]
+    dtype = getattr(torch, setting[3])
+    data = grouped_inputs(seed, setting)
+    leaves = {n: data[n].to(dtype).requires_grad_() for n in GRADS}
+    args = dict(leaves, expert=data["expert"])
+    if name == "lists":  # nested lists of ints, and lists of per-expert tensors
+        per_expert = {n: list(leaves[n].detach().unbind(0)) for n in ("w1", "b1", "w2", "b2")}
+        for part in per_expert.values():
+            for p in part:
+                p.requires_grad_()
+        args.update(per_expert, expert=data["expert"].tolist())
+    out = grouped_experts(args["x"], args["expert"], args["weight"], args["w1"], args["b1"],
+                          args["w2"], args["b2"])
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        (out * data["upstream"].to(out.dtype)).sum().backward()
+    grads = {}
+    for n in GRADS:
+        if name == "lists" and n in per_expert:
+            parts = [p.grad if p.grad is not None else torch.zeros_like(p)
+                     for p in per_expert[n]]
+            grads[n] = plain(torch.stack(parts))
+        else:
+            grads[n] = plain(leaves[n].grad)
+    return {"out": plain(out), "grads": grads}
+
+
+def _error(fn: Any, *args: Any) -> list[str]:
+    try:
+        result = fn(*args)
+    except ValueError as e:
+        return ["ValueError", str(e)[:300]]
+    except Exception as e:  # noqa: BLE001 - the wrong kind of error is an answer too
+        return [type(e).__name__, str(e)[:200]]
+    return ["returned", describe(result, 80)]
+
+
+def _grouped_measured(grouped_experts: Any, seed: int) -> dict[str, Any]:
+    from kit import meter
+
+    data = grouped_inputs(seed, GROUPED_MEASURED)
+    args = [data[n].float().requires_grad_() if n in GRADS else data[n]
+            for n in ("x", "expert", "weight", "w1", "b1", "w2", "b2")]
+    with meter.count_ops() as ops:
+        grouped_experts(*args)
+    with meter.track() as usage:
+        out = grouped_experts(*args)
+    del out
+    bad = [data[n].float() for n in ("x", "expert", "weight", "w1", "b1", "w2", "b2")]
+    bad[1] = bad[1].long().clone()
+    bad[1][0, 0] = GROUPED_MEASURED[1]  # an expert past E
+    return {"matmuls": {op: n for op, n in ops.items() if op in MATMULS},
+            "held": usage.peak, "refusal": _error(grouped_experts, *bad)}
+
+
+GROUPED = task(
+    "13.4", reference=None,
+    # forbids nothing: torch has no MoE layer; F.grouped_mm and torch.bmm are the tools the task
+    # builds on (the grader's own reference is refused by the gates as always)
+    hint="Dropless experts: sort the T*k choices by expert with a stable sort (row i of the "
+         "flattened choices is token i // k), count the rows of each expert, run each layer as "
+         "ONE matrix product over all the sorted rows (a grouped product with the groups' "
+         "offsets, or a batched one over a buffer padded to the busiest expert), then put "
+         "every result back in its token's row, multiplied by its choice's weight. No choice "
+         "is dropped.",
+    recipe="Flatten the expert indices, argsort them with stable=True, and take the tokens of "
+           "the sorted rows by integer division by k. Bincount the experts (minlength E) and "
+           "turn the running sum into int32 offsets. Gather the sorted tokens' rows, multiply "
+           "them by w1 in one grouped product, add each row's expert's b1, apply GELU, multiply "
+           "by w2 in a second grouped product and add b2. Multiply each row by its weight (the "
+           "flattened weights in the same sorted order) and index_add the rows into a zero "
+           "output at their tokens.",
+)
+GROUPED_RUNS = {name: GROUPED.shared(partial(_grouped_once, name=name))
+                for name in GROUPED_SETTINGS}
+GROUPED_MEASURE = GROUPED.shared(_grouped_measured)
+
+
+def _tolerance(dtype: str, want: torch.Tensor) -> tuple[float, float]:
+    scale = float(want.abs().max()) if want.numel() else 1.0
+    return (1e-5, 1e-5 * max(scale, 1.0)) if dtype == "float32" else (2e-2, 2e-2 * scale)
+
+
+def _compare_grouped(got: Any, expected: dict[str, Any], *, name: str) -> None:
+    T, E, k, dtype, _ = GROUPED_SETTINGS[name]
+    where = f"{name} ({T} tokens, {E} experts, k={k}, {dtype})"
+    have = got.get("out") if isinstance(got, dict) else got
+    want = expected["out"]
+    rtol, atol = _tolerance(dtype, want)
+    wrong = tensor_mismatch(have, want, rtol=rtol, atol=atol)
+    if wrong:
+        hint = ""
+        if isinstance(have, torch.Tensor) and have.shape == want.shape and T:
+            zero = (have.double().abs().amax(dim=1) == 0) & (want.abs().amax(dim=1) > 0)
+            if zero.any():
+                hint = (f"{int(zero.sum())} of the {T} tokens came back as zeros: their choices "
+                        "were dropped (a dropless layer keeps every one) or never put back in "
+                        "their tokens' rows.")
+        raise CheckFailed(f"{where}: the output {wrong}", expected=describe(want),
+                          got=describe(have), cause="grouped outputs", hint=hint)
+    for n in GRADS:
+        g, w = got["grads"].get(n), expected["grads"][n]
+        if g is None and not w.any():
+            continue  # nothing depends on it (no tokens): no gradient and a zero one alike
+        rtol, atol = _tolerance(dtype, w)
+        wrong = tensor_mismatch(g, w, rtol=rtol, atol=atol)
+        if wrong:
+            raise CheckFailed(f"{where}: the gradient of {n} {wrong}", expected=describe(w),
+                              got=describe(g),
+                              hint="Backward must reach x, every expert's weights and biases "
+                                   "and the routing weights: build the output from them with "
+                                   "differentiable ops (no .detach(), no in-place writes into "
+                                   "a leaf, no .tolist() of the weights).")
+
+
+_GROUPED_CASES = {
+    "k=2, float32": "values and gradients, k=2, float32, against a loop over tokens in float64",
+    "k=1, bfloat16": "values and gradients, k=1, bfloat16",
+    "k=3, 13 tokens on 4 experts, bfloat16":
+        "k=3, 13 tokens on 4 experts (counts that do not divide), bfloat16",
+    "an expert no token chooses": "an expert no token chooses: an empty group, a zero gradient",
+    "one expert": "one expert (E = 1, k = 1): a single group",
+    "skewed": "a skewed batch (3/4 on one expert, which a capacity would cut): nothing dropped",
+    "no tokens": "no tokens (T = 0): an empty output, backward works",
+    "lists": "expert and weight as nested lists, the experts as lists of per-expert tensors",
+}
+for _name, _title in _GROUPED_CASES.items():
+    GROUPED.case(_title, uses=GROUPED_RUNS[_name],
+                 compare=partial(_compare_grouped, name=_name),
+                 expect=partial(lambda seed, n: GROUPED.trusted("grouped_by_token")(seed, n),
+                                n=_name),
+                 weight=0.5 if _name in ("no tokens", "lists") else 1.0,
+                 hint={"skewed": "A dropless layer computes every choice however many go to one "
+                                 "expert: there is no capacity, no slot and nothing dropped.",
+                       "an expert no token chooses": "An expert with no rows is a group of "
+                       "size 0: its offset equals the previous one, and its weights get a zero "
+                       "gradient.",
+                       }.get(_name, ""))
+
+
+def _compare_kernels(got: Any, expected: Any) -> None:
+    matmuls = got.get("matmuls") if isinstance(got, dict) else None
+    T, E, k, _, _ = GROUPED_MEASURED
+    if not isinstance(matmuls, dict) or sum(matmuls.values()) != 2:
+        raise CheckFailed(f"one forward ({T} tokens, {E} experts, k={k}) dispatched "
+                          f"{describe(matmuls, 120)} matrix-product kernels; expected 2: one "
+                          "grouped (or batched) product per layer over every expert's rows",
+                          expected={"aten._grouped_mm or aten.bmm": 2}, got=matmuls,
+                          hint="A loop over experts runs 2 matrix products per expert (E "
+                               "kernel launches per layer, each on a few rows): the grouped "
+                               "product runs every expert of a layer in one kernel, from the "
+                               "rows sorted by expert and the offsets where each group ends.",
+                          recipe="Call F.grouped_mm once per layer with the stacked weights and "
+                                 "int32 offsets (or pad the groups into an (E, max rows, d) "
+                                 "buffer and call torch.bmm once per layer); do not loop over "
+                                 "experts.")
+
+
+GROUPED.case("one forward on 8 experts runs 2 matrix-product kernels (one per layer), not one "
+             "per expert", uses=GROUPED_MEASURE, compare=_compare_kernels, weight=5, saving=True)
+GROUPED.bound("bytes one forward allocates",
+              formula=f"{GROUPED_SLACK} x the grouped path's rows (T k rows of d_model and "
+                      "d_hidden)",
+              lost="a copy of the experts' weights per choice (gathered weights), or buffers "
+                   "padded far beyond the choices", weight=3,
+              uses=GROUPED_MEASURE, pick=lambda d: {"measured": [d["held"]]
+                                                    if isinstance(d, dict) else d},
+              expect="grouped_bytes_bound",
+              hint="The grouped product needs the choices' rows and the experts' stacked weights "
+                   "as they are: gathering w1[e] for every row holds d_model x d_hidden numbers "
+                   "per choice.")
+
+
+def _compare_refusal(got: Any, expected: Any) -> None:
+    refusal = got.get("refusal") if isinstance(got, dict) else got
+    if not (isinstance(refusal, list) and refusal[0] == "ValueError"):
+        raise CheckFailed("an expert index of 8 with 8 stacked experts must raise a ValueError "
+                          "naming the indices and E", expected="ValueError", got=refusal,
+                          hint="An index past the stacked experts would read another expert's "
+                               "offsets or fail deep inside the kernel: say what is wrong.",
+                          recipe="Before sorting, compare the indices' minimum and maximum with "
+                                 "0 and E - 1 and raise ValueError with the numbers otherwise.")
+
+
+GROUPED.case("an expert index past E is a ValueError", uses=GROUPED_MEASURE,
+             compare=_compare_refusal, weight=0.5)

@@ -7,7 +7,8 @@ chooses to expose. ``track()`` turns on the profiler's memory reporting alone: t
 allocator (``c10::ProfiledCPUMemoryReporter``) then reports every allocation and free with its
 address and size, from this thread and from the threads torch hands its state to (autograd's,
 gloo's workers), and the meter folds those events into bytes alive, peak and
-per-mark numbers. ``count_flops()`` wraps ``FlopCounterMode``.
+per-mark numbers. ``count_flops()`` wraps ``FlopCounterMode``; ``count_ops()`` counts the aten
+ops (kernels) dispatched, by name.
 
 Idle, the meter costs nothing: it installs nothing. On 2 cores, a training step of ~110 small
 ops runs at its usual speed inside ``track()`` (1.0x), but the events are read back at each
@@ -50,7 +51,7 @@ from torch._C._profiler import (
     _ExtraFields_Allocation,
 )
 
-__all__ = ["Flops", "Usage", "count_flops", "track"]
+__all__ = ["Flops", "Usage", "count_flops", "count_ops", "track"]
 
 _ACTIVITIES = {ProfilerActivity.CPU}
 # A scope no op of ordinary code runs in: the profiler records memory events and skips every op.
@@ -257,3 +258,26 @@ def count_flops() -> Iterator[Flops]:
         flops.by_op = {str(op): int(n) for op,
                        n in mode.get_flop_counts().get("Global", {}).items()}
         flops.total = int(mode.get_total_flops())
+
+
+@contextmanager
+def count_ops() -> Iterator[dict[str, int]]:
+    """Count the aten ops dispatched inside the block, by name: ``{"aten.mm": 8, ...}``.
+
+    A ``TorchDispatchMode`` sees every kernel below Python, whatever route called it (``@``,
+    ``F.linear``, ``torch.einsum``, ``torch.ops.aten``). Its first use in a process imports
+    ``torch._dynamo`` (seconds), as ``count_flops()`` does.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, int] = {}
+
+    class _Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            name = str(func.overloadpacket)
+            counts[name] = counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with _Counter():
+        yield counts

@@ -33,7 +33,10 @@
 #   back with uneven all-to-alls, differentiable end to end ({{task 13.3}});
 # - count the bytes a token costs under EP and why top-k multiplies them; combine EP with data
 #   parallelism on a 2-D `DeviceMesh` and reduce each gradient over the right group; measure
-#   the load on real ranks: token histograms, dropped tokens, the slowest expert's rank.
+#   the load on real ranks: token histograms, dropped tokens, the slowest expert's rank;
+# - write the dropless layer: tokens sorted by expert, one grouped matrix product per layer,
+#   un-permuted and combined, and weigh its memory against padding and capacity
+#   ({{task 13.4}}).
 #
 # Replace each `raise NotImplementedError(...)` with your code, run the cell, then the
 # `check(...)` cell under it.
@@ -58,9 +61,10 @@ from kit.lessons.moe import (
     make_router,
     plot_token_histogram,
     skewed_tokens,
+    stack_experts,
     token_histogram,
 )
-from kit.meter import count_flops
+from kit.meter import count_flops, count_ops, track
 from kit.trace import launch_traced, plot_timeline, region, trace
 
 # %% [markdown]
@@ -825,7 +829,170 @@ for skew in loads:
 # its work, at the price of dropping the tokens that did not fit. That is the trade the
 # capacity factor sets, and why the load-balancing loss matters twice under expert
 # parallelism: for the quality of the model and for the speed of the slowest rank.
+
+# %% [markdown]
+# ## 7. Dropless: sort by expert, one grouped matrix product, un-permute
 #
+# A capacity buys fixed shapes with dropped tokens. Dropless layers (MegaBlocks, Megatron-Core,
+# DeepSeek-V3, torchtitan's `GroupedExperts`) keep every choice and let each expert take
+# however many rows the router sent it:
+#
+# 1. **permute**: flatten the $(T, k)$ choices and sort them by expert with a *stable* sort
+#    (`torch.argsort(..., stable=True)`), so the rows of expert 0 come first, then expert 1's,
+#    each group in token order; row $i$ of the flattened choices belongs to token $i // k$;
+# 2. **count**: `torch.bincount` gives each expert's rows, their running sum the offsets
+#    where each group ends;
+# 3. **one grouped matrix product per layer**: `torch.nn.functional.grouped_mm(rows, w1,
+#    offs=offsets)` multiplies group $e$ by `w1[e]`, every expert in one kernel (torch 2.13
+#    runs it on CPU for float32 and bfloat16 when each row is a multiple of 16 bytes; float64
+#    is refused). Where it does not run, a padded `torch.bmm` over an $(E, n_\max, d)$ buffer
+#    does the same with zeros in the short groups;
+# 4. **un-permute and combine**: multiply each result row by its choice's weight and add it
+#    into its token's row (`index_add` with the sorted rows' tokens).
+#
+# The experts' weights come stacked: `stack_experts` (from `kit.lessons.moe`) turns the
+# `ExpertMLP`s into `w1` $(E, d, h)$, `b1` $(E, h)$, `w2` $(E, h, d)$ and `b2` $(E, d)$,
+# input dimension first, so that expert $e$ computes
+# $\mathrm{gelu}(x W_1^{(e)} + b_1^{(e)}) W_2^{(e)} + b_2^{(e)}$.
+#
+# ### Task 13.4: `grouped_experts`
+#
+# Write `grouped_experts(x, expert, weight, w1, b1, w2, b2)`. The check compares values and
+# gradients (of `x`, the weights and the routing weights) with a loop over tokens in float64,
+# in float32 and bfloat16, with $k = 1, 2, 3$, an expert nobody chooses, a single expert, no
+# tokens and a skewed batch that a capacity would cut; and it counts the matrix-product
+# kernels of one forward below Python (`kit.meter.count_ops`) and the bytes it allocates
+# (`kit.meter.track`): one product per layer, whatever $E$, and rows for the choices, not
+# weights copied per token.
+
+# %% tags=["task-13.4"]
+def grouped_experts(x: torch.Tensor, expert, weight, w1, b1, w2, b2) -> torch.Tensor:
+    """Dropless experts: every choice computed, one grouped matrix product per layer.
+
+    Args:
+        x: (T, d_model) tokens.
+        expert: (T, k) int expert of each choice (Routing.expert), a tensor or nested lists.
+        weight: (T, k) weight of each choice (Routing.weight), a tensor or nested lists.
+        w1, b1, w2, b2: the stacked experts (stack_experts): (E, d_model, d_hidden),
+            (E, d_hidden), (E, d_hidden, d_model), (E, d_model); tensors, or lists of E
+            per-expert tensors.
+    Returns (T, d_model): out[t] = sum_j weight[t, j] * f_e(x[t]) with e = expert[t, j] and
+    f_e(v) = gelu(v @ w1[e] + b1[e]) @ w2[e] + b2[e], in x's dtype, differentiable in x, the
+    weights and the routing weights. No choice is dropped; an expert nobody chose, or T = 0,
+    is fine. The choices are sorted by expert (a stable sort), counted, and each layer is ONE
+    matrix-product kernel over all of them (F.grouped_mm, or torch.bmm over a padded buffer);
+    no loop over experts. Raises ValueError when an expert index is outside 0 .. E-1 or the
+    shapes of expert and weight differ.
+    """
+    ### BEGIN SOLUTION
+    w1, b1, w2, b2 = (p if isinstance(p, torch.Tensor) else torch.stack(list(p))
+                      for p in (w1, b1, w2, b2))
+    num_experts = w1.shape[0]
+    expert = torch.as_tensor(expert, dtype=torch.int64, device=x.device)
+    weight = torch.as_tensor(weight, dtype=x.dtype, device=x.device)
+    if expert.shape != weight.shape or expert.dim() != 2:
+        raise ValueError(f"expert {tuple(expert.shape)} and weight {tuple(weight.shape)} must "
+                         "both be (T, k): one expert and one weight per choice")
+    if expert.numel() and not 0 <= int(expert.min()) <= int(expert.max()) < num_experts:
+        raise ValueError(f"expert indices run from {int(expert.min())} to {int(expert.max())}, "
+                         f"but w1 stacks {num_experts} experts (0 to {num_experts - 1})")
+    k = expert.shape[1]
+    choices = expert.reshape(-1)  # (T * k,), token by token: choice i belongs to token i // k
+    order = torch.argsort(choices, stable=True)  # grouped by expert, token order within
+    token, sorted_expert = order // k, choices[order]
+    offsets = torch.bincount(choices, minlength=num_experts).cumsum(0).to(torch.int32)
+    hidden = F.gelu(F.grouped_mm(x[token], w1, offs=offsets) + b1[sorted_expert])
+    rows = F.grouped_mm(hidden, w2, offs=offsets) + b2[sorted_expert]  # (T * k, d_model)
+    rows = rows * weight.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add(0, token, rows)
+    ### END SOLUTION
+
+
+# %% tags=["check-13.4"]
+check("13.4", grouped_experts)
+
+# %% [markdown]
+# When the capacity drops nothing, the dropless layer is the capacity layer: the same routing,
+# the same experts. On a skewed batch with capacity factor 1.25, `MoELayer` drops choices and
+# `grouped_experts` keeps them; the difference sits exactly in the tokens that lost a choice.
+
+# %%
+d_model, hidden, num_experts, num_tokens, k = 64, 128, 8, 512, 2
+router = make_router(d_model, num_experts, seed=0)
+experts = make_experts(num_experts, d_model, hidden, seed=0)
+stacked = stack_experts(experts)
+x = skewed_tokens(num_tokens, d_model, router, favourite=3, skew=2.0, seed=1)
+with torch.no_grad():
+    for factor in (float(num_experts), 1.25):
+        capped = MoELayer(router, experts, k, factor)
+        out_capacity = capped(x)
+        everything = route(router(x), k, k * num_tokens)  # a capacity no expert reaches
+        out_dropless = grouped_experts(x, everything.expert, everything.weight, *stacked)
+        lost = (~capped.routing.kept).any(dim=1)  # tokens that lost a choice
+        differs = (out_capacity - out_dropless).abs().amax(dim=1) > 1e-4
+        print(f"capacity factor {factor:4g}: {int((~capped.routing.kept).sum()):4d} choices "
+              f"dropped; outputs differ on {int(differs.sum()):3d} tokens, all of them "
+              f"tokens that lost a choice: {not bool((differs & ~lost).any())}")
+
+# %% [markdown]
+# **Kernels.** `kit.meter.count_ops` counts the aten ops one forward dispatches: the loop of
+# `MoELayer` runs two matrix products per expert that got rows (`aten.addmm`, from each
+# `nn.Linear`), the grouped layer two in all, whatever $E$.
+
+# %%
+MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm")
+with torch.no_grad():
+    for E in (4, 8, 16):
+        experts_E = make_experts(E, d_model, hidden, seed=0)
+        router_E = make_router(d_model, E, seed=0)
+        r = route(router_E(x), k, k * num_tokens)
+        with count_ops() as loop_ops:
+            MoELayer(router_E, experts_E, k, float(E))(x)
+        with count_ops() as grouped_ops:
+            grouped_experts(x, r.expert, r.weight, *stack_experts(experts_E))
+        loop_n = sum(loop_ops.get(op, 0) for op in MATMULS) - 1  # minus the router's own
+        grouped_n = sum(grouped_ops.get(op, 0) for op in MATMULS)
+        print(f"E={E:2d}: loop over experts {loop_n:2d} matrix products, grouped {grouped_n}")
+
+# %% [markdown]
+# **Memory.** Each layout holds a different buffer of rows for the experts' hidden layer,
+# $(\text{rows}, h)$ per layer: the grouped layer exactly the $T k$ choices; a padded `bmm`
+# $E \cdot n_\max$ rows, every expert padded to the busiest one; a capacity buffer $E \cdot C$
+# rows, fixed in advance, with the overflow dropped. The table computes each from the routing
+# of a balanced and a skewed batch, and measures the peak bytes one forward of
+# `grouped_experts` allocates (`kit.meter.track`, inputs requiring grad, so the activations
+# autograd keeps are counted).
+
+# %%
+element = torch.empty((), dtype=x.dtype).element_size()
+print(f"{'':9s} {'layout':22s} {'rows':>6s} {'(rows, h) buffer':>17s} {'dropped':>8s}")
+for skew in (0.0, 2.0):
+    x_s = skewed_tokens(num_tokens, d_model, router, favourite=3, skew=skew, seed=1)
+    with torch.no_grad():
+        r = route(router(x_s), k, k * num_tokens)
+    counts = torch.bincount(r.expert.reshape(-1), minlength=num_experts)
+    cap = capacity(k, num_tokens, 1.25, num_experts)
+    dropped = int((counts - cap).clamp_min(0).sum())
+    name = "balanced" if skew == 0 else "skewed"
+    for layout, rows, lost in (("grouped (dropless)", num_tokens * k, 0),
+                               ("padded bmm", num_experts * int(counts.max()), 0),
+                               ("capacity buffer c=1.25", num_experts * cap, dropped)):
+        print(f"{name:9s} {layout:22s} {rows:6d} {rows * hidden * element / 2**10:13.0f} KiB "
+              f"{100 * lost / (num_tokens * k):7.1f}%")
+    leaves = [p.detach().requires_grad_() for p in stacked]
+    with track() as usage:
+        grouped_experts(x_s.requires_grad_(), r.expert, r.weight, *leaves)
+    print(f"{name:9s} grouped_experts forward: {usage.peak / 2**10:.0f} KiB peak measured "
+          f"(its activations for backward: a few (T k, d) and (T k, h) tensors)")
+
+# %% [markdown]
+# Balanced, the three are close; skewed, the padded buffer grows with the busiest expert
+# (up to $E$ times the grouped one when one expert takes everything) while the capacity
+# buffer stays fixed and drops instead. The grouped product pays neither: its only cost is
+# shapes that change every step, which is why its kernels (and the all-to-alls of expert
+# parallelism around it) need the counts first.
+
+# %% [markdown]
 # ## Running at scale
 #
 # > The layer you wrote runs unchanged under `torchrun` with NCCL; only the device changes:
@@ -887,8 +1054,9 @@ print("grouped_mm equals the loop over experts:", torch.allclose(grouped, loop, 
 #   models keep the raw top-$k$ probabilities).
 # - With a capacity, each expert has $\lceil k T c / E \rceil$ slots, handed out first choices
 #   first; what does not fit is dropped and carried by the residual. Skew and a low capacity
-#   factor drop more. Dropless layers (MegaBlocks, Megatron-Core, DeepSeek-V3, torchtitan) run
-#   grouped matrix products of variable sizes instead.
+#   factor drop more. Dropless layers (MegaBlocks, Megatron-Core, DeepSeek-V3, torchtitan) sort
+#   the choices by expert and run one grouped matrix product per layer instead: nothing dropped,
+#   no padding, shapes that change every step.
 # - An MoE has $E$ experts' parameters for $k$ experts' FLOPs per token.
 # - Without Switch's auxiliary loss $E \sum_i f_i P_i$ the router collapses onto a few experts;
 #   the gradient flows through $P$ only, and the loss is 1 at perfect balance.

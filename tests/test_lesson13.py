@@ -324,6 +324,39 @@ def test_what_only_the_recorder_or_the_meter_can_see(bugs, bug, caught_by):
     assert not any(name.startswith("2 ranks (12 tokens each): outputs") for name in failed)
 
 
+# --------------------------------------------------------------------------- 13.4
+
+
+def test_grouped_experts_is_the_capacity_moe_when_nothing_drops(solution):
+    # the dropless layer on stack_experts' weights equals the single-process capacity layer
+    # (and so does the loop reference's formula) when the capacity keeps every choice
+    torch.manual_seed(0)
+    router, experts = make_router(16, 4, seed=2), make_experts(4, 16, 32, seed=2)
+    x = skewed_tokens(40, 16, router, skew=1.5, seed=3)
+    with torch.no_grad():
+        want, routing = ref._moe(x, router, experts, 2, cap=80)
+        got = solution.grouped_experts(x, routing.expert, routing.weight,
+                                       *props.stack_experts(experts))
+    assert routing.kept.all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bug, caught_by", [
+    ("loops over experts", "2 matrix-product kernels"),
+    ("gathers every choice's expert weights", "bytes one forward allocates"),
+    ("a padded torch.bmm (a right answer by the other route)", "an expert index past E"),
+])
+def test_only_the_kernel_count_or_the_meter_sees_a_loop_or_copied_weights(bugs, bug, caught_by):
+    # right values everywhere: one measured property fails, nothing else (the padded bmm, which
+    # validates nothing, loses only the refusal: the kernel count and the bound accept it)
+    from bugs.lesson13 import grouped_padded_bmm
+
+    impl = grouped_padded_bmm if "padded" in bug else next(
+        i for description, i in bugs["13.4"] if description.startswith(bug))
+    failed = failed_cases("13.4", impl)
+    assert len(failed) == 1 and caught_by in failed[0], failed
+
+
 # --------------------------------------------------------------------------- the lesson
 
 
@@ -346,6 +379,10 @@ def test_lesson13_runs_headless_and_shows_what_it_claims():
     )
     assert "(their gradients 2.00x one process's)" in printed
     assert "grouped_mm equals the loop over experts: True" in printed
+    assert printed.count("all of them tokens that lost a choice: True") == 2
+    assert "capacity factor    8:    0 choices dropped; outputs differ on   0 tokens" in printed
+    for E in (4, 8, 16):  # a loop of 2 per expert (all get rows here), one per layer grouped
+        assert f"E={E:2d}: loop over experts {2 * E:2d} matrix products, grouped 2" in printed
     check_outputs(result)
 
 

@@ -34,7 +34,9 @@ SAVING_TASKS = {
     "9.4": "memory: one block's logits, not the whole pair representation's",
     "11.2": "bytes: each rank asks for the ids it needs, nobody gathers the graph",
     "11.3": "bytes and memory: lin's outputs of the halo rows only, tables of own + halo rows",
+    "11.4": "bytes: each missing feature row once, none owned or cached, no gather of the matrix",
     "13.3": "bytes and memory: kept tokens to their expert's rank only, E/W experts per rank",
+    "13.4": "kernels and memory: one matrix product per layer for every expert, rows per choice",
     "14.2": "bytes per mesh axis and parameters: 1/(dp tp) of the blocks, 1/dp of the rest",
     "14.3": "parameters: a stage's own blocks; activations in flight: 1F1B's, not all of them",
 }
@@ -114,10 +116,16 @@ THROWS_THE_SAVING_AWAY = {
         "every rank's edges sent to every rank through all_to_all_single",
     ): "anything more is the graph's edges",
     ("11.3", "all_to_all_single of every row to every rank"): "neither owns nor receives",
+    ("11.4", "all-gathers every rank's rows"): "(all_gather)",
     (
         "13.3",
         "sends every token to every rank through the all-to-alls (an all-gather by another name)",
     ): "expected one all-to-all of counts",
+    ("13.4", "loops over experts: two matrix products per expert"): "matrix-product kernels",
+    (
+        "13.4",
+        "gathers every choice's expert weights: one bmm per layer over a (T k, d, h) copy",
+    ): "a copy of the experts' weights per choice",
 }
 
 

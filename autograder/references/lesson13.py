@@ -8,7 +8,9 @@ token's first choice, then every second choice, ...). 13.2's ``load_balancing_lo
 choices in Python and takes the probabilities from ``exp`` and a sum, not from
 ``torch.softmax``. 13.3's expectation is the whole mixture of experts in one process: every
 expert present, each rank's tokens routed on their own with that rank's capacity, the outputs
-combined expert by expert; its gradients come from one backward through all of it.
+combined expert by expert; its gradients come from one backward through all of it. 13.4's
+expectation loops over tokens and their choices in float64, one expert's MLP at a time, no
+sorting and no grouped product.
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ from autograder.compare import one_thread
 from autograder.lesson13 import (
     BALANCE_SETTINGS,
     BOUND_SLACK,
+    GRADS,
+    GROUPED_D,
+    GROUPED_H,
+    GROUPED_MEASURED,
+    GROUPED_SETTINGS,
+    GROUPED_SLACK,
     MOE_CONFIGS,
     MOE_RUNS,
+    grouped_inputs,
     moe_inputs,
     moe_router,
     param_bytes,
@@ -154,3 +163,35 @@ def expert_bytes_bound(seed: int, name: str) -> dict[str, float]:
     experts = make_experts(E, d, cfg["d_hidden"], seed=seed, which=expert_range(E, W, 0),
                            dtype=torch.float64)
     return {"bound": BOUND_SLACK * (param_bytes(router) + param_bytes(experts))}
+
+
+# --------------------------------------------------------------------------- 13.4
+
+
+def grouped_by_token(seed: int, name: str) -> dict[str, Any]:
+    """Task 13.4's expectation: token by token, choice by choice, each expert's MLP in float64;
+    the gradients from one backward through that loop."""
+    with one_thread():
+        data = grouped_inputs(seed, GROUPED_SETTINGS[name])
+        leaves = {n: data[n].clone().requires_grad_() for n in GRADS}
+        x, weight = leaves["x"], leaves["weight"]
+        rows = []
+        for t, choices in enumerate(data["expert"].tolist()):
+            row = torch.zeros(x.shape[1], dtype=torch.float64)
+            for j, e in enumerate(choices):
+                hidden = torch.nn.functional.gelu(x[t] @ leaves["w1"][e] + leaves["b1"][e])
+                row = row + weight[t, j] * (hidden @ leaves["w2"][e] + leaves["b2"][e])
+            rows.append(row)
+        out = torch.stack(rows) if rows else torch.zeros_like(x)
+        if rows:
+            (out * data["upstream"]).sum().backward()
+        return {"out": out.detach(),
+                "grads": {n: torch.zeros_like(p) if p.grad is None else p.grad
+                          for n, p in leaves.items()}}
+
+
+def grouped_bytes_bound(seed: int) -> dict[str, float]:
+    """What one forward of 13.4 may allocate: GROUPED_SLACK times T k rows of d_model and
+    d_hidden float32 numbers (the grouped path allocates about 3 of those)."""
+    T, _, k, _, _ = GROUPED_MEASURED
+    return {"bound": GROUPED_SLACK * T * k * (GROUPED_D + GROUPED_H) * 4}

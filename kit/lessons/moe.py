@@ -4,6 +4,7 @@
 returns one; 13.2 and 13.3 read it). The builders make experts and routers from a seed *per
 expert*, so that a rank building only its own experts gets exactly the weights a single process
 building all of them has: the lesson's demos, its checks and its benchmark compare the two.
+``stack_experts`` stacks their weights for a grouped matrix product (Task 13.4's input).
 ``token_histogram`` and ``plot_token_histogram`` count and draw where a batch's choices went.
 Nothing here routes, dispatches or combines tokens: those are the lesson's tasks.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "make_router",
     "plot_token_histogram",
     "skewed_tokens",
+    "stack_experts",
     "token_histogram",
 ]
 
@@ -82,6 +84,19 @@ def make_experts(num_experts: int, d_model: int, d_hidden: int, *, seed: int = 0
         torch.manual_seed(1_000_003 * seed + e)
         experts.append(ExpertMLP(d_model, d_hidden, dtype))
     return nn.ModuleList(experts)
+
+
+def stack_experts(experts: nn.ModuleList) -> tuple[torch.Tensor, ...]:
+    """The experts' weights stacked for a grouped matrix product: ``(w1, b1, w2, b2)``.
+
+    ``w1`` is ``(E, d_model, d_hidden)`` and ``w2`` ``(E, d_hidden, d_model)``, input dimension
+    first, so that expert ``e`` computes ``gelu(x @ w1[e] + b1[e]) @ w2[e] + b2[e]``, which is
+    ``experts[e](x)``. The stack is a copy, differentiable back to the experts' parameters.
+    """
+    return (torch.stack([e.up.weight.t() for e in experts]),
+            torch.stack([e.up.bias for e in experts]),
+            torch.stack([e.down.weight.t() for e in experts]),
+            torch.stack([e.down.bias for e in experts]))
 
 
 def make_router(d_model: int, num_experts: int, *, seed: int = 0,

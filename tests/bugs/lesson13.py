@@ -25,6 +25,7 @@ AllToAll = SOLUTION.AllToAll
 _route = partial(edited_entry, 13, "route")
 _loss = partial(edited_entry, 13, "load_balancing_loss")
 _moe = partial(edited_entry, 13, "ExpertParallelMoE")
+_grouped = partial(edited_entry, 13, "grouped_experts")
 
 _TOKEN_ORDER = (("order = expert.t().reshape(-1)  # (k * T,)", "order = expert.reshape(-1)"),
                 ("position = position.view(k, num_tokens).t()",
@@ -180,6 +181,44 @@ def _copy_of(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
 
 
+# --------------------------------------------------------------------------- task 13.4
+
+_HIDDEN = "hidden = F.gelu(F.grouped_mm(x[token], w1, offs=offsets) + b1[sorted_expert])"
+_ROWS = "rows = F.grouped_mm(hidden, w2, offs=offsets) + b2[sorted_expert]"
+_WEIGHTED = "    rows = rows * weight.reshape(-1)[order, None]\n"
+
+
+def grouped_with_a_capacity(x, expert, weight, w1, b1, w2, b2):
+    """The capacity layer's answer: slots in priority order (every first choice, then every
+    second ...), ceil(1.25 k T / E) per expert, the rest dropped (weight 0)."""
+    expert = torch.as_tensor(expert)
+    T, k = expert.shape
+    E = len(w1)
+    cap = math.ceil(1.25 * k * T / E)
+    seen = nn.functional.one_hot(expert.t().reshape(-1), E).cumsum(0)  # (k T, E), choice-major
+    position = seen.gather(1, expert.t().reshape(-1, 1)).view(k, T).t() - 1
+    weight = torch.where(position < cap, torch.as_tensor(weight), 0.0)
+    return SOLUTION.grouped_experts(x, expert, weight, w1, b1, w2, b2)
+
+
+def grouped_padded_bmm(x, expert, weight, w1, b1, w2, b2):
+    """A right answer by the other route: the groups padded to the busiest expert, one
+    torch.bmm per layer over the (E, max rows, d) buffer."""
+    expert, weight = torch.as_tensor(expert), torch.as_tensor(weight, dtype=x.dtype)
+    w1, b1, w2, b2 = (p if isinstance(p, torch.Tensor) else torch.stack(list(p))
+                      for p in (w1, b1, w2, b2))
+    E, k = w1.shape[0], expert.shape[1]
+    flat = expert.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    where = torch.arange(len(flat)) - (counts.cumsum(0) - counts)[flat[order]]  # row in group
+    padded = x.new_zeros(E, int(counts.max()) if len(flat) else 0, x.shape[1])
+    padded = padded.index_put((flat[order], where), x[order // k])
+    hidden = nn.functional.gelu(torch.bmm(padded, w1) + b1[:, None])
+    out = (torch.bmm(hidden, w2) + b2[:, None])[flat[order], where]
+    return torch.zeros_like(x).index_add(0, order // k, out * weight.reshape(-1)[order, None])
+
+
 BUGS = {
     "13.1": [
         ("gives slots token by token (both choices of token 0, then token 1, ...)",
@@ -278,5 +317,34 @@ BUGS = {
         ("sends every token to every rank through the all-to-alls (an all-gather by another name)",
          MoESendsEveryTokenEverywhere),
         ("copies every expert onto every rank with broadcasts", MoECopiesEveryExpert),
+    ],
+    "13.4": [
+        ("does not sort: the choices stay in token order, cut by the experts' counts", _grouped((
+            "order = torch.argsort(choices, stable=True)", "order = torch.arange(len(choices))"))),
+        ("takes a sorted row's token as its index mod T (choice-major) though the choices were "
+         "flattened token by token", _grouped((
+             "token, sorted_expert = order // k,", "token, sorted_expert = order % len(x),"))),
+        ("forgets to un-permute: adds the rows in sorted order", _grouped((
+            "index_add(0, token, rows)", "index_add(0, torch.arange(len(rows)) // k, rows)"))),
+        ("drops the choices past a capacity of 1.25 k T / E, as the capacity layer does",
+         grouped_with_a_capacity),
+        ("applies the routing weights before the second matrix product (the bias b2 unweighted)",
+         _grouped((_WEIGHTED, ""), (_HIDDEN, _HIDDEN + " * weight.reshape(-1)[order, None]"))),
+        ("detaches the routing weights: the router would learn nothing", _grouped((
+            "weight = torch.as_tensor(weight, dtype=x.dtype, device=x.device)",
+            "weight = torch.as_tensor(weight, dtype=x.dtype, device=x.device).detach()"))),
+        ("loops over experts: two matrix products per expert", _grouped((_HIDDEN, (
+            "counts = torch.bincount(choices, minlength=num_experts).tolist()\n"
+            "    hidden = torch.cat([F.gelu(block @ w1[e] + b1[e]) for e, block\n"
+            "                        in enumerate(x[token].split(counts))])")), (_ROWS, (
+            "rows = torch.cat([block @ w2[e] for e, block in enumerate(hidden.split(counts))])"
+            " + b2[sorted_expert]")))),
+        ("gathers every choice's expert weights: one bmm per layer over a (T k, d, h) copy",
+         _grouped((_HIDDEN, "hidden = F.gelu(torch.einsum('nd,ndh->nh', x[token], "
+                            "w1[sorted_expert]) + b1[sorted_expert])"), (_ROWS, (
+            "rows = torch.einsum('nh,nhd->nd', hidden, w2[sorted_expert]) "
+            "+ b2[sorted_expert]")))),
+        ("returns zeros: every choice dropped",
+         lambda x, *args: torch.zeros_like(x)),
     ],
 }
