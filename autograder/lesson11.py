@@ -1,4 +1,4 @@
-"""Checks for Lesson 11, "Graphs that do not fit one machine": tasks 11.1-11.3.
+"""Checks for Lesson 11, "Graphs that do not fit one machine": tasks 11.1-11.4.
 
 Task 11.1 ``sample_neighbors`` is judged by its invariants, exactly, against the graph it
 sampled (every edge exists and points into the node it was drawn for, min(fanout, degree)
@@ -11,8 +11,11 @@ batches (equal to the full graph's output when every neighbour is taken). Task 1
 agree across ranks and use exactly two ``all_to_all_single`` calls (the recorder). Task 11.3
 ``HaloGCNConv`` runs on 2 and 4 ranks with uneven parts against PyG's ``GCNConv`` on the whole
 graph with the same weights (float64); the recorder sees its exchanges and their bytes, the
-meter its bytes per local row. Answers live in :mod:`autograder.references.lesson11` (trusted
-only), named here by string.
+meter its bytes per local row. Task 11.4 ``fetch_features`` runs on 3 ranks (float32, a cache,
+a rank asking nothing beside one owning nothing, bfloat16) and on one: its rows must equal the
+whole matrix's, bit for bit, and the bytes the recorder sees a rank send must not exceed a
+count per rank, the distinct ids it lacks and the rows the others lack of it. Answers live in
+:mod:`autograder.references.lesson11` (trusted only), named here by string.
 """
 
 from __future__ import annotations
@@ -993,3 +996,148 @@ HALO_CONV.bound("bytes held per local row (own + halo + edges + self-loops), for
                 expect=lambda seed: {"bound": float(ROW_BOUND)}, uses=CONV_RUNS[4], weight=2,
                 pick=lambda ranks: {"measured": [r["measured"] for r in ranks]
                                     if isinstance(ranks, list) else ranks})
+
+
+# --------------------------------------------------------------------------- task 11.4
+
+FETCH_RANKS, FETCH_NODES, FETCH_DIM = 3, 600, 8  # rows far wider than an id: a gather shows
+FETCH_SCENES = ("float32", "a cache", "a rank that asks nothing, a rank that owns nothing",
+                "bfloat16")
+
+
+def fetch_setup(seed: int, scene: str, world_size: int = FETCH_RANKS) -> dict[str, Any]:
+    """One 11.4 run: the whole feature matrix, its partition, each rank's ids (about 16
+    distinct ones, drawn with repeats) and each rank's cached ids (half of the remote ones it
+    asks for, and as many it does not)."""
+    g = torch.Generator().manual_seed(seed + 61 + FETCH_SCENES.index(scene))
+    x = torch.randn(FETCH_NODES, FETCH_DIM, generator=g)
+    if scene == "bfloat16":
+        x = x.bfloat16()
+    part = torch.randint(0, world_size, (FETCH_NODES,), generator=g)
+    if scene.startswith("a rank that"):
+        part = part % 2  # rank 2 owns nothing
+    needed, cached = [], []
+    for rank in range(world_size):
+        pool = torch.randperm(FETCH_NODES, generator=g)[:16]
+        ids = pool[torch.randint(0, 16, (28,), generator=g)]  # repeats, local ids among them
+        if scene.startswith("a rank that") and rank == 1:
+            ids = ids[:0]
+        needed.append(ids)
+        remote = torch.unique(ids[part[ids] != rank])
+        others = (part != rank).nonzero().flatten()
+        extra = others[torch.randperm(others.numel(), generator=g)[:remote.numel() // 2 + 1]]
+        keep = torch.unique(torch.cat([remote[::2], extra])) if scene == "a cache" else remote[:0]
+        cached.append(keep)
+    return {"x": x, "part": part, "needed": needed, "cached": cached}
+
+
+def _fetch_on_rank(fetch_features: Any, seed: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from kit.lessons.graphs import FeatureCache
+    from kit.trace import trace
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for scene in FETCH_SCENES if world_size > 1 else ("float32",):
+        setup = fetch_setup(seed, scene, world_size)
+        x, part = setup["x"], setup["part"]
+        ids = setup["cached"][rank]
+        cache = FeatureCache(ids, x[ids].clone()) if scene == "a cache" else None
+        with trace() as t:
+            rows = fetch_features(setup["needed"][rank].clone(), part.clone(),
+                                  x[part == rank].clone(), cache)
+        out[scene] = {"rows": plain(rows), "ops": [(e.op, e.kind, e.nbytes) for e in t.events]}
+    return out
+
+
+def _compare_rows(scenes: tuple[str, ...]) -> Any:
+    def compare(got: Any, expected: dict[str, Any]) -> None:
+        for scene in scenes:
+            for rank, (r, want) in enumerate(zip(per_rank(got, len(expected[scene]["rows"])),
+                                                 expected[scene]["rows"])):
+                rows, needed = r[scene]["rows"], expected[scene]["needed"][rank]
+                problem = tensor_mismatch(rows, want, rtol=0, atol=0, dtype=True)
+                if problem is None:
+                    continue
+                hint = ""
+                if isinstance(rows, torch.Tensor) and rows.shape == want.shape and torch.equal(
+                        rows.float().sort(0).values, want.float().sort(0).values):
+                    hint = ("The right rows in another order: row i must be the features of "
+                            "needed[i], repeats and all, whatever order they arrived in.")
+                raise CheckFailed(f"{scene}: rank {rank}'s rows for {needed.numel()} ids "
+                                  f"{problem}, against x[needed] of the whole matrix",
+                                  expected=describe(want), got=describe(rows), hint=hint,
+                                  cause="rows wrong")
+    return compare
+
+
+def _compare_fetch_bytes(got: Any, expected: dict[str, Any]) -> None:
+    for scene in FETCH_SCENES:
+        for rank, r in enumerate(per_rank(got, FETCH_RANKS)):
+            sent = sum(b for op, _, b in r[scene]["ops"] if op != "recv")  # what leaves
+            want = expected[scene]["bytes"][rank]
+            if sent > want["total"]:
+                names = sorted({op for op, _, _ in r[scene]["ops"]})
+                gathered = any(op.startswith(("all_gather", "broadcast", "gather"))
+                               for op in names)
+                raise CheckFailed(
+                    f"{scene}: rank {rank} sent {sent:,} bytes ({', '.join(names)}); a count per "
+                    f"rank ({want['counts']} bytes), the {want['asks']} distinct ids it lacks "
+                    f"({want['asks'] * 8} bytes) and the {want['rows']} rows the others lack of "
+                    f"it ({want['rows_bytes']:,} bytes) are {want['total']:,}",
+                    expected=f"<= {want['total']:,} bytes", got=f"{sent:,} bytes",
+                    hint="Every rank's rows went to every rank: a gather moves the whole matrix, "
+                         "not a batch's missing rows." if gathered else
+                         "More than each missing row once: ask only for ids that are neither "
+                         "this rank's own nor in its cache, each distinct id once, and send "
+                         "only the rows asked of you.")
+
+
+def _compare_alone(got: Any, expected: dict[str, Any]) -> None:
+    ops = per_rank(got, 1)[0]["float32"]["ops"]
+    if ops:
+        raise CheckFailed(f"world size 1: fetch_features called {[op for op, _, _ in ops]}; every "
+                          "row is this rank's own, so there is nothing to exchange",
+                          expected="no collective", got=[op for op, _, _ in ops],
+                          hint="With one rank every id is owned here: return the local rows "
+                               "without any collective.")
+    _compare_rows(("float32",))(got, expected)
+
+
+FETCH = task(
+    "11.4",
+    # the distributed feature store PyG had (LocalFeatureStore, DistNeighborLoader over RPC)
+    forbidden=("torch_geometric.distributed",),
+    hint="A batch's rows live on their owners: look up the rows this rank owns and those its "
+         "cache holds, ask each owner for the rest (each distinct id once, counts first), send "
+         "the rows others ask of you, and put every row back where its id was asked.",
+    recipe="Take the distinct ids with the index that maps them back to the request. Rows owned "
+           "here come from x_local, found by searching the sorted ids this rank owns; rows in "
+           "the cache from its rows, found the same way in its ids. Group the rest by owner, "
+           "exchange their counts with one all_to_all_single, the ids with a second (counts as "
+           "split sizes), and answer with a third carrying the rows asked of you, the split "
+           "sizes swapped. Fill the distinct rows, then expand them to the request's order. On "
+           "a world of one rank return before any exchange.",
+)
+FETCHES = FETCH.shared(_fetch_on_rank, world_size=FETCH_RANKS, timeout=30.0)
+FETCH_ALONE = FETCH.shared(_fetch_on_rank, world_size=1, timeout=30.0)
+FETCH.case("the rows equal x[needed], in the order asked (repeats and local ids, 3 ranks)",
+           uses=FETCHES, compare=_compare_rows(("float32",)), expect="rows_of_whole_matrix")
+FETCH.case("with a cache: the rows still equal x[needed]", uses=FETCHES,
+           compare=_compare_rows(("a cache",)), expect="rows_of_whole_matrix")
+FETCH.case("a rank that asks for nothing, a rank that owns nothing", uses=FETCHES,
+           compare=_compare_rows((FETCH_SCENES[2],)), expect="rows_of_whole_matrix",
+           hint="Every rank takes part in every exchange, even with nothing to ask or to give: "
+                "its counts are zeros and its tensors empty, (0, F) rows included.",
+           recipe="Build the counts with a length of world_size (bincount's minlength) and call "
+                  "all three exchanges on every rank whatever it holds or needs.")
+FETCH.case("bfloat16 features: bfloat16 rows, bit for bit", uses=FETCHES,
+           compare=_compare_rows(("bfloat16",)), expect="rows_of_whole_matrix",
+           hint="Rows are copied, never computed: keep x_local's dtype for every buffer.")
+FETCH.case("world size 1: the rows, and no collective", uses=FETCH_ALONE,
+           compare=_compare_alone, expect="rows_of_whole_matrix_alone")
+# the saving the task exists for: only the missing rows travel, so it weighs half the task
+FETCH.case("each rank sends its counts, the ids it lacks and the rows others lack of it, each "
+           "once: not local, cached or repeated rows, not the whole matrix", uses=FETCHES,
+           compare=_compare_fetch_bytes, expect="rows_of_whole_matrix", weight=5, saving=True)

@@ -34,7 +34,10 @@
 #   each rank needs by asking the others ({{task 11.2}});
 # - write one GCN layer that runs on a partitioned graph, exchanging only the halo with
 #   `all_to_all_single`, equal to PyG's `GCNConv` on the whole graph ({{task 11.3}});
-# - compare sampling with partitioning: bytes moved, memory held and epoch time per rank.
+# - compare sampling with partitioning: bytes moved, memory held and epoch time per rank;
+# - fetch a sampled batch's feature rows from the ranks that own them, each missing row once,
+#   with a degree-ordered cache in front ({{task 11.4}}), and measure that this traffic, not
+#   the gradient all-reduce, is what sampled training across machines sends.
 #
 # PyG's `NeighborLoader` needs `pyg-lib` or `torch-sparse`. `pyg-lib` has no release on PyPI
 # (its wheels come from data.pyg.org, one per torch and CUDA build) and `torch-sparse` is only
@@ -64,6 +67,7 @@ from kit import check, launch, meter
 from kit.lessons.graphs import (
     AMAZON_PRODUCTS,
     OGBN_PRODUCTS,
+    FeatureCache,
     FunctionSampler,
     HaloPlan,
     LocalGraph,
@@ -763,6 +767,212 @@ plt.show()
 # - **time.** One full-graph step per epoch against many small steps. Full-graph training
 #   takes fewer, larger steps; sampling more, noisier ones. Which converges faster per second
 #   depends on the graph and the hardware, which is why both are used.
+
+
+# %% [markdown]
+# ## 7. Sampled training across machines: fetching features
+#
+# Sections 3 and 6 kept the whole graph on every rank. At `AmazonProducts`' scale the
+# features (1.2 GiB there, tens of GiB for the bigger benchmarks) are what stops fitting, so
+# they are **partitioned with the graph**: rank r keeps the rows of its METIS part, and the
+# sampler still reads the (replicated, or itself partitioned) structure. A sampled batch's
+# `n_id` spans every part, so before each step a rank fetches the rows it lacks from their
+# owners. It is the halo pattern of Tasks 11.2 and 11.3 in one call: one `all_to_all_single`
+# of counts, one of the ids asked for, and one of the rows going back, with uneven splits.
+#
+# Those rows are the traffic that matters. DDP all-reduces the model once per step, a few
+# hundred KB for a GraphSAGE; a batch touches thousands of nodes, each a feature row. On a
+# power-law graph most touched nodes are the same few hubs, so a **static cache** of the
+# highest-degree remote rows, filled once before training (PaGraph, Lin et al. 2020; GNNLab,
+# Yang et al. 2022), serves many of them locally: `FeatureCache(ids, rows)` in
+# `kit.lessons.graphs`.
+
+# %% [markdown]
+# ### Task 11.4: `fetch_features`
+#
+# Write `fetch_features(needed, part, x_local, cache=None)`: the feature rows of the global ids
+# `needed`, in the order asked (repeats allowed), equal to `x[needed]` of the whole matrix.
+# Every rank calls it at once, each with its own `needed`; a rank may ask for nothing and may
+# own nothing. Fetch each distinct row once, and only the rows neither owned nor cached: the
+# checks compare the bytes each rank sends, as the recorder sees them, with exactly that (a
+# count per rank, the ids it asks for, the rows asked of it). On one rank nothing is fetched,
+# so make no collective call there.
+
+# %% tags=["task-11.4"]
+def fetch_features(needed: torch.Tensor, part: torch.Tensor, x_local: torch.Tensor,
+                   cache: FeatureCache | None = None) -> torch.Tensor:
+    """Return x[needed] (len(needed), F) of the partitioned feature matrix x; collective.
+
+    Args:
+        needed: (B,) int64 global ids, in any order, repeats allowed; B may be 0.
+        part: (N,) the owning rank of every node (the same on every rank).
+        x_local: (n_own, F) this rank's rows: row i is node i of the sorted ids with
+            part == rank (LocalGraph.own's order); n_own may be 0.
+        cache: remote rows this rank keeps (FeatureCache(ids, rows)), served without asking.
+
+    Returns:
+        (B, F) in x_local's dtype, row i the features of needed[i]. Each distinct id that is
+        neither owned nor cached is asked of its owner once: one all_to_all_single of counts,
+        one of ids, one of rows; on a world of one rank, no collective at all.
+    """
+    ### BEGIN SOLUTION
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    own = (part == rank).nonzero().flatten()  # sorted: x_local's row order
+    ids, inverse = torch.unique(needed.long(), return_inverse=True)  # each distinct id once
+    rows = x_local.new_empty(ids.numel(), x_local.shape[1])  # (U, F), row u for ids[u]
+    local = part[ids] == rank
+    rows[local] = x_local[torch.searchsorted(own, ids[local])]
+    missing = ~local
+    if cache is not None and cache.ids.numel():
+        at = torch.searchsorted(cache.ids, ids).clamp(max=cache.ids.numel() - 1)
+        hit = missing & (cache.ids[at] == ids)
+        rows[hit] = cache.rows[at[hit]].to(rows.dtype)
+        missing &= ~hit
+    if world_size == 1:  # every row is local: nothing to ask
+        return rows[inverse]
+    where = missing.nonzero().flatten()
+    where = where[torch.argsort(part[ids[where]], stable=True)]  # grouped by owner
+    asking = torch.bincount(part[ids[where]], minlength=world_size)  # rows I want from each
+    asked = torch.empty_like(asking)
+    dist.all_to_all_single(asked, asking)  # rows each rank wants from me
+    wanted = torch.empty(int(asked.sum()), dtype=torch.long)
+    dist.all_to_all_single(wanted, ids[where], output_split_sizes=asked.tolist(),
+                           input_split_sizes=asking.tolist())
+    received = rows.new_empty(where.numel(), rows.shape[1])
+    dist.all_to_all_single(received, x_local[torch.searchsorted(own, wanted)],
+                           output_split_sizes=asking.tolist(), input_split_sizes=asked.tolist())
+    rows[where] = received
+    return rows[inverse]
+    ### END SOLUTION
+
+
+# %% tags=["check-11.4"]
+check("11.4", fetch_features)
+
+# %% [markdown]
+# Now a sampled step across 4 ranks on the peptide graph, features on their METIS part: each
+# rank samples 64 of its own nodes as seeds, fetches its batch's rows, checks them against the
+# whole matrix and takes a DDP step of section 3's GraphSAGE. The recorder splits the bytes
+# each rank sends into the feature exchanges (`all_to_all_single`) and DDP's gradient
+# all-reduce, without a cache and with one of the 256 highest-degree remote nodes.
+
+# %%
+def degree_cache(degree, part, rank, x_local, size):
+    """A static cache: the `size` highest-degree nodes this rank does not own, fetched once."""
+    remote = (part != rank).nonzero().flatten()
+    ids = remote[torch.argsort(degree[remote], descending=True, stable=True)[:size]].sort().values
+    return FeatureCache(ids, fetch_features(ids, part, x_local))
+
+
+def step_traffic(part, cache_size, steps=4, batch_size=64, fanouts=(10, 5)):
+    rank = dist.get_rank()
+    data = peptide_graph()
+    rowptr, col = in_neighbour_csr(data.edge_index, data.num_nodes)
+    own = local_graph(data.edge_index, part, rank).own
+    x_local = data.x[own]  # the only features this rank holds
+    degree = rowptr[1:] - rowptr[:-1]
+    cache = degree_cache(degree, part, rank, x_local, cache_size) if cache_size else None
+    torch.manual_seed(0)
+    model = DDP(GraphSAGE(data.num_features, 64, num_layers=2, out_channels=2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    fetched, reduced, hits, exact = 0, 0, [], True
+    for _ in range(steps):  # the same number of steps on every rank
+        seeds = own[torch.randperm(own.numel(), generator=g)[:batch_size]]
+        sub = sample_neighbors(rowptr, col, seeds, list(fanouts), g)
+        with trace() as t:
+            x = fetch_features(sub.n_id, part, x_local, cache)
+            optimizer.zero_grad()
+            out = model(x, sub.edge_index)[:batch_size]
+            F.cross_entropy(out, data.y[seeds]).backward()
+        optimizer.step()
+        exact &= torch.equal(x, data.x[sub.n_id])
+        fetched += sum(e.nbytes for e in t.events if e.op == "all_to_all_single")
+        reduced += sum(e.nbytes for e in t.events if e.op.startswith("all_reduce"))
+        remote = sub.n_id[part[sub.n_id] != rank]
+        hits.append(cache.hit_rate(remote) if cache else 0.0)
+    return {"features": fetched / steps, "gradients": reduced / steps, "exact": exact,
+            "hit rate": sum(hits) / steps, "batch nodes": sub.n_id.numel()}
+
+
+traffic = {size: launch(step_traffic, part4, size, world_size=4) for size in (0, 256)}
+for size, runs in traffic.items():
+    print(f"cache {size:3d} rows: per step and rank, features "
+          f"{max(r['features'] for r in runs) / 2**10:7.1f} KiB, gradient all-reduce "
+          f"{max(r['gradients'] for r in runs) / 2**10:5.1f} KiB; rows equal x[n_id] on every "
+          f"rank: {all(r['exact'] for r in runs)}; cache hit rate "
+          f"{sum(r['hit rate'] for r in runs) / len(runs):.0%}")
+print(f"feature rows outweigh the gradients "
+      f"{max(r['features'] for r in traffic[0]) / max(r['gradients'] for r in traffic[0]):.0f}x "
+      "without a cache")
+
+# %% [markdown]
+# The peptide graph's degrees are nearly even (a k-NN graph: every node has at least 8), so a
+# degree-ordered cache helps little there. A power-law graph is where it pays: the same
+# question on section 2's 200,000-node graph, 4 METIS parts, counted in one process (which
+# rows a batch needs does not depend on who fetches them). Rank 0 samples 20 batches of 256
+# of its own nodes; for each cache size, the share of the batches' remote rows the cache
+# holds, by degree and, for contrast, chosen at random.
+
+# %%
+big_part = metis_partition(big.edge_index, big.num_nodes, 4)
+big_degree = big_rowptr[1:] - big_rowptr[:-1]
+big_own = (big_part == 0).nonzero().flatten()
+g = torch.Generator().manual_seed(0)
+batches = [sample_neighbors(big_rowptr, big_col,
+                            big_own[torch.randperm(big_own.numel(), generator=g)[:256]],
+                            [10, 5], g).n_id for _ in range(20)]
+remote_rows = [n_id[big_part[n_id] != 0] for n_id in batches]
+big_remote = (big_part != 0).nonzero().flatten()
+by_degree = big_remote[torch.argsort(big_degree[big_remote], descending=True, stable=True)]
+at_random = big_remote[torch.randperm(big_remote.numel(), generator=g)]
+shares = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
+hit_rates = {}
+for name, ranked in (("highest degree", by_degree), ("random", at_random)):
+    hit_rates[name] = []
+    for share in shares:
+        cached = FeatureCache(ranked[:int(share * big.num_nodes)].sort().values, torch.empty(0))
+        hit_rates[name].append(sum(cached.hit_rate(r) for r in remote_rows) / len(remote_rows))
+print(f"remote rows per batch: {sum(r.unique().numel() for r in remote_rows) / 20:,.0f} of "
+      f"{sum(b.numel() for b in batches) / 20:,.0f} nodes")
+for name, rates in hit_rates.items():
+    print(f"{name:14s} cache: hit rate " + ", ".join(
+        f"{rate:.0%} at {share:.1%}" for share, rate in zip(shares, rates)) + " of the nodes")
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+kinds = ("features", "gradients")
+for i, kind in enumerate(kinds):
+    ax1.bar([x + 0.4 * i for x in range(2)],
+            [max(r[kind] for r in runs) / 2**10 for runs in traffic.values()], width=0.4,
+            label="feature rows (all_to_all_single)" if i == 0 else "gradients (DDP all-reduce)")
+ax1.set_xticks([0.2, 1.2], [f"cache {size}" for size in traffic])
+ax1.set_ylabel("KiB sent per step, per rank")
+ax1.set_title("peptides, 4 ranks, 64 seeds, fan-out (10, 5)")
+ax1.legend(fontsize="small")
+for name, rates in hit_rates.items():
+    ax2.plot([100 * s for s in shares], [100 * r for r in rates], marker="o", label=name)
+ax2.set_xscale("log")
+ax2.set_xlabel("cache size (% of all nodes)")
+ax2.set_ylabel("hit rate (% of remote rows)")
+ax2.set_title(f"power law, {big.num_nodes:,} nodes, 4 METIS parts")
+ax2.legend(fontsize="small")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Feature rows, not gradients, are the traffic of sampled training across machines: each
+# step moves a row for every remote node of the batch, while the gradient all-reduce stays
+# the model's size whatever the batch. METIS already keeps most of a batch's nodes at home
+# (the remote rows above are a minority of the batch); of those that remain, a cache chosen
+# by degree serves several times the share a random cache of the same size does, most of all
+# when it is small: the hubs that every batch reaches are the rows it keeps. Each row it
+# serves is a row less per step, for `size` rows of memory on every rank.
+#
+# DGL ships this design as `dgl.distributed` (`DistGraph`, with `DistTensor` features fetched
+# from the partitions' servers; DGL is not installed here). PyG's `torch_geometric.distributed`
+# (`LocalFeatureStore`, `DistNeighborLoader`) is deprecated since 2.7, as the Running at
+# scale note below says, and PyG points to cuGraph-PyG for features sharded over GPUs.
 #
 # ## Running at scale
 #
@@ -789,9 +999,11 @@ plt.show()
 # >
 # > **Graphs partitioned over machines.** Sampling that crosses machines keeps one part of
 # > the graph and its features per machine and fetches a batch's remote neighbours and feature
-# > rows from their owners. PyG had this as `torch_geometric.distributed` (`Partitioner`,
-# > `DistNeighborLoader` over RPC), but it is deprecated since PyG 2.7: in 2.8.1 its samplers
-# > and loaders warn that it "will no longer be maintained" and point to PyG's
+# > rows from their owners, as `fetch_features` does; with NCCL its three exchanges run GPU
+# > to GPU once `x_local`, the ids and the cache live on the device. PyG had this as
+# > `torch_geometric.distributed` (`Partitioner`, `DistNeighborLoader` over RPC), but it is
+# > deprecated since PyG 2.7: in 2.8.1 its samplers and loaders warn that it "will no longer
+# > be maintained" and point to PyG's
 # > [distributed training tutorials](https://pytorch-geometric.readthedocs.io/en/latest/tutorial/distributed.html)
 # > (one `NeighborLoader` per GPU under DDP, the pattern above) and to
 # > [cuGraph-PyG](https://github.com/rapidsai/cugraph-gnn) (graph and features sharded over
@@ -814,6 +1026,9 @@ plt.show()
 #   layer, with degrees, and mirrored in backward.
 # - The partitioned GCN equals `GCNConv` on the whole graph, moves bytes proportional to the
 #   halo, and holds memory proportional to its own part.
+# - Sampled training with partitioned features fetches each missing row once (counts, ids,
+#   rows: three `all_to_all_single`); those rows outweigh the gradient all-reduce, and a
+#   static cache of the highest-degree remote rows serves many of them on a power-law graph.
 #
 # Docs: [NeighborLoader](https://pytorch-geometric.readthedocs.io/en/latest/modules/loader.html#torch_geometric.loader.NeighborLoader),
 # [BaseSampler](https://pytorch-geometric.readthedocs.io/en/latest/modules/sampler.html),
@@ -834,3 +1049,6 @@ plt.show()
 #    batch, for fan-out (10, 5).
 # 4. Train the 2-layer `HaloGCN` to convergence on 4 ranks and compare its test accuracy with
 #    the sampled GraphSAGE of section 3.
+# 5. Replace the degree-ordered cache by one filled from a few sampled warm-up epochs (the
+#    rows sampled most often, GNNLab's pre-sampling policy) and compare the hit rates of
+#    section 7 at the same size.

@@ -6,8 +6,8 @@ importable, both give PyG NeighborLoader's per-hop sizes (skipped otherwise, wit
 PyG's own NodeLoader runs it through kit's adapter. The solution's halo plans equal the plan read
 off the whole graph for any partition on 2-4 ranks; HaloGCNConv equals GCNConv on the real
 peptide graph; the metered bound holds the solution well under it and a whole-graph table far
-over it. The graphs and loaders in kit.lessons.graphs keep their contracts; kit doctor reports
-pyg-lib; the lesson runs headless.
+over it. The bytes 11.4 allows are exactly what the solution sends. The graphs and loaders in
+kit.lessons.graphs keep their contracts; kit doctor reports pyg-lib; the lesson runs headless.
 """
 
 from __future__ import annotations
@@ -322,6 +322,28 @@ def test_doctor_says_whether_pyg_lib_is_there_and_what_it_changes(monkeypatch):
     assert "pyg-lib (optional)" in doctor.format_table([missing])
 
 
+# --------------------------------------------------------------------------- 11.4
+
+
+def test_the_bytes_bound_is_exactly_what_the_solution_sends_and_every_scene_can_fail(solution):
+    from autograder.lesson11 import FETCH_RANKS, FETCH_SCENES, _fetch_on_rank, fetch_setup
+
+    ranks = run_ranks(_fetch_on_rank, (solution.fetch_features, 0), world_size=FETCH_RANKS)
+    expected = reference.rows_of_whole_matrix(0)
+    for scene in FETCH_SCENES:
+        sent = [sum(b for _, _, b in r[scene]["ops"]) for r in ranks]
+        assert sent == [b["total"] for b in expected[scene]["bytes"]], scene
+        setup = fetch_setup(0, scene)
+        for rank, ids in enumerate(setup["needed"]):  # repeats and local ids in every request
+            empty = scene.startswith("a rank that") and rank == 1
+            owns = (setup["part"] == rank).any()
+            assert empty or (ids.unique().numel() < ids.numel()
+                             and (setup["part"][ids] == rank).any() == owns), (scene, rank)
+            cached = torch.isin(ids, setup["cached"][rank]).any()
+            assert bool(cached) == (scene == "a cache"), (scene, rank)
+    assert not (fetch_setup(0, FETCH_SCENES[2])["part"] == 2).any()  # rank 2 owns nothing
+
+
 # --------------------------------------------------------------------------- the lesson
 
 
@@ -341,6 +363,14 @@ def test_lesson11_runs_headless_with_its_solutions_and_shows_what_it_claims():
     ratios = re.findall(r"METIS cuts (.*) fewer edges than a random split", printed)
     assert len(ratios) == 2 and all(float(r.rstrip("x")) > 2.5 for line in ratios
                                     for r in line.split(", ")), ratios
+    # 11.4's demo: the fetched rows are x[n_id]; they outweigh the gradients; a degree-ordered
+    # cache hits more than twice as often as a random one of the same size, more as it grows
+    assert printed.count("rows equal x[n_id] on every rank: True") == 2
+    assert int(re.search(r"feature rows outweigh the gradients (\d+)x", printed).group(1)) > 1
+    rates = {name: [int(p) for p in re.findall(r"(\d+)% at", line)] for name, line in
+             re.findall(r"^(highest degree|random) +cache: hit rate (.*)$", printed, re.M)}
+    by_degree, at_random = rates["highest degree"], rates["random"]
+    assert by_degree == sorted(by_degree) and all(d > 2 * r for d, r in zip(by_degree, at_random))
     check_outputs(result)
 
 

@@ -4,7 +4,8 @@
 (``replace=False``): the fixed sample at full fan-out, whose per-hop sizes come from PyG's own
 ``NeighborSampler`` where ``pyg-lib`` or ``torch-sparse`` is installed; and PyG's ``GraphSAGE``
 on the whole graph. 11.2: halo plans read off the whole graph with Python sets. 11.3: PyG's
-``GCNConv`` on the whole graph, in one process, with the weights the ranks load.
+``GCNConv`` on the whole graph, in one process, with the weights the ranks load. 11.4: the rows
+indexed out of the whole matrix, and each rank's bytes counted with Python sets.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from autograder.lesson11 import (
     CONV_OUT,
     CONV_PARTS,
     EDGE_SAMPLES,
+    FETCH_DIM,
+    FETCH_RANKS,
+    FETCH_SCENES,
     FULL,
     PLAN_RANKS,
     _seeds,
     conv_setup,
     directed_graph,
     edge_graph,
+    fetch_setup,
     plan_graph,
     plan_partitions,
     sage_inputs,
@@ -155,3 +160,31 @@ def gcn_conv_on_full_graph(seed: int) -> dict[int, dict[str, Any]]:
                            "lin.weight.grad": conv.lin.weight.grad.clone(),
                            "bias.grad": conv.bias.grad.clone()}
     return out
+
+
+# --------------------------------------------------------------------------- 11.4
+
+
+def _fetch_scene(seed: int, scene: str, world_size: int) -> dict[str, Any]:
+    """Each rank's rows, read off the whole matrix, and the fewest bytes it can send."""
+    setup = fetch_setup(seed, scene, world_size)
+    x, owner = setup["x"], setup["part"].tolist()
+    lacks = [{i for i in ids.tolist() if owner[i] != r} - set(setup["cached"][r].tolist())
+             for r, ids in enumerate(setup["needed"])]
+    width = FETCH_DIM * x.element_size()
+    out: dict[str, Any] = {"rows": [x[ids] for ids in setup["needed"]],
+                           "needed": setup["needed"], "bytes": []}
+    for r in range(world_size):
+        rows = sum(owner[i] == r for s in range(world_size) for i in lacks[s])
+        out["bytes"].append({"counts": world_size * 8, "asks": len(lacks[r]), "rows": rows,
+                             "rows_bytes": rows * width,
+                             "total": world_size * 8 + len(lacks[r]) * 8 + rows * width})
+    return out
+
+
+def rows_of_whole_matrix(seed: int) -> dict[str, dict[str, Any]]:
+    return {scene: _fetch_scene(seed, scene, FETCH_RANKS) for scene in FETCH_SCENES}
+
+
+def rows_of_whole_matrix_alone(seed: int) -> dict[str, dict[str, Any]]:
+    return {"float32": _fetch_scene(seed, "float32", 1)}

@@ -1,8 +1,9 @@
 """Big-graph helpers for Lesson 11: the tasks' data types, graphs to run them on, and PyG's
 loader driven by a sampler you wrote.
 
-* Types: :class:`SampledSubgraph` (Task 11.1's output), :class:`HaloPlan` (Task 11.2's) and
-  :class:`LocalGraph` with :func:`local_graph` (what a rank holds of a partitioned graph).
+* Types: :class:`SampledSubgraph` (Task 11.1's output), :class:`HaloPlan` (Task 11.2's),
+  :class:`LocalGraph` with :func:`local_graph` (what a rank holds of a partitioned graph) and
+  :class:`FeatureCache` (the remote feature rows a rank keeps, Task 11.4's input).
 * Graphs: :func:`peptide_graph`, a k-nearest-neighbour graph of the 5,200 labelled peptides
   that ship in the ``modlamp`` wheel, by k-mer profile; :func:`power_law_graph`, a generated
   degree-corrected graph with planted classes, up to about a million nodes in seconds;
@@ -16,7 +17,8 @@ loader driven by a sampler you wrote.
   :func:`neighbor_loader`, which is PyG's ``NeighborLoader`` where ``pyg-lib`` (or
   ``torch-sparse``) is installed and ``NodeLoader`` with your sampler where not.
 
-No task's answer lives here: sampling, halo plans and the halo layer are the student's.
+No task's answer lives here: sampling, halo plans, the halo layer and feature fetching are the
+student's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 __all__ = [
     "AMAZON_PRODUCTS",
     "OGBN_PRODUCTS",
+    "FeatureCache",
     "FunctionSampler",
     "HaloPlan",
     "LocalGraph",
@@ -88,6 +91,22 @@ class LocalGraph(NamedTuple):
 
     own: torch.Tensor
     edge_index: torch.Tensor
+
+
+class FeatureCache(NamedTuple):
+    """Feature rows of remote nodes that one rank keeps, so a batch need not fetch them.
+
+    ``ids``: (c,) sorted distinct global ids, none owned by the rank; ``rows``: (c, F) their
+    features, row i for ``ids[i]``. Filled once, before training: a static cache.
+    """
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+
+    def hit_rate(self, remote: torch.Tensor) -> float:
+        """The share of the distinct remote ids ``remote`` that this cache holds (0 if none)."""
+        remote = torch.unique(remote)
+        return torch.isin(remote, self.ids).float().mean().item() if remote.numel() else 0.0
 
 
 def local_graph(edge_index: torch.Tensor, part: torch.Tensor, rank: int) -> LocalGraph:

@@ -1,4 +1,4 @@
-"""Seeded bugs for Lesson 11: the typical mistakes (and cheats) each check of tasks 11.1-11.3
+"""Seeded bugs for Lesson 11: the typical mistakes (and cheats) each check of tasks 11.1-11.4
 must catch.
 
 ``BUGS[task_id]`` lists ``(what is wrong, implementation)``. Each bug is a correct
@@ -202,6 +202,40 @@ class LocalGCNConv(nn.Module):
         return self.inner(torch.cat([x_local, halo]), local)[:own.numel()]
 
 
+# --------------------------------------------------------------------------- task 11.4
+
+
+def _fetch(*edits):
+    return edited_solution(11, *edits).fetch_features
+
+
+_UNIQUE = "ids, inverse = torch.unique(needed.long(), return_inverse=True)"
+_ALONE = ("    if world_size == 1:  # every row is local: nothing to ask\n"
+          "        return rows[inverse]\n")
+
+
+def all_gather_every_row(needed, part, x_local, cache=None):
+    """Every rank's rows all-gathered (padded to the largest part), then indexed."""
+    n = dist.get_world_size()
+    most = int(torch.bincount(part, minlength=n).max())
+    padded = torch.cat([x_local, x_local.new_zeros(most - x_local.shape[0], x_local.shape[1])])
+    blocks = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(blocks, padded)
+    x = torch.cat([b[:int((part == s).sum())] for s, b in enumerate(blocks)])
+    order = torch.argsort(part, stable=True)  # the gathered rows' global ids, part by part
+    return x[torch.argsort(order)][needed]
+
+
+def through_pyg_feature_store(needed, part, x_local, cache=None):
+    """PyG's LocalFeatureStore holds this rank's rows; the solution fetches the rest."""
+    from torch_geometric.distributed import LocalFeatureStore
+
+    store = LocalFeatureStore()
+    own = (part == dist.get_rank()).nonzero().flatten()
+    store.put_tensor(x_local, group_name=None, attr_name="x", index=own)
+    return edited_solution(11).fetch_features(needed, part, store.get_tensor(None, "x"), cache)
+
+
 BUGS = {
     "11.1": [
         ("stops at a hop with an empty frontier: fewer hops counted", edited_solution(11, (
@@ -290,5 +324,20 @@ BUGS = {
         ("all_to_all_single of every row to every rank", _halo_from(every_row_to_every_rank)),
         ("PyG's GCNConv on the local subgraph", LocalGCNConv),
         ("the halo exchanged with isend/irecv", _halo_from(point_to_point)),
+    ],    "11.4": [
+        ("all-gathers every rank's rows", all_gather_every_row),
+        ("fetches a repeated id once per repeat", _fetch((
+            _UNIQUE, "ids, inverse = needed.long(), torch.arange(needed.numel())  # as asked"))),
+        ("rows sorted by id, not in the order asked", _fetch((
+            "    rows[where] = received\n    return rows[inverse]\n",
+            "    rows[where] = received\n    return rows[inverse.sort().values]\n"))),
+        ("cache hits still fetched", _fetch(("        missing &= ~hit\n", ""))),
+        ("asks for its own rows too", _fetch((
+            "    missing = ~local\n", "    missing = torch.ones_like(local)  # all asked\n"))),
+        ("local rows one place off (searchsorted right=True)", _fetch((
+            "rows[local] = x_local[torch.searchsorted(own, ids[local])]",
+            "rows[local] = x_local[torch.searchsorted(own, ids[local], right=True)]"))),
+        ("exchanges on a world of one rank", _fetch((_ALONE, ""))),
+        ("PyG's LocalFeatureStore", through_pyg_feature_store),
     ],
 }
