@@ -7,8 +7,11 @@ math attention backend (:mod:`autograder.references.lesson12`). Task 12.2 ``step
 asked for every layout on 2 and 4 ranks, for a model whose sizes the seed draws so that FSDP pads;
 the answers are the recorder's bytes of the third step of real runs of each layout (DDP,
 ``ZeroRedundancyOptimizer``, ``fully_shard``, ``parallelize_module``). Task 12.3
-``find_straggler`` reads the profiler traces of one 4-rank run of three scenarios, each with one
-rank made slow in its data loader, its forward or its send, on ranks the seed draws.
+``find_straggler`` reads the profiler traces of one 4-rank run of five scenarios of three noisy
+steps each (every rank's loader jitters; in one step the slow rank is on time and another
+hiccups): one rank made slow in its data loader, its forward or its send; a slow link (every
+all-reduce long, no rank late); and a compute straggler among overlapped all-reduces beside a rank
+that launches late and one that computes while it waits, on ranks and steps the seed draws.
 """
 
 from __future__ import annotations
@@ -290,39 +293,75 @@ TRAFFIC.case("one rank (world size 1): FSDP and TP send nothing, DDP and ZeRO-1 
 # --------------------------------------------------------------------------- task 12.3
 
 PHASES = ("data", "compute", "communication")
-STRAGGLER_DELAY_S = 0.5  # ~20x a profiled step of the model on a busy 2-core machine
+STRAGGLER_DELAY_S = 0.1  # 5-10x a profiled step of the model on a busy 2-core machine
+STRAGGLER_JITTER_S = 0.02  # every rank's loader, every batch: noise a third of the delay
+STRAGGLER_STEPS = 3
 STRAGGLER_RANKS = 4
+# The scenarios of one run, in order: the three phases, a slow link, and a compute straggler
+# hidden by overlap (a late launch and a busy waiter beside it).
+SCENARIOS = (*PHASES, "link", "overlap")
 
 
-def slow_ranks(seed: int) -> dict[str, int]:
-    """The rank each scenario slows down: three different ranks, drawn from the seed."""
-    ranks = random.Random(seed * 31337 + 123).sample(range(STRAGGLER_RANKS), len(PHASES))
-    return dict(zip(PHASES, ranks))
+def straggler_plan(seed: int) -> dict[str, dict[str, Any]]:
+    """Each scenario's ranks, drawn from the seed: the slow rank, the rank that hiccups instead in
+    the step the slow one is on time (the off steps of the three phases are three different
+    steps), and in "overlap" the rank that launches late and the one that computes while it
+    waits."""
+    rng = random.Random(seed * 31337 + 123)
+    off = rng.sample(range(STRAGGLER_STEPS), len(PHASES))
+    plan: dict[str, dict[str, Any]] = {}
+    for phase, off_step in zip(PHASES, off):
+        slow, hiccup = rng.sample(range(STRAGGLER_RANKS), 2)
+        plan[phase] = {"slow_rank": slow, "phase": phase, "off_step": off_step,
+                       "hiccup_rank": hiccup}
+    plan["link"] = {"slow_rank": None, "phase": "link"}
+    slow, late, busy, hiccup = rng.sample(range(STRAGGLER_RANKS), 4)
+    # the hiccup as long as the delay: the busy waiter then computes a step's delay more than the
+    # straggler (it hides every step's lateness, the straggler has it in all steps but one)
+    plan["overlap"] = {"slow_rank": slow, "phase": "compute", "off_step": rng.randrange(
+        STRAGGLER_STEPS), "hiccup_rank": hiccup, "hiccup": 1.0, "late_launch": late,
+        "busy_wait": busy}
+    return plan
+
+
+def expected_straggler(seed: int, scenario: str) -> dict[str, Any]:
+    """What find_straggler must say of a scenario: its slow rank and phase, or the link."""
+    how = straggler_plan(seed)[scenario]
+    return {"rank": how["slow_rank"], "phase": how["phase"]}
 
 
 def _straggler_ranks(seed: int) -> list[dict[str, Any]]:
-    """Runs on each rank: the three scenarios in turn, one parsed trace each."""
+    """Runs on each rank: the scenarios in turn, one parsed trace each."""
     from kit.lessons.profiling import straggler_run
 
-    return [straggler_run(rank, phase, STRAGGLER_DELAY_S, steps=1, seed=seed)
-            for phase, rank in slow_ranks(seed).items()]
+    return [straggler_run(how.pop("slow_rank"), how.pop("phase"), STRAGGLER_DELAY_S,
+                          steps=STRAGGLER_STEPS, jitter=STRAGGLER_JITTER_S, seed=seed, **how)
+            for how in straggler_plan(seed).values()]
 
 
 STRAGGLER = task(
     "12.3", preload=("kit.lessons.profiling",),
     # forbids nothing: torch has no straggler finder; HTA's (GPU traces) is not installed
-    hint="Everyone waits for the slowest rank inside the collective, so the slow rank is the one "
-         "that waits least in its gloo: events (the others' waits are long). Its phase is where "
-         "it spent more time than the others: in the DataLoader's __next__ (data), in aten and "
-         "autograd ops (compute), or in a gap before its send, on no event at all "
-         "(communication). gloo: events run on gloo's own threads, the others on the main "
-         "thread.",
-    recipe="For each rank take the complete ('X') events. Communication wait: the total duration "
-           "of the events named gloo:*. Data: the DataLoader __next__ events. Compute: the "
-           "outermost aten:: / autograd events of the main thread (the one with most ops) outside "
-           "the data events. Gap: the main thread's span minus the union of all three. The "
-           "straggler has the smallest communication wait; its phase is the one (data, compute, "
-           "gap = communication) where it exceeds the other ranks' median the most.",
+    hint="Everyone leaves a collective together, so in each collective the rank that waited "
+         "least in its gloo: event entered last, and the others waited for it. Not every wait "
+         "costs: a rank still loading or computing while its all-reduce is in flight loses "
+         "nothing. Add up, collective by collective and step by step, how long each rank's late "
+         "arrivals kept the others' main threads idle; if the collectives themselves idle "
+         "everyone longer than any rank's lateness, the link is slow, not a rank. The phase is "
+         "what the slow rank did before arriving late, against the others' median: the "
+         "DataLoader's __next__ (data), aten and autograd ops (compute), or a gap on no event "
+         "(communication).",
+    recipe="Per rank: the main thread (most cpu_op events), its data and compute spans, and its "
+           "gloo: spans in the order they end. For collective k, the last to enter has the "
+           "shortest gloo: span. Each other rank idled from its entry until its exit minus that "
+           "shortest wait: measure the part of that interval its main thread spent outside data "
+           "and compute, take the median over the other ranks and add it to the late rank's "
+           "total; the part of the last shortest-wait interval everyone spent idle adds to the "
+           "link's total. The rank with the largest total is the straggler unless the link's "
+           "total is larger. Its phase: over the collectives it entered last, from its entry "
+           "into the previous collective (or the trace's start) to its late entry, compare its "
+           "data, compute and gap (outside every event and collective) with the others' median, "
+           "and name the largest excess.",
 )
 
 
@@ -335,14 +374,15 @@ def _straggler_answers(find_straggler: Any, seed: int) -> dict[str, Any]:
     ranks = run_ranks(_straggler_ranks, (seed,), world_size=STRAGGLER_RANKS, timeout=60,
                       echo=False, preload=("kit.lessons.profiling",))
     out: dict[str, Any] = {}
-    for i, phase in enumerate(PHASES):
-        out[phase] = _answer(find_straggler([r[i] for r in ranks]))
-    # The edges, read off the same traces: two ranks (the slow one and the next), one rank, and
-    # a rank whose profiler recorded nothing.
+    for i, scenario in enumerate(SCENARIOS):
+        out[scenario] = _answer(find_straggler([r[i] for r in ranks]))
+    # The edges, read off the same traces: two ranks (the slow one and the next; ranks 0 and 1
+    # of the slow link), one rank, and a rank whose profiler recorded nothing.
     out["two ranks"] = {}
-    for i, phase in enumerate(PHASES):
-        pair = two_ranks(slow_ranks(seed)[phase])
-        out["two ranks"][phase] = _answer_or_raised(find_straggler, [ranks[r][i] for r in pair])
+    for i, scenario in enumerate(TWO_RANK_SCENARIOS):
+        pair = two_ranks(seed, scenario)
+        out["two ranks"][scenario] = _answer_or_raised(find_straggler,
+                                                       [ranks[r][i] for r in pair])
     out["refused"] = {
         "one rank's trace (world size 1)": _answer_or_raised(find_straggler, [ranks[0][0]]),
         "rank 2's trace holds no event": _answer_or_raised(
@@ -351,9 +391,15 @@ def _straggler_answers(find_straggler: Any, seed: int) -> dict[str, Any]:
     return out
 
 
-def two_ranks(slow: int) -> list[int]:
+# The overlap scenario has no two-rank edge: beside the busy waiter alone, the straggler keeps
+# nobody idle.
+TWO_RANK_SCENARIOS = (*PHASES, "link")
+
+
+def two_ranks(seed: int, scenario: str) -> list[int]:
     """The two ranks of the two-rank edge: the slow one and the next, in rank order."""
-    return sorted((slow, (slow + 1) % STRAGGLER_RANKS))
+    slow = straggler_plan(seed)[scenario]["slow_rank"]
+    return [0, 1] if slow is None else sorted((slow, (slow + 1) % STRAGGLER_RANKS))
 
 
 def _answer(answer: Any) -> Any:
@@ -369,12 +415,15 @@ def _answer_or_raised(find_straggler: Any, traces: list[Any]) -> Any:
 
 
 def _compare_two_ranks(got: Any, expected: dict[str, Any]) -> None:
-    for phase in PHASES:
-        g, e = (got or {}).get(phase) if isinstance(got, dict) else got, expected[phase]
+    for scenario in TWO_RANK_SCENARIOS:
+        g = (got or {}).get(scenario) if isinstance(got, dict) else got
+        e = expected[scenario]
         if g != e:
+            slow = ("no rank is late" if e["rank"] is None
+                    else f"the slow one is traces[{e['rank']}]")
             raise CheckFailed(
-                f"two ranks (ranks {expected['pairs'][phase]} of the {phase!r} scenario, the "
-                f"slow one is traces[{e['rank']}]): find_straggler returned {describe(g, 120)}",
+                f"two ranks (ranks {expected['pairs'][scenario]} of the {scenario!r} scenario, "
+                f"{slow}): find_straggler returned {describe(g, 120)}",
                 expected=e, got=g,
                 hint="With two ranks the others are one rank: compare with its time itself "
                      "(the median of one value is that value; a standard deviation of one value "
@@ -397,28 +446,62 @@ def _compare_refused(got: Any, expected: Any = None) -> None:
                      "naming a straggler or failing inside max() or statistics.")
 
 
-def _compare_straggler(got: Any, expected: dict[str, Any], phase: str) -> None:
-    where = (f"4 ranks, rank {expected['rank']} made {STRAGGLER_DELAY_S} s slower in its "
-             f"{ {'data': 'data loader', 'compute': 'forward', 'communication': 'send'}[phase]}")
-    if got != expected:
-        g = got if isinstance(got, dict) else describe(got, 80)
-        raise CheckFailed(f"{where}: find_straggler returned {g}", expected=expected, got=g)
+SCENARIO_HINTS = {
+    "link": "No rank is late here: every rank's all-reduce is long because the transfer itself "
+            "is, so even the last rank to enter waits long. Time every rank spends idle after "
+            "the last one entered belongs to the link: when it outweighs any rank's lateness, "
+            "say {'rank': None, 'phase': 'link'}.",
+    "overlap": "Two decoys: one rank launches its first all-reduce late, but the others are "
+               "still loading and computing, so nobody idles for it (yet it waits least in "
+               "total); another computes while its all-reduce is in flight (the most compute, "
+               "none of it late). Count a late arrival by the time it keeps the others' main "
+               "threads idle, not by the length of the waits or of the compute.",
+}
+NOISY_HINT = ("The steps are noisy: every rank's loader jitters, and in one step the slow rank is "
+              "on time while another rank hiccups. Sum the lateness over every collective of "
+              "every step; one step, or one rank's totals, is not enough.")
 
 
-for _phase, _how in (("data", "a slow data loader (the dataset sleeps)"),
-                     ("compute", "extra matrix products in forward"),
-                     ("communication", "a late send (a host-side sleep before the all-reduce)")):
-    STRAGGLER.case(f"{_how}: the slow rank and phase {_phase!r}", uses=_straggler_answers,
-                   pick=_phase, compare=partial(_compare_straggler, phase=_phase),
-                   expect=partial(lambda seed, p: {"rank": slow_ranks(seed)[p], "phase": p},
-                                  p=_phase))
+def _compare_straggler(got: Any, expected: dict[str, Any], scenario: str) -> None:
+    want, how = expected["answer"], expected["plan"]
+    if got == want:
+        return
+    if scenario == "link":
+        where = f"4 ranks, {STRAGGLER_STEPS} steps, every all-reduce carrying 16 MiB more"
+    else:
+        slower = {"data": "data loader", "compute": "forward", "communication": "send"}
+        where = (f"4 ranks, {STRAGGLER_STEPS} noisy steps, rank {how['slow_rank']} made "
+                 f"{STRAGGLER_DELAY_S} s slower in its {slower[how['phase']]} except in step "
+                 f"{how['off_step']} (rank {how['hiccup_rank']} hiccups there)")
+        if scenario == "overlap":
+            where += (f"; rank {how['late_launch']} launches late and rank {how['busy_wait']} "
+                      f"computes while it waits")
+    g = got if isinstance(got, dict) else describe(got, 80)
+    raise CheckFailed(f"{where}: find_straggler returned {g}", expected=want, got=g,
+                      hint=SCENARIO_HINTS.get(scenario, NOISY_HINT))
+
+
+for _scenario, _how in (
+        ("data", "a slow data loader (the dataset sleeps), noisy steps"),
+        ("compute", "extra matrix products in forward, noisy steps"),
+        ("communication", "a late send (a host-side sleep before the all-reduce), noisy steps"),
+        ("link", "a slow link (every all-reduce long, no rank late): {'rank': None, 'phase': "
+                 "'link'}"),
+        ("overlap", "a compute straggler among overlapped all-reduces, a late launch and a busy "
+                    "waiter beside it")):
+    STRAGGLER.case(f"{_how}: the slow rank and phase", uses=_straggler_answers, pick=_scenario,
+                   compare=partial(_compare_straggler, scenario=_scenario),
+                   expect=partial(lambda seed, s: {"answer": expected_straggler(seed, s),
+                                                   "plan": straggler_plan(seed)[s]}, s=_scenario))
 
 
 def _two_rank_answers(seed: int) -> dict[str, Any]:
-    slow = slow_ranks(seed)
-    out: dict[str, Any] = {p: {"rank": two_ranks(slow[p]).index(slow[p]), "phase": p}
-                           for p in PHASES}
-    out["pairs"] = {p: two_ranks(slow[p]) for p in PHASES}
+    out: dict[str, Any] = {}
+    for scenario in TWO_RANK_SCENARIOS:
+        want, pair = expected_straggler(seed, scenario), two_ranks(seed, scenario)
+        out[scenario] = {**want, "rank": None if want["rank"] is None else pair.index(
+            want["rank"])}
+    out["pairs"] = {s: two_ranks(seed, s) for s in TWO_RANK_SCENARIOS}
     return out
 
 

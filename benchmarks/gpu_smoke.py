@@ -469,8 +469,11 @@ def lesson10(device: torch.device) -> str:
 def lesson12(device: torch.device) -> str:
     """train.py under the profiler: CPU and (on GPUs) CUDA activity, a schedule, one trace per
     rank through tensorboard_trace_handler; with NCCL on 2 or more GPUs the all-reduce shows up as
-    an nccl kernel, on one GPU as none."""
+    an nccl kernel on a stream of its own, and the time it overlaps a matmul on the compute
+    stream is measured from the trace; on one GPU NCCL runs none. Then a memory snapshot of one
+    step (CUDA only): the caching allocator's segments and its allocations."""
     import json
+    import pickle
 
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
@@ -493,10 +496,23 @@ def lesson12(device: torch.device) -> str:
         files = list(Path(root, "traces", f"rank{rank}").glob("*.json"))
         assert len(files) == 1, f"one trace per rank expected, found {files}"
         events = json.loads(files[0].read_text())["traceEvents"]
+        if device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            train_step(x)
+            torch.cuda.memory._dump_snapshot(f"{root}/snapshot_rank{rank}.pickle")
+            torch.cuda.memory._record_memory_history(enabled=None)
+            snapshot = pickle.loads(Path(root, f"snapshot_rank{rank}.pickle").read_bytes())
     names = {e.get("name", "") for e in events}
     assert any("all_reduce" in n for n in names), "no all_reduce op in the trace"
     if device.type != "cuda":
-        return "1 trace per rank, all_reduce recorded (CPU: no CUDA kernels)"
+        return ("1 trace per rank, all_reduce recorded (CPU: no CUDA kernels); memory snapshot: "
+                "CUDA only, skipped")
+    segments = snapshot["segments"]
+    allocs = [e for t in snapshot["device_traces"] for e in t if e["action"] == "alloc"]
+    assert segments and allocs, "the snapshot holds no segment or no allocation"
+    memory = (f"; snapshot: {len(segments)} segment(s), "
+              f"{sum(s['total_size'] for s in segments) / 2**20:.0f} MiB reserved, "
+              f"{len(allocs)} allocations with stacks")
     on_gpu = {(e["cat"], e["name"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy")}
     nccl = sorted({e["name"] for e in events if e.get("cat") == "kernel"
                    and "nccl" in e["name"].lower()})
@@ -505,10 +521,44 @@ def lesson12(device: torch.device) -> str:
         # an in-place all_reduce ran nothing on the GPU, an out-of-place collective one DtoD copy).
         assert not nccl, f"one rank, yet NCCL kernels ran: {nccl}"
         return ("1 rank: NCCL ran no kernel (nothing to send); GPU work in the trace: "
-                f"{len(on_gpu)} kinds")
+                f"{len(on_gpu)} kinds" + memory)
     assert nccl, f"no NCCL kernel in the CUDA trace, only {sorted(on_gpu)[:5]}"
-    streams = {e.get("tid") for e in events if e.get("cat") == "kernel" and e["name"] in nccl}
-    return f"NCCL kernels {nccl[:2]} on stream(s) {sorted(streams)}"
+    return _nccl_beside_a_matmul(device) + memory
+
+
+def _nccl_beside_a_matmul(device: torch.device) -> str:
+    """An all-reduce launched asynchronously, then a matmul: the trace's NCCL kernels run on a
+    stream of their own, and the time they share with compute kernels is the overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    grads = torch.ones(64 * 2**20 // 4, device=device)  # 64 MiB: long enough to overlap
+    a = torch.randn(4096, 4096, device=device)
+    dist.all_reduce(grads)  # warm-up: NCCL's communicator and a matmul kernel chosen
+    a @ a
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        work = dist.all_reduce(grads, async_op=True)
+        for _ in range(4):
+            a @ a
+        work.wait()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory(prefix="gpu-smoke-overlap-") as root:
+        prof.export_chrome_trace(f"{root}/trace.json")
+        import json
+
+        kernels = [e for e in json.loads(Path(root, "trace.json").read_text())["traceEvents"]
+                   if e.get("cat") == "kernel"]
+    comm = [e for e in kernels if "nccl" in e["name"].lower()]
+    comp = [e for e in kernels if "nccl" not in e["name"].lower()]
+    assert comm and comp, f"kernels: {len(comm)} NCCL, {len(comp)} compute"
+    streams = ({e["args"].get("stream") for e in comm}, {e["args"].get("stream") for e in comp})
+    assert not streams[0] & streams[1], f"NCCL and compute kernels share a stream: {streams}"
+    shared = sum(max(0.0, min(c["ts"] + c["dur"], k["ts"] + k["dur"]) - max(c["ts"], k["ts"]))
+                 for c in comm for k in comp)
+    busy = sum(c["dur"] for c in comm)
+    return (f"NCCL kernels {sorted({e['name'] for e in comm})[:1]} on stream(s) "
+            f"{sorted(streams[0])}, compute on {sorted(streams[1])}: {shared / 1e3:.2f} of "
+            f"{busy / 1e3:.2f} ms of NCCL kernel time overlaps compute")
 
 
 def lesson13(device: torch.device) -> str:

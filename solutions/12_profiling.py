@@ -739,21 +739,47 @@ for rank, tr in enumerate(traces):
 #
 # **Task 12.3.** One slow rank makes every other rank wait inside its collectives: their
 # `gloo:all_reduce` events grow long while the slow rank's stays short, since by the time it
-# arrives everyone is ready. Read the traces and name the slow rank and its phase.
+# arrives everyone is ready. Real runs are messier than one clean injection, and the checks
+# make them so:
+#
+# - **Noise.** Every rank's loader jitters, and the slow rank is late in most steps, not all:
+#   in one step it is on time and another rank hiccups. One step's evidence can point at the
+#   wrong rank; the sum over every collective of every step does not.
+# - **A slow link.** When the transfer itself is slow, every rank's collective stretches, the
+#   last one in included, and no rank is late: the answer is `{"rank": None, "phase": "link"}`.
+# - **Overlap.** With the first micro-batch's gradients all-reduced while the second is read
+#   and computed (as DDP overlaps its buckets with backward), a long wait is harmless if the
+#   rank was busy meanwhile. Here one rank launches its first all-reduce late (the others are
+#   still busy: nobody idles for it, yet it waits least in total), and another computes while
+#   its all-reduce is in flight (the most compute of any rank, none of it late). Totals of
+#   waits or of compute blame those two; only when each rank entered and left each
+#   collective, against what its main thread was doing then, finds the rank that held the
+#   others up.
+#
+# Read the traces and name the slow rank and its phase, or the link.
 
 # %% tags=["task-12.3"]
 def find_straggler(traces: list[dict]) -> dict:
     """The slow rank and what made it slow: {"rank": r, "phase": "data" | "compute" |
-    "communication"}.
+    "communication"}, or {"rank": None, "phase": "link"} when no rank is late and the
+    collectives themselves take the time (a slow link, or more bytes than it carries fast).
 
     traces[r] is rank r's Chrome trace as torch.profiler's export_chrome_trace writes it (CPU
-    activities), parsed. Read torch's own events only: "enumerate(DataLoader)...__next__"
-    (data), aten:: and autograd ops on the main thread (compute), "gloo:" events on gloo's
-    threads (communication waits). A delay before a send leaves a gap on the slow rank, on no
-    event at all.
+    activities), parsed, over one or more steps. Read torch's own events only:
+    "enumerate(DataLoader)...__next__" (data), aten:: and autograd ops on the main thread
+    (compute), "gloo:" events on gloo's threads (one per collective, from when the rank enters
+    it until it leaves; the k-th to end on every rank is the same collective). A delay before a
+    send leaves a gap on the slow rank, on no event at all (communication).
 
-    Two traces are enough (the slow rank against the one other). Fewer than two, or a rank whose
-    trace holds no operator event, raise a ValueError naming the rank count or the rank.
+    Everyone leaves a collective together, so the rank that waited least in it entered last.
+    The slow rank is the one whose late arrivals held the others up longest, summed over every
+    collective: a wait during which a rank kept computing or loading held nobody up, and one
+    late step is noise. Its phase is what it did, before those late arrivals, for longer than
+    the others' median.
+
+    Two traces are enough (the slow rank against the one other). Fewer than two, a rank whose
+    trace holds no operator event, or traces without a gloo collective raise a ValueError
+    naming the rank count or the rank.
     """
     ### BEGIN SOLUTION
     if len(traces) < 2:
@@ -774,7 +800,10 @@ def find_straggler(traces: list[dict]) -> dict:
                 end = b
         return total
 
-    rows = []
+    def within(spans: list[tuple[float, float]], a: float, b: float) -> float:
+        return union([(max(s, a), min(e, b)) for s, e in spans if s < b and e > a])
+
+    ranks = []
     for rank, rank_trace in enumerate(traces):
         events = [e for e in rank_trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
         ops: dict = {}
@@ -789,16 +818,50 @@ def find_straggler(traces: list[dict]) -> dict:
         data = [_span(e) for e in mine if "DataLoader" in e["name"] and "__next__" in e["name"]]
         compute = [_span(e) for e in mine if e["name"].startswith(("aten::", "autograd::"))
                    and not _inside(_span(e), data)]
-        comm = [_span(e) for e in events if e["name"].startswith("gloo:")]
-        start = min(e["ts"] for e in mine)
-        end = max(e["ts"] + e["dur"] for e in mine)
-        gap = (end - start) - union(data + compute + [s for s in comm if start <= s[0] <= end])
-        rows.append({"data": union(data), "compute": union(compute), "communication": gap,
-                     "wait": union(comm)})
-    slow = min(range(len(rows)), key=lambda r: rows[r]["wait"])  # the others wait for it
-    others = [row for r, row in enumerate(rows) if r != slow]
-    excess = {phase: rows[slow][phase] - statistics.median(o[phase] for o in others)
-              for phase in ("data", "compute", "communication")}
+        # in the order they end: two in flight at once may start in either order on gloo's
+        # threads, but a collective ends only once every rank started it, so in issue order
+        comm = sorted((_span(e) for e in events if e["name"].startswith("gloo:")),
+                      key=lambda s: s[1])
+        ranks.append({"data": data, "compute": compute, "comm": comm,
+                      "start": min(e["ts"] for e in mine)})
+    collectives = min(len(r["comm"]) for r in ranks)
+    if not collectives:
+        raise ValueError(f"rank {min(range(len(ranks)), key=lambda r: len(ranks[r]['comm']))}'s "
+                         f"trace has no gloo: collective: nobody waited for anybody")
+
+    def idle(r: dict, a: float, b: float) -> float:  # the main thread neither loads nor computes
+        return (b - a) - within(r["data"] + r["compute"], a, b)
+
+    held = [0.0] * len(ranks)  # how long each rank's late arrivals held the others up
+    link, late = 0.0, []
+    for k in range(collectives):
+        waits = [r["comm"][k][1] - r["comm"][k][0] for r in ranks]
+        last = min(range(len(ranks)), key=waits.__getitem__)  # entered last: waited least
+        # each other rank idles from its entry until the last one's (its leave minus that wait)
+        held[last] += statistics.median(
+            idle(r, r["comm"][k][0], r["comm"][k][1] - waits[last])
+            for i, r in enumerate(ranks) if i != last)
+        # and everyone idles while the collective runs with all of them in
+        link += statistics.median(idle(r, r["comm"][k][1] - waits[last], r["comm"][k][1])
+                                  for r in ranks)
+        late.append(last)
+    slow = max(range(len(ranks)), key=held.__getitem__)
+    if link > held[slow]:
+        return {"rank": None, "phase": "link"}
+
+    def phases(r: dict, k: int) -> dict[str, float]:
+        """What rank r's main thread did from entering collective k-1 to entering k."""
+        a, b = r["comm"][k - 1][0] if k else r["start"], r["comm"][k][0]
+        busy = within(r["data"] + r["compute"] + r["comm"], a, b)
+        return {"data": within(r["data"], a, b), "compute": within(r["compute"], a, b),
+                "communication": (b - a) - busy}  # a gap: on no event, not yet in a collective
+
+    excess = dict.fromkeys(("data", "compute", "communication"), 0.0)
+    for k in (k for k in range(collectives) if late[k] == slow):
+        mine, others = phases(ranks[slow], k), [phases(r, k) for i, r in enumerate(ranks)
+                                                  if i != slow]
+        for phase in excess:
+            excess[phase] += mine[phase] - statistics.median(o[phase] for o in others)
     return {"rank": slow, "phase": max(excess, key=excess.get)}
     ### END SOLUTION
 
@@ -807,36 +870,201 @@ def find_straggler(traces: list[dict]) -> dict:
 check("12.3", find_straggler)
 
 # %% [markdown]
-# The three scenarios the check runs, on other ranks, and the tempting wrong answer:
+# The five scenarios the check runs, on other ranks and steps, and the tempting wrong answers:
+# the rank that waits least in total, and the rank that computes most.
 
 # %%
-def three_stragglers(plan):
-    return [straggler_run(slow, phase, 0.5, steps=1) for phase, slow in plan]
+SCENARIO_DELAY = 0.1  # s: the slow rank's extra time per step (the hiccup: 0.6 of it by default)
+SCENARIOS_HERE = {
+    "data": dict(slow_rank=1, phase="data", off_step=0, hiccup_rank=2),
+    "compute": dict(slow_rank=3, phase="compute", off_step=1, hiccup_rank=0),
+    "communication": dict(slow_rank=0, phase="communication", off_step=2, hiccup_rank=1),
+    "link": dict(slow_rank=None, phase="link"),
+    "overlap": dict(slow_rank=2, phase="compute", off_step=1, hiccup_rank=0, hiccup=1.0,
+                    late_launch=1, busy_wait=3),
+}
 
 
-plan = [("data", 1), ("compute", 3), ("communication", 0)]
-per_rank = launch(three_stragglers, plan, world_size=4)
+def five_stragglers(folder):
+    out = []
+    for name, how in SCENARIOS_HERE.items():
+        how = dict(how)
+        out.append(straggler_run(how.pop("slow_rank"), how.pop("phase"), SCENARIO_DELAY,
+                                 steps=3, jitter=0.02, folder=f"{folder}/{name}", **how))
+    return out
+
+
+scenario_dir = WORK / "traces_scenarios"
+per_rank = launch(five_stragglers, str(scenario_dir), world_size=4)
 found = []
-for i, (phase, slow) in enumerate(plan):
+for i, (name, how) in enumerate(SCENARIOS_HERE.items()):
     rank_traces = [r[i] for r in per_rank]
-    waits = [sum(e["dur"] for e in t["traceEvents"]
-                 if e.get("ph") == "X" and e["name"].startswith("gloo:"))
-             for t in rank_traces]
+    spans = [[e for e in t["traceEvents"] if e.get("ph") == "X"] for t in rank_traces]
+    waits = [sum(e["dur"] for e in s_ if e["name"].startswith("gloo:")) for s_ in spans]
+    compute = [sum(e["dur"] for e in s_ if e.get("cat") == "cpu_op" and e["name"] in
+                   ("aten::mm", "aten::tanh")) for s_ in spans]
     got = find_straggler(rank_traces)
-    found.append(got == {"rank": slow, "phase": phase})
-    print(f"slow rank {slow} ({phase}): find_straggler says {got}; the longest waiter is rank "
-          f"{waits.index(max(waits))}")
-print("find_straggler blames the slow rank:", all(found))
+    found.append(got == {"rank": how["slow_rank"], "phase": how["phase"]})
+    print(f"{name:>13}: slow rank {how['slow_rank']}, find_straggler says {got}; least total "
+          f"wait: rank {waits.index(min(waits))}, most matmul/tanh time: rank "
+          f"{compute.index(max(compute))}")
+print("find_straggler finds every scenario's answer:", all(found))
+overlap = SCENARIOS_HERE["overlap"]
+least_wait, most_compute = waits.index(min(waits)), compute.index(max(compute))
+print(f"overlap: the least total wait is the late launcher (rank {overlap['late_launch']}): "
+      f"{least_wait == overlap['late_launch']}; the most compute is the busy waiter (rank "
+      f"{overlap['busy_wait']}): {most_compute == overlap['busy_wait']}")
 
 # %% [markdown]
-# The injected delay is half a second per step, at least 20 times a profiled step of this
-# model on two busy cores, and every comparison is relative: the slow rank waits least, and its
-# phase is the one where it exceeds the *median* of the others. Noise of tens of milliseconds,
-# from four ranks sharing two cores, moves neither. The "communication" straggler here is a late
-# send: the rank sleeps on the host before its all-reduce, so its peers wait in theirs. A slow
-# *link* looks different: every rank's collective stretches, the ones on either side of that
-# link included, and no rank waits much less than the others; per-rank bus bandwidth (Lesson
-# 01's `bus_bandwidth`) is what finds that one.
+# In the overlap scenario both totals point at a decoy (the last line above), so the rule
+# "the rank that waits least" names the late launcher. The figure shows why: rank 1's first
+# all-reduce (a red bar on a gloo lane) starts late, while the others are still loading
+# (green); rank 3 keeps computing (blue) through its wait; rank 2's long forward is what
+# everyone's second all-reduce waits for.
+
+# %%
+overlap_traces = load_traces(scenario_dir / "overlap")
+fig, ax = plt.subplots(figsize=(10, 3.8))
+plot_traces(overlap_traces, ax=ax, title="overlap: rank 2 slow, rank 1 launches late, rank 3 "
+            "computes while it waits")
+fig.savefig(WORK / "overlap_timeline.png", dpi=90, bbox_inches="tight")
+plt.show()
+
+# %% [markdown]
+# The delays are a tenth of a second per step, five to ten times a profiled step of this model
+# on two busy cores, and every comparison is relative: a late arrival counts by how long it
+# kept the others idle, and the phase by how far the slow rank exceeds the others' *median*.
+# Noise of tens of milliseconds moves neither; on a machine so loaded that sleeps overshoot by
+# as much as the delay, no rule can tell a straggler from the load. The "communication"
+# straggler is a late send: the rank sleeps on the host before its all-reduce. The "link"
+# scenario cannot slow loopback itself, so every all-reduce carries 16 MiB more: in the trace
+# a slow link and too many bytes look the same (every rank idles in the collective after the
+# last one arrived), and per-rank bus bandwidth (Lesson 01's `bus_bandwidth`) tells them apart.
+#
+# ## 7. Memory and overlap in a trace
+#
+# `profile_memory=True` records every allocation and free; with `record_shapes` and
+# `with_stack`, the profiler's `export_memory_timeline` sorts the bytes alive into
+# parameters, optimizer state, inputs, activations, gradients and temporaries over the step,
+# on CPU as on GPU. Torch 2.13 marks it deprecated in favour of the CUDA memory snapshot
+# below (the warning is printed). Two AdamW steps of the lesson's model:
+
+# %%
+import warnings  # noqa: E402
+
+torch.manual_seed(0)
+mem_model = TinyTransformer(vocab, 128, 2, 4, context=seq_len)
+mem_opt = torch.optim.AdamW(mem_model.parameters())
+xm, ym = token_batch(8, seq_len, vocab, seed=0)
+with profiled(WORK / "traces_memory", shapes=True, memory=True, stack=True) as prof:
+    for _ in range(2):  # the second step: optimizer state exists from the first
+        F.cross_entropy(mem_model(xm).reshape(-1, vocab), ym.reshape(-1)).backward()
+        mem_opt.step()
+        mem_opt.zero_grad()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    prof.export_memory_timeline(str(WORK / "memory_timeline.json"), device="cpu")
+print("torch says:", "; ".join(str(w.message) for w in caught)[:200])
+times, sizes = json.loads((WORK / "memory_timeline.json").read_text())
+# columns: an unused 0, then torch.profiler._memory_profiler's categories in this order
+kinds = ["parameter", "optimizer state", "input", "temporary", "activation", "gradient",
+         "autograd detail", "unknown"]
+by_kind = torch.tensor(sizes, dtype=torch.float64)[:, 1:] / 2**20
+seconds = (torch.tensor(times, dtype=torch.float64) - times[0]) / 1e6
+fig, ax = plt.subplots(figsize=(8, 3.5))
+ax.stackplot(seconds.numpy(), by_kind.T.numpy(), labels=kinds, step="post")
+ax.set_xlabel("time (s)")
+ax.set_ylabel("MiB alive")
+ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+ax.set_title("two AdamW steps of the lesson's model, profile_memory=True (CPU)")
+fig.savefig(WORK / "memory_timeline.png", dpi=90, bbox_inches="tight")
+plt.show()
+peak = int(by_kind.sum(1).argmax())
+param_mib = sum(p.numel() * p.element_size() for p in mem_model.parameters()) / 2**20
+print(f"peak {by_kind[peak].sum():.2f} MiB at {seconds[peak]:.3f} s: " + ", ".join(
+    f"{k} {v:.2f}" for k, v in zip(kinds, by_kind[peak].tolist()) if v))
+print(f"the parameters: {param_mib:.2f} MiB (numel x element_size); optimizer state at the "
+      f"peak / parameters: {by_kind[peak][1] / by_kind[peak][0]:.2f}")
+
+# %% [markdown]
+# Parameters stay flat; optimizer state appears at the first `step()` (AdamW's two moments
+# per parameter: the ratio printed above) and stays; activations rise through forward and fall
+# through backward as gradients appear. On a GPU
+# the same question has a better tool, the **memory snapshot**
+# ([docs](https://pytorch.org/docs/stable/torch_cuda_memory.html)):
+# `torch.cuda.memory._record_memory_history()` makes the caching allocator keep a stack trace
+# for every allocation, and `torch.cuda.memory._dump_snapshot("snapshot.pickle")` writes its
+# state: every *segment* the allocator reserved from CUDA (`cudaMalloc`) and the blocks carved
+# out of it, live or free, each with the Python stack that made it. Dragged onto
+# [pytorch.org/memory_viz](https://pytorch.org/memory_viz), it shows the bytes alive over time
+# and the segments, which is where fragmentation (reserved but unusable memory) shows up. A
+# CPU has no caching allocator of this kind, so the cell below records one only where CUDA
+# exists and says so otherwise.
+
+# %%
+if torch.cuda.is_available():
+    gpu_model = TinyTransformer(vocab, 128, 2, 4, context=seq_len).cuda()
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    F.cross_entropy(gpu_model(xm.cuda()).reshape(-1, vocab), ym.cuda().reshape(-1)).backward()
+    torch.cuda.memory._dump_snapshot(str(WORK / "snapshot.pickle"))
+    torch.cuda.memory._record_memory_history(enabled=None)
+    snapshot = torch.cuda.memory._snapshot()
+    print(f"{len(snapshot['segments'])} segments reserved, "
+          f"{sum(s_['total_size'] for s_ in snapshot['segments']) / 2**20:.1f} MiB; "
+          f"snapshot in {WORK / 'snapshot.pickle'}")
+else:
+    print("no CUDA device here: torch.cuda.memory._record_memory_history needs one (the "
+          "snapshot records the CUDA caching allocator)")
+
+# %% [markdown]
+# **Overlap, read from the saved traces.** The overlap scenario's traces were written to
+# disk (`rank<r>.json`, loaded back above). For each rank: how long a collective was in
+# flight (a `gloo:` event on any of gloo's threads), how much of that the main thread spent
+# computing or loading (hidden communication) and how much it sat idle (exposed):
+
+# %%
+def in_flight(trace):
+    """(communication in flight, of it hidden behind the main thread's work) in ms."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    ops = {}
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops[e["tid"]] = ops.get(e["tid"], 0) + 1
+    main = max(ops, key=ops.get)
+    work = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e["tid"] == main and e["name"] != "kit:clock")
+    comm = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("gloo:"))
+
+    def merged(spans):
+        out = []
+        for a, b in spans:
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    comm, work = merged(comm), merged(work)
+    total = sum(b - a for a, b in comm)
+    hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in work)
+    return total / 1e3, hidden / 1e3
+
+
+for rank, rank_trace in enumerate(overlap_traces):
+    total, hidden = in_flight(rank_trace)
+    print(f"rank {rank}: a collective in flight {total:6.1f} ms, {hidden:6.1f} ms of it hidden "
+          f"behind compute or loading ({hidden / total:.0%}), {total - hidden:6.1f} ms exposed")
+
+# %% [markdown]
+# Read the rows against the roles: the busy waiter (rank 3) hides most of its waits behind
+# its own compute; the others hide the first all-reduce behind the second micro-batch and
+# expose the second, which waits for rank 2. On
+# GPUs with NCCL the same reading works on kernels: collectives run as `ncclDevKernel_*`
+# kernels on a communication stream of their own, compute kernels on the default stream, and
+# a trace with `ProfilerActivity.CUDA` shows both streams' rows. Communication hidden behind
+# compute is the time both rows are busy; HTA's `get_comm_comp_overlap` reports that fraction
+# per rank ([HTA docs](https://hta.readthedocs.io/)). `benchmarks/gpu_smoke.py` measures it on
+# a GPU machine from the trace of an NCCL all-reduce launched beside a matmul.
 #
 # ## Running at scale
 #
@@ -853,13 +1081,19 @@ print("find_straggler blames the slow rank:", all(found))
 # >     for step, batch in enumerate(loader):
 # >         train_step(batch)
 # >         prof.step()
+# >
+# > torch.cuda.memory._record_memory_history(max_entries=100_000)  # the allocator keeps stacks
+# > train_step(batch)
+# > torch.cuda.memory._dump_snapshot(f"snapshot_rank{rank}.pickle")  # pytorch.org/memory_viz
 # > ```
 # >
 # > - With NCCL, collectives are kernels (`ncclDevKernel_*` or `ncclKernel_*`, by NCCL version)
 # >   on their own CUDA stream, so a GPU trace shows how much communication *overlaps*
-# >   compute, which a CPU gloo trace cannot: gloo runs on host threads and the CPU ops are all
-# >   there is. A single GPU shows none: one rank has nothing to send, and NCCL launches no
-# >   kernel for it.
+# >   compute kernel by kernel, where a gloo trace shows it on host threads (section 7). A
+# >   single GPU shows none: one rank has nothing to send, and NCCL launches no kernel for it.
+# > - The snapshot holds the caching allocator's segments (what it reserved with `cudaMalloc`)
+# >   and the blocks in them, each allocation with its stack
+# >   ([docs](https://pytorch.org/docs/stable/torch_cuda_memory.html)).
 # > - [Holistic Trace Analysis](https://hta.readthedocs.io/) (`pip install HolisticTraceAnalysis`,
 # >   [tutorial](https://pytorch.org/tutorials/beginner/hta_intro_tutorial.html)) reads a folder
 # >   of such per-rank traces: the GPUs' time split into compute, communication, memory and
@@ -885,7 +1119,13 @@ print("find_straggler blames the slow rank:", all(found))
 #   activations per block. The ring multiplies them by `2(W-1)/W` or `(W-1)/W` on the wire.
 # - Step time ≈ compute + exposed communication; calibrate it where you run, then extrapolate
 #   with published numbers, and let memory rule out what does not fit.
-# - The rank waiting longest in a collective is waiting *for* the straggler.
+# - The rank waiting longest in a collective is waiting *for* the straggler. Count each late
+#   arrival by the idle time it caused the others, over every collective of every step: a
+#   wait spent computing or loading cost nothing, one late step is noise, and when everyone
+#   idles after the last arrival the link (or the bytes) is slow, not a rank.
+# - `profile_memory=True` and `export_memory_timeline` split the bytes alive by kind on CPU; on
+#   GPUs the memory snapshot shows the caching allocator's segments and every allocation's
+#   stack, and a CUDA trace shows NCCL's kernels on their own stream beside compute.
 #
 # **Read more:** [torch.profiler](https://pytorch.org/docs/stable/profiler.html) and its
 # [recipe](https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html),

@@ -258,11 +258,16 @@ def matmul_peak(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.floa
 # --------------------------------------------------------------------------- a straggler
 
 STRAGGLER_MODEL = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "context": 16}
+HICCUP = 0.6  # in the off step, another rank is by default this fraction of ``delay`` slow
+LINK_BYTES = 16 * 2**20  # "link": what every all-reduce carries; ~50 ms on 4 loopback gloo ranks
 
 
 def straggler_run(slow_rank: int | None, phase: str, delay: float, *, steps: int = 2,
-                  folder: str | os.PathLike | None = None, batch: int = 4,
-                  seed: int = 0) -> dict[str, Any]:
+                  folder: str | os.PathLike | None = None, batch: int = 4, seed: int = 0,
+                  jitter: float = 0.0, off_step: int | None = None,
+                  hiccup_rank: int | None = None, hiccup: float = HICCUP,
+                  late_launch: int | None = None,
+                  busy_wait: int | None = None, link_bytes: int = LINK_BYTES) -> dict[str, Any]:
     """Train a small transformer on this rank for ``steps`` profiled steps (after one unprofiled
     warm-up step) and return the parsed trace.
 
@@ -271,58 +276,108 @@ def straggler_run(slow_rank: int | None, phase: str, delay: float, *, steps: int
     ``delay`` seconds slower in one ``phase``: ``"data"`` (the dataset's ``__getitem__``
     sleeps), ``"compute"`` (extra matrix products in forward) or ``"communication"`` (a sleep
     on the host just before the all-reduce: a late send, such as a rank held up between
-    backward and its collective; a slow link would stretch every rank's collective instead).
-    ``slow_rank=None`` slows nobody.
+    backward and its collective). ``"link"`` slows nobody (``slow_rank`` is None): every rank's
+    all-reduce carries ``link_bytes`` more, so the transfer itself is the long part, as over a
+    slow link. ``slow_rank=None`` with another phase slows nobody.
+
+    Noise: ``jitter`` makes every rank's loader sleep a random ``0..jitter`` seconds per batch.
+    In step ``off_step`` the slow rank is on time and ``hiccup_rank`` is ``hiccup * delay``
+    slow instead, in the same phase.
+
+    Overlap: with ``late_launch`` or ``busy_wait`` set, each step is two micro-batches of
+    ``batch`` sequences. The first one's gradients are all-reduced asynchronously while every
+    rank reads the second (its loader waits ``delay``, as on slow storage) and runs its forward
+    and backward; a compute delay goes into the second forward. Rank ``late_launch`` starts the
+    first all-reduce only after its second backward (nobody waits for it: the others are busy).
+    Rank ``busy_wait`` computes while its second all-reduce is in flight, until it completes:
+    the most compute of any rank, none of it holding anyone up.
     """
+    import random
+
     import torch.distributed as dist
     from torch.nn import functional as F
 
     from kit.lessons.models import TinyTransformer, token_batch
 
-    if phase not in ("data", "compute", "communication"):
-        raise ValueError(f"phase must be 'data', 'compute' or 'communication', got {phase!r}")
+    if phase not in ("data", "compute", "communication", "link"):
+        raise ValueError("phase must be 'data', 'compute', 'communication' or 'link', got "
+                         f"{phase!r}")
+    if phase == "link" and slow_rank is not None:
+        raise ValueError(f"a slow link slows every rank's collective, not rank {slow_rank}: "
+                         "pass slow_rank=None with phase='link'")
     rank = dist.get_rank()
+    overlap = late_launch is not None or busy_wait is not None
     cfg = STRAGGLER_MODEL
     torch.manual_seed(seed)
     model = TinyTransformer(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["context"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    slow = {"on": False}
-    me_slow = rank == slow_rank
+    now = {"step": -1}  # the profiled step running; -1: the warm-up
+    noise = random.Random(seed * 1_000_003 + rank)
+    padding = torch.zeros(link_bytes // 4 if phase == "link" else 0)
+
+    def late(who: int | None) -> float:
+        """How much later rank ``who`` is in this step."""
+        if now["step"] < 0 or who is None:
+            return 0.0
+        if now["step"] == off_step:
+            return hiccup * delay if who == hiccup_rank else 0.0
+        return delay if who == slow_rank else 0.0
+
+    per_step = 2 if overlap else 1
 
     class Tokens(torch.utils.data.Dataset):
         def __len__(self) -> int:
-            return batch * (steps + 1)
+            return batch * per_step * (steps + 1)
 
         def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if slow["on"] and me_slow and phase == "data" and i % batch == 0:
-                time.sleep(delay)
+            if i % batch == 0 and now["step"] >= 0:
+                second = overlap and (i // batch) % 2 == 1
+                time.sleep(noise.uniform(0.0, jitter) + (delay if second else 0.0)
+                           + (late(rank) if phase == "data" and not second else 0.0))
             x, y = token_batch(1, cfg["context"], cfg["vocab"], seed * 1000 + i)
             return x[0], y[0]
 
     loader = iter(torch.utils.data.DataLoader(Tokens(), batch_size=batch))
 
-    def step() -> None:
+    def gradients(slow_forward: bool) -> torch.Tensor:
         x, y = next(loader)
         logits = model(x)
-        if slow["on"] and me_slow and phase == "compute":
+        if slow_forward and phase == "compute" and late(rank):
             a = torch.randn(128, 128)
             start = time.perf_counter()
-            while time.perf_counter() - start < delay:  # wall time, whatever the load
+            while time.perf_counter() - start < late(rank):  # wall time, whatever the load
                 a = torch.tanh(a @ a)
-        loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]), y.reshape(-1))
-        loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        if slow["on"] and me_slow and phase == "communication":
-            time.sleep(delay)
-        dist.all_reduce(flat)
+        F.cross_entropy(logits.reshape(-1, cfg["vocab"]), y.reshape(-1)).backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()] + [padding])
+
+    def step() -> None:
+        works = []
+        if overlap:
+            first = gradients(slow_forward=False)
+            if rank != late_launch:
+                works.append(dist.all_reduce(first, async_op=True))
+            second = gradients(slow_forward=True)
+            if rank == late_launch:
+                works.append(dist.all_reduce(first, async_op=True))
+            works.append(dist.all_reduce(second, async_op=True))
+            if rank == busy_wait and now["step"] >= 0:
+                a = torch.randn(128, 128)
+                while not works[-1].is_completed():  # compute while the bytes are in flight
+                    a = torch.tanh(a @ a)
+        else:
+            flat = gradients(slow_forward=True)
+            if phase == "communication" and late(rank):
+                time.sleep(late(rank))
+            works.append(dist.all_reduce(flat, async_op=True))
+        for work in works:
+            work.wait()
         optimizer.step()
         optimizer.zero_grad()
 
     step()  # warm-up, unprofiled: first calls are slow on some ranks more than others
     dist.barrier()
-    slow["on"] = True
     with profiled(folder) as prof:
-        for _ in range(steps):
+        for now["step"] in range(steps):
             step()
     dist.barrier()
     return prof.trace

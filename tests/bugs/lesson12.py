@@ -3,7 +3,8 @@
 ``BUGS[task_id]`` lists ``(what is wrong, implementation)``; tests/test_checks.py proves every one
 fails its task's checks. Each bug is a correct implementation with one step replaced, written as
 a student would write it, plus the cheats the checks must stop: FlopCounterMode on the real
-model, the recorder's bytes read off a real run, and blaming the rank that waits longest.
+model, the recorder's bytes read off a real run, blaming the rank that waits longest, and the
+rule that found three clean injections (least total wait, excess over the whole trace).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ _straggler = partial(edited_entry, 12, "find_straggler")
 
 _RETURN = "    return 3 * forward  #"
 _FORWARD = "forward = layers * (projections + attention) + head"
-_SLOW = "slow = min(range(len(rows)), key=lambda r: rows[r][\"wait\"])"
-_EXCESS = ("    excess = {phase: rows[slow][phase] - statistics.median(o[phase] for o in others)\n"
-           "              for phase in (\"data\", \"compute\", \"communication\")}")
+_SLOW = "slow = max(range(len(ranks)), key=held.__getitem__)"
+_LAST = "last = min(range(len(ranks)), key=waits.__getitem__)"
+_LINK = ("    if link > held[slow]:\n"
+         "        return {\"rank\": None, \"phase\": \"link\"}\n")
+_EXCESS = "excess[phase] += mine[phase] - statistics.median(o[phase] for o in others)"
 
 # --------------------------------------------------------------------------- task 12.1
 
@@ -186,25 +189,23 @@ BUGS = {
         ))),
     ],
     "12.3": [
-        ("the longest waiter blamed",
-         _straggler((_SLOW, _SLOW.replace("min(", "max(")))),
+        ("the longest waiter blamed", _straggler((_LAST, _LAST.replace("min(", "max(")))),
         ("phases read from the wrong thread (gloo waits looked for on the main thread)",
-         _straggler(("comm = [_span(e) for e in events if", "comm = [_span(e) for e in mine if"))),
+         _straggler(('comm = sorted((_span(e) for e in events if',
+                     'comm = sorted((_span(e) for e in mine if'))),
         ("the rank with the most event time blamed", _straggler((_SLOW, (
-            "slow = max(range(len(rows)), key=lambda r: sum(\n"
+            "slow = max(range(len(ranks)), key=lambda r: sum(\n"
             "        e.get(\"dur\", 0) for e in traces[r][\"traceEvents\"] if e.get(\"ph\") == "
             "\"X\"))")))),
-        ("the phase named by its largest share, not its excess", _straggler((
-            _EXCESS, "    excess = {phase: rows[slow][phase] for phase in (\"data\", "
-                     "\"compute\")}"))),
+        ("the phase named by its largest share, not its excess", _straggler(
+            ("excess = dict.fromkeys((\"data\", \"compute\", \"communication\"), 0.0)",
+             "excess = dict.fromkeys((\"data\", \"compute\"), 0.0)"),
+            (_EXCESS, "excess[phase] += mine[phase]"))),
         ("the excess in standard deviations of the others (none with one other rank)",
-         _straggler((
-             "    excess = {phase: rows[slow][phase] - statistics.median(o[phase] for o in "
-             "others)\n",
-             "    excess = {phase: (rows[slow][phase] - statistics.mean(o[phase] for o in "
-             "others))\n"
-             "             / (statistics.stdev([o[phase] for o in others]) or 1.0)\n",
-         ))),
+         _straggler((_EXCESS, (
+             "excess[phase] += ((mine[phase] - statistics.mean(o[phase] for o in others))\n"
+             "                               / (statistics.stdev([o[phase] for o in others]) "
+             "or 1.0))")))),
         ("names a straggler where there is none (one trace; an empty trace waited least)",
          _straggler((
              "    if len(traces) < 2:\n"
@@ -214,15 +215,21 @@ BUGS = {
              "others\")\n",
              "    if len(traces) < 2:\n"
              "        return {\"rank\": 0, \"phase\": \"compute\"}\n",
-         ), (
-             "            raise ValueError(f\"rank {rank}'s trace has no operator events: was its "
-             "profiler \"\n"
-             "                             f\"started around the step "
-             "(activities=[ProfilerActivity.CPU])?\")\n",
-             "            rows.append(dict.fromkeys((\"data\", \"compute\", \"communication\", "
-             "\"wait\"), "
-             "0.0))\n"
-             "            continue\n",
          ))),
+        ("the least total wait blamed and its phase read over the whole trace (the rule that "
+         "found three clean injections)", _straggler(
+             (_SLOW + "\n" + _LINK,
+              "slow = min(range(len(ranks)), key=lambda r: union(ranks[r][\"comm\"]))\n"),
+             ("for k in (k for k in range(collectives) if late[k] == slow):",
+              "for k in range(collectives):"))),
+        ("reads the first collective only (one step)", _straggler((
+            "collectives = min(len(r[\"comm\"]) for r in ranks)",
+            "collectives = min(1, *(len(r[\"comm\"]) for r in ranks))"))),
+        ("the rank with the longest compute blamed", _straggler((_SLOW, (
+            "slow = max(range(len(ranks)), key=lambda r: union(ranks[r][\"compute\"]))")))),
+        ("late arrivals counted by the others' waits, busy or not (the late launch blamed)",
+         _straggler(("idle(r, r[\"comm\"][k][0], r[\"comm\"][k][1] - waits[last])",
+                     "r[\"comm\"][k][1] - waits[last] - r[\"comm\"][k][0]"))),
+        ("never blames the link", _straggler((_LINK, ""))),
     ],
 }
