@@ -188,7 +188,7 @@ LESSONS: tuple[Lesson, ...] = (
            gpu_smoke="the profiler with CPU and CUDA activity, one trace per rank (train.py)"),
     Lesson(13, "mixture_of_experts", "Mixture of experts: top-k routing with capacity, load "
            "balancing, expert parallelism with all-to-all",
-           (_t("13.1", "route", 4), _t("13.2", "load_balancing_loss", 3),
+           (_t("13.1", "route", 4), _t("13.2", "load_balancing_loss", 4, "router_gradient"),
             _t("13.3", "ExpertParallelMoE", 6), _t("13.4", "grouped_experts", 4)),
            grading_seconds=0.4, gpu_smoke="ExpertParallelMoE on a (dp, ep) mesh (train_moe.py)"),
     Lesson(14, "composing_parallelism", "Capstone: FSDP2, tensor, sequence and pipeline "

@@ -262,14 +262,18 @@ BALANCE_SETTINGS = [(16, 4, 1, "uniform probabilities, every choice on expert 0"
 
 
 def balance_inputs(seed: int, T: int, E: int, k: int, *, dropped: float = 0.3, skew: float = 0.0,
-                   attached: bool = False) -> tuple[torch.Tensor, Routing]:
+                   attached: bool = False, avoid: int | None = None
+                   ) -> tuple[torch.Tensor, Routing]:
     """float64 (T, E) logits that require grad, and a Routing of k distinct experts per token
-    drawn at random (``skew`` favours expert 0), about ``dropped`` of them dropped. With
-    ``attached`` the weights are the logits' own probabilities, part of their autograd graph."""
+    drawn at random (``skew`` favours expert 0, no choice is ``avoid``), about ``dropped`` of
+    them dropped. With ``attached`` the weights are the logits' own probabilities, part of
+    their autograd graph."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g, dtype=torch.float64).requires_grad_()
     scores = torch.rand(T, E, generator=g, dtype=torch.float64)
     scores[:, 0] += skew
+    if avoid is not None:
+        scores[:, avoid] = -1.0
     expert = scores.argsort(dim=1, descending=True)[:, :k]  # k distinct experts per token
     kept = torch.rand(T, k, generator=g) >= dropped
     probs = logits.softmax(-1) if attached else logits.detach().softmax(-1)
@@ -286,9 +290,14 @@ def _loss_and_grad(load_balancing_loss: Any, logits: torch.Tensor, routing: Rout
     return {"value": plain(loss), "grad": plain(logits.grad)}
 
 
+# What router_gradient derives by hand: autograd on any route is refused in Task 13.2 (the
+# loss itself needs none; the grader's own backward of it is not the student's call).
+AUTOGRAD = ("torch.autograd.grad", "torch.autograd.backward", "torch.autograd.functional",
+            "torch.func")
+
 LOSS = task(
-    "13.2", reference="load_balancing_loss",
-    # forbids nothing: torch has no load-balancing loss; the task is the formula
+    "13.2", reference="load_balancing_loss", forbidden=AUTOGRAD,
+    # torch has no load-balancing loss; the task is the formula and its gradient by hand
     hint="Switch Transformer's auxiliary loss is num_experts times the sum over experts of f_i "
          "times P_i: f_i the fraction of all T*k routing choices (dropped ones too, since they "
          "were made before capacity) that went to expert i, a count with no gradient, and P_i "
@@ -409,6 +418,60 @@ def _compare_balanced(got: Any, expected: list[float]) -> None:
                                      "to 1 too. Multiply by num_experts.")
 
 
+def gradient_inputs(seed: int) -> dict[str, tuple[torch.Tensor, Routing, int]]:
+    """The (logits, routing, num_experts) router_gradient is asked about."""
+    logits, routing = balance_inputs(seed + 11, 12, 4, 1, avoid=2)
+    empty = torch.zeros(0, 4, dtype=torch.float64)
+    none = torch.zeros(0, 2, dtype=torch.int64)
+    return {"k=2, with dropped choices": (*balance_inputs(seed + 9, 24, 6, 2), 6),
+            "k=3, one expert favoured": (*balance_inputs(seed + 10, 15, 5, 3, skew=0.8), 5),
+            "float32, an expert no choice reaches": (logits.detach().float(), routing, 4),
+            "no tokens": (empty, Routing(none, none.double(), none, none.bool()), 4)}
+
+
+@LOSS.shared
+def _router_gradients(load_balancing_loss: Any, seed: int) -> dict[str, Any]:
+    router_gradient = LOSS.companion(load_balancing_loss, "router_gradient")
+    if router_gradient is None:
+        return {"missing": True}
+    return {name: plain(router_gradient(*args)) for name, args in gradient_inputs(seed).items()}
+
+
+def _compare_router_gradients(got: Any, expected: dict[str, Any]) -> None:
+    if not isinstance(got, dict) or got.get("missing"):
+        raise CheckFailed("no router_gradient function was found next to load_balancing_loss",
+                          hint="Define router_gradient(logits, routing, num_experts) in the "
+                               "task's cell.")
+    for name, want in expected.items():
+        have = got.get(name)
+        tol = 1e-5 if want.dtype == torch.float32 else 1e-10
+        wrong = tensor_mismatch(have, want, rtol=tol, atol=tol * 1e-2)
+        if wrong:
+            raise CheckFailed(f"router_gradient, {name}: {wrong} (autograd's gradient of the "
+                              "loss)", expected=describe(want), got=describe(have),
+                              hint=_gradient_hint(have, want))
+
+
+def _gradient_hint(have: Any, want: torch.Tensor) -> str:
+    if isinstance(have, torch.Tensor) and have.shape == want.shape and want.numel():
+        ratio = (have.double() * want.double()).sum() / want.double().square().sum()
+        if abs(float(ratio) - 1) > 1e-3 and torch.allclose(have.double(), ratio * want.double(),
+                                                            rtol=1e-6, atol=1e-12):
+            return (f"Right direction, {float(ratio):.3g}x the size: P_i is a mean over the T "
+                    "tokens, so each token's row carries E / T, whatever k is (k enters "
+                    "through f only).")
+    return ("Differentiate E * sum_i f_i P_i with f constant: P_i is the mean over tokens of "
+            "the softmax, whose Jacobian has a diagonal part (p_tj) and a part every logit "
+            "shares (-p_ti p_tj). Both parts count: each row is p_t times (f minus the "
+            "p_t-weighted mean of f), times E / T.")
+
+
+LOSS.case("router_gradient: the loss's gradient by hand equals autograd's (k = 2 and 3, "
+          "float32, an expert no choice reaches, no tokens)", uses=_router_gradients,
+          compare=_compare_router_gradients, expect="router_gradient_by_autograd", weight=2.5,
+          recipe="Detach the logits; count f as in the loss; take the softmax p (T, E); per "
+                 "token form the weighted mean of f under p_t; return E / T times p times (f "
+                 "minus that mean). With no tokens return zeros of the logits' shape.")
 LOSS.case("perfect balance gives exactly 1, for k = 1, 2 and 4", uses=_losses, pick="balanced",
           compare=_compare_balanced, expect="perfect_balance")
 LOSS.case("no tokens (a rank whose share of the batch is empty): 0, not nan, and backward works",

@@ -27,8 +27,8 @@
 # **You will be able to:**
 # - route tokens to their top-k experts with a capacity per expert, dropping what does not fit,
 #   with the same answer on every machine ({{task 13.1}});
-# - write Switch Transformer's load-balancing loss and show what goes wrong without it
-#   ({{task 13.2}});
+# - write Switch Transformer's load-balancing loss, derive its gradient by hand, and show what
+#   goes wrong without it ({{task 13.2}});
 # - write an expert-parallel MoE layer: one all-to-all of counts, then tokens out and results
 #   back with uneven all-to-alls, differentiable end to end ({{task 13.3}});
 # - count the bytes a token costs under EP and why top-k multiplies them; combine EP with data
@@ -305,10 +305,28 @@ for name, layer in layers.items():
 # With $\sum_i f_i = \sum_i P_i = 1$, the loss is exactly 1 when either is uniform, and grows
 # as both pile onto the same experts.
 #
+# **Why the gradient flows through $P$ only.** $f_i$ counts the choices `route` made: an
+# argmax-like selection, piecewise constant in the logits, whose derivative is zero almost
+# everywhere (and undefined at the jumps). $P_i = \frac{1}{T} \sum_t p_{ti}$ is smooth. With
+# $p_t = \mathrm{softmax}(z_t)$ and the softmax's Jacobian
+# $\partial p_{ti} / \partial z_{tj} = p_{ti} (\delta_{ij} - p_{tj})$,
+#
+# $$\frac{\partial \mathcal{L}_\text{aux}}{\partial z_{tj}}
+#   = \frac{E}{T} \sum_i f_i \, p_{ti} (\delta_{ij} - p_{tj})
+#   = \frac{E}{T} \, p_{tj} \Big( f_j - \sum_i f_i \, p_{ti} \Big).$$
+#
+# Token $t$'s logit for expert $j$ goes down (gradient descent) when $f_j$ is above the
+# $p_t$-weighted mean load $\sum_i f_i p_{ti}$, and up when below: probability moves from
+# overloaded experts to underloaded ones, in proportion to $p_{tj}$. An expert nobody chose
+# ($f_j = 0$) still gets a push towards it.
+#
 # ### Task 13.2: `load_balancing_loss`
 #
 # Write `load_balancing_loss(logits, routing, num_experts)`: a 0-d tensor, differentiable
-# through the logits' softmax only.
+# through the logits' softmax only. Beside it write `router_gradient(logits, routing,
+# num_experts)`: the $(T, E)$ gradient of that loss with respect to the logits, from the
+# formula above, without autograd (`torch.autograd`, `.backward()` and `torch.func` are
+# refused in this task); the check compares it with autograd's gradient of the loss.
 
 # %% tags=["task-13.2"]
 def load_balancing_loss(logits: torch.Tensor, routing: Routing, num_experts: int) -> torch.Tensor:
@@ -326,6 +344,26 @@ def load_balancing_loss(logits: torch.Tensor, routing: Routing, num_experts: int
     f = torch.bincount(choices, minlength=num_experts).to(logits.dtype) / choices.numel()
     P = logits.softmax(dim=-1).mean(dim=0)  # (E,)
     return num_experts * (f * P).sum()
+    ### END SOLUTION
+
+
+def router_gradient(logits: torch.Tensor, routing: Routing, num_experts: int) -> torch.Tensor:
+    """d load_balancing_loss / d logits, (T, E), from the formula, without autograd.
+
+    Row t is (E / T) * p_t * (f - sum_i f_i p_ti), with p_t the softmax of logits[t] and f the
+    fraction of the T * k choices per expert (a constant). No tokens: a (0, E) tensor. Same
+    dtype as the logits; no autograd (torch.autograd, .backward, torch.func) inside.
+    """
+    ### BEGIN SOLUTION
+    logits = logits.detach()
+    choices = routing.expert.reshape(-1)
+    if choices.numel() == 0:
+        return torch.zeros_like(logits)
+    counts = torch.bincount(choices, minlength=num_experts)
+    f = counts.to(logits.dtype) / choices.numel()  # (E,), a constant
+    p = logits.softmax(dim=-1)  # (T, E)
+    mean_load = (p * f).sum(dim=-1, keepdim=True)  # (T, 1): the p_t-weighted load
+    return num_experts / logits.shape[0] * p * (f - mean_load)
     ### END SOLUTION
 
 

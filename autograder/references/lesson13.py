@@ -6,7 +6,8 @@ expert index) over ``torch.softmax``'s probabilities, so ties go to the lower in
 hands out slots with one counter per expert, walking the choices in priority order (every
 token's first choice, then every second choice, ...). 13.2's ``load_balancing_loss`` counts the
 choices in Python and takes the probabilities from ``exp`` and a sum, not from
-``torch.softmax``. 13.3's expectation is the whole mixture of experts in one process: every
+``torch.softmax``; its companion's expectation is autograd's gradient of that loss. 13.3's
+expectation is the whole mixture of experts in one process: every
 expert present, each rank's tokens routed on their own with that rank's capacity, the outputs
 combined expert by expert; its gradients come from one backward through all of it. 13.4's
 expectation loops over tokens and their choices in float64, one expert's MLP at a time, no
@@ -32,6 +33,7 @@ from autograder.lesson13 import (
     GROUPED_SLACK,
     MOE_CONFIGS,
     MOE_RUNS,
+    gradient_inputs,
     grouped_inputs,
     moe_inputs,
     moe_router,
@@ -80,6 +82,17 @@ def load_balancing_loss(logits: torch.Tensor, routing: Any, num_experts: int) ->
     probs = probs / probs.sum(dim=-1, keepdim=True)
     P = probs.mean(dim=0)  # (E,): the mean router probability of each expert
     return num_experts * (f * P).sum()
+
+
+def router_gradient_by_autograd(seed: int) -> dict[str, torch.Tensor]:
+    """13.2's companion's expectation: autograd's gradient of the loss above, each input."""
+    out = {}
+    for name, (logits, routing, num_experts) in gradient_inputs(seed).items():
+        leaf = logits.detach().clone().requires_grad_()
+        grad = torch.autograd.grad(load_balancing_loss(leaf, routing, num_experts), leaf,
+                                   allow_unused=True)[0]
+        out[name] = torch.zeros_like(leaf) if grad is None else grad
+    return out
 
 
 def perfect_balance(seed: int) -> list[float]:

@@ -258,6 +258,24 @@ BUGS = {
             "    P = torch.zeros(num_experts, dtype=logits.dtype).index_add(\n"
             "        0, choices, routing.weight.reshape(-1)) / routing.expert.shape[0]\n")))),
         ("calls the grader's own load_balancing_loss", loss_from_the_grader),
+        ("router_gradient drops the softmax's shared part: (E / T) p f", _loss((
+            "return num_experts / logits.shape[0] * p * (f - mean_load)",
+            "return num_experts / logits.shape[0] * p * f"))),
+        ("router_gradient keeps the Jacobian's diagonal only: (E / T) f p (1 - p)", _loss((
+            "return num_experts / logits.shape[0] * p * (f - mean_load)",
+            "return num_experts / logits.shape[0] * f * p * (1 - p)"))),
+        ("router_gradient divides by the T * k choices instead of the T tokens", _loss((
+            "return num_experts / logits.shape[0] *", "return num_experts / choices.numel() *"))),
+        ("router_gradient asks autograd (forbidden)", _loss((
+            "    logits = logits.detach()\n    choices = routing.expert.reshape(-1)\n",
+            "    leaf = logits.detach().requires_grad_()\n"
+            "    return torch.autograd.grad(load_balancing_loss(leaf, routing, num_experts), "
+            "leaf)[0]\n"))),
+        ("router_gradient calls backward on the loss (forbidden)", _loss((
+            "    logits = logits.detach()\n    choices = routing.expert.reshape(-1)\n",
+            "    leaf = logits.detach().requires_grad_()\n"
+            "    load_balancing_loss(leaf, routing, num_experts).backward()\n"
+            "    return leaf.grad\n"))),
         ("no tokens: 0 / 0, a nan loss", _loss((
             "    if choices.numel() == 0:  # nothing routed: nothing to balance (f and P would be "
             "0 / 0)\n"
