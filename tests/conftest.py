@@ -3,7 +3,7 @@
 * :func:`solutions` (lesson) -> the graded code of ``solutions/NN_slug.py``;
 * :func:`stubs` (lesson) -> the graded code of the released ``lessons/NN_slug.ipynb``;
 * :func:`seeded_bugs` (lesson) -> ``tests/bugs/lessonNN.py``'s ``BUGS``:
-  ``{task id: [(what, impl)]}``;
+  ``{task id: [(what, impl)]}``, and :func:`caught_by` (lesson) its ``CAUGHT_BY``;
 * the fixtures ``solution``, ``stub`` and ``bugs`` give the same for the lesson a test module
   names in its ``LESSON`` constant.
 
@@ -130,13 +130,24 @@ def executed_lesson(source: Path) -> Any:
 
 
 @functools.cache
-def seeded_bugs(lesson: int) -> dict[str, list[tuple[str, Any]]]:
+def _bugs_module(lesson: int) -> ModuleType | None:
     try:
-        return importlib.import_module(f"bugs.lesson{lesson:02d}").BUGS
+        return importlib.import_module(f"bugs.lesson{lesson:02d}")
     except ModuleNotFoundError as e:
         if e.name != f"bugs.lesson{lesson:02d}":
             raise
-        return {}
+        return None
+
+
+def seeded_bugs(lesson: int) -> dict[str, list[tuple[str, Any]]]:
+    module = _bugs_module(lesson)
+    return module.BUGS if module else {}
+
+
+def caught_by(lesson: int) -> dict[str, str]:
+    """A bugs module's ``CAUGHT_BY``: ``{bug: words of the case that must fail it first}``, for
+    the bugs whose values are right and that only a measurement below Python catches."""
+    return getattr(_bugs_module(lesson), "CAUGHT_BY", {})
 
 
 def _lesson(request: pytest.FixtureRequest) -> int:

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import SOURCES, seeded_bugs, solutions, stubs
+from conftest import SOURCES, caught_by, seeded_bugs, solutions, stubs
 from hypothesis import given
 from hypothesis import strategies as st
 from nbformat.v4 import new_code_cell, new_output
@@ -66,6 +66,17 @@ def test_every_seeded_bug_fails(task_id):
         assert not report.passed, f"seeded bug {description!r} of task {task_id} passes every check"
         assert report.status != NOT_IMPLEMENTED
         assert report.score < task.points
+        # a bug with the right values: every case before the measurement that catches it passed
+        words = caught_by(task.lesson).get(description)
+        assert words is None or words in report.cases[-1].name, \
+            f"seeded bug {description!r} of task {task_id} should first fail on {words!r}, " \
+            f"but first failed on {report.cases[-1].name!r}"
+
+
+@pytest.mark.parametrize("lesson", CHECKED_LESSONS)
+def test_caught_by_names_seeded_bugs(lesson):
+    named = {description for entries in seeded_bugs(lesson).values() for description, _ in entries}
+    assert set(caught_by(lesson)) <= named
 
 
 @pytest.mark.parametrize("lesson", CHECKED_LESSONS)

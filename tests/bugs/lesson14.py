@@ -92,3 +92,14 @@ BUGS = {
              '    dcp.save({"model"'))),
     ],
 }
+
+# Each of these trains on the one-process curve: its first failing case (tests/test_checks.py
+# runs every bug to its first failure) is a measurement below Python, never a value.
+CAUGHT_BY = {
+    "plain tensor parallel: no sequence parallel, activations replicated":
+        "bytes per step on the dp and tp axes",
+    "blocks kept gathered after forward (reshard_after_forward=False)":
+        "bytes per step on the dp and tp axes",
+    "GPipe: every forward before any backward": "1F1B's count, bytes and order",
+    "the save gathers full tensors on every rank": "peak bytes while saving",
+}
