@@ -1037,16 +1037,19 @@ def _fetch_on_rank(fetch_features: Any, seed: int) -> dict[str, Any]:
     from kit.lessons.graphs import FeatureCache
     from kit.trace import trace
 
+    def inputs(scene: str) -> tuple[Any, ...]:  # this rank's inputs only: the whole matrix
+        setup = fetch_setup(seed, scene, world_size)  # stays out of the caller's frame
+        x, part, ids = setup["x"], setup["part"], setup["cached"][rank]
+        cache = FeatureCache(ids, x[ids].clone()) if scene == "a cache" else None
+        return setup["needed"][rank].clone(), part.clone(), x[part == rank].clone(), cache
+
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     for scene in FETCH_SCENES if world_size > 1 else ("float32",):
-        setup = fetch_setup(seed, scene, world_size)
-        x, part = setup["x"], setup["part"]
-        ids = setup["cached"][rank]
-        cache = FeatureCache(ids, x[ids].clone()) if scene == "a cache" else None
+        args = inputs(scene)
         with trace() as t:
-            rows = fetch_features(setup["needed"][rank].clone(), part.clone(),
-                                  x[part == rank].clone(), cache)
+            rows = fetch_features(*args)
+        del args
         out[scene] = {"rows": plain(rows), "ops": [(e.op, e.kind, e.nbytes) for e in t.events]}
     return out
 
@@ -1077,6 +1080,14 @@ def _compare_fetch_bytes(got: Any, expected: dict[str, Any]) -> None:
         for rank, r in enumerate(per_rank(got, FETCH_RANKS)):
             sent = sum(b for op, _, b in r[scene]["ops"] if op != "recv")  # what leaves
             want = expected[scene]["bytes"][rank]
+            if sent < want["rows_bytes"]:
+                raise CheckFailed(
+                    f"{scene}: rank {rank} sent {sent:,} bytes, fewer than the {want['rows']} rows "
+                    f"the others lack of it ({want['rows_bytes']:,} bytes): those rows live only "
+                    "here, so they must leave this rank", expected=f">= {want['rows_bytes']:,} "
+                    "bytes", got=f"{sent:,} bytes",
+                    hint="Each rank's rows exist only on that rank: the rows another rank asks "
+                         "for must travel from here to there, through a collective.")
             if sent > want["total"]:
                 names = sorted({op for op, _, _ in r[scene]["ops"]})
                 gathered = any(op.startswith(("all_gather", "broadcast", "gather"))

@@ -236,6 +236,17 @@ def through_pyg_feature_store(needed, part, x_local, cache=None):
     return edited_solution(11).fetch_features(needed, part, store.get_tensor(None, "x"), cache)
 
 
+
+def reads_the_graders_setup(needed, part, x_local, cache=None):
+    """No exchange: the whole matrix rebuilt by the grader's own setup, found up the stack."""
+    frame = inspect.currentframe().f_back
+    while frame is not None and "scene" not in frame.f_locals:
+        frame = frame.f_back
+    setup = frame.f_globals["fetch_setup"](frame.f_locals["seed"], frame.f_locals["scene"],
+                                           dist.get_world_size())
+    return setup["x"][needed]
+
+
 BUGS = {
     "11.1": [
         ("stops at a hop with an empty frontier: fewer hops counted", edited_solution(11, (
@@ -339,5 +350,6 @@ BUGS = {
             "rows[local] = x_local[torch.searchsorted(own, ids[local], right=True)]"))),
         ("exchanges on a world of one rank", _fetch((_ALONE, ""))),
         ("PyG's LocalFeatureStore", through_pyg_feature_store),
+        ("rows read from the grader's own setup, nothing sent", reads_the_graders_setup),
     ],
 }
