@@ -176,7 +176,7 @@ LESSONS: tuple[Lesson, ...] = (
            "partitions, halo exchange",
            (_t("11.1", "sample_neighbors", 4), _t("11.2", "halo_plan", 4),
             _t("11.3", "HaloGCNConv", 5), _t("11.4", "fetch_features", 4)),
-           grading_seconds=1.2,
+           grading_seconds=1.5,
            no_gpu_smoke="its Running at scale note needs pyg-lib, which PyPI lacks",
            needs=("torch-geometric", "pymetis"),
            data="a synthetic power-law graph built in the lesson"),
