@@ -794,9 +794,10 @@ plt.show()
 # `needed`, in the order asked (repeats allowed), equal to `x[needed]` of the whole matrix.
 # Every rank calls it at once, each with its own `needed`; a rank may ask for nothing and may
 # own nothing. Fetch each distinct row once, and only the rows neither owned nor cached: the
-# checks compare the bytes each rank sends, as the recorder sees them, with exactly that (a
-# count per rank, the ids it asks for, the rows asked of it). On one rank nothing is fetched,
-# so make no collective call there.
+# checks hold the bytes each rank sends, as the recorder sees them, to exactly that (a count
+# per rank, the int64 ids it asks for, the rows asked of it), and want at least those rows to
+# leave it. On one rank nothing is fetched, so make no collective call there. Keep the rows in
+# `x_local`'s dtype (bf16 included): they are copied, never computed.
 
 # %% tags=["task-11.4"]
 def fetch_features(needed: torch.Tensor, part: torch.Tensor, x_local: torch.Tensor,
