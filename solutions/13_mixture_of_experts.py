@@ -240,11 +240,16 @@ class MoELayer(nn.Module):
         super().__init__()
         self.router, self.experts = router, experts
         self.k, self.capacity_factor = k, capacity_factor
+        self.bias = None  # a per-expert bias on the logits that picks experts (section 3)
 
     def forward(self, x):
         logits = self.router(x)  # (T, E)
         cap = capacity(self.k, x.shape[0], self.capacity_factor, len(self.experts))
-        routing = route(logits, self.k, cap)
+        routing = route(logits if self.bias is None else logits + self.bias, self.k, cap)
+        if self.bias is not None:  # the bias chooses the experts; the weights stay the router's
+            top = logits.softmax(dim=-1).gather(1, routing.expert)
+            weight = top if self.k == 1 else top / top.sum(dim=-1, keepdim=True)
+            routing = routing._replace(weight=weight * routing.kept)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             token, choice = torch.nonzero((routing.expert == e) & routing.kept, as_tuple=True)
@@ -379,14 +384,18 @@ check("13.2", load_balancing_loss)
 # share of tokens dropped.
 
 # %%
-def train_router(alpha, steps=240, batch=256, d_model=16, hidden=32, num_experts=8):
-    """Adam on a mean-squared error (+ alpha * aux loss); each expert's share of tokens per step."""
+def train_router(alpha, steps=240, batch=256, d_model=16, hidden=32, num_experts=8,
+                 bias_rate=0.0):
+    """Adam on a mean-squared error (+ alpha * aux loss); each expert's share of tokens per step.
+    With a bias_rate, a per-expert bias steers the choices (DeepSeek-V3's rule, below)."""
     g = torch.Generator().manual_seed(123)
     target = torch.randn(d_model, d_model, generator=g) / math.sqrt(d_model)
     lean = torch.randn(d_model, generator=g)
     lean = lean / lean.norm()  # every token is shifted by this unit vector
     moe = MoELayer(make_router(d_model, num_experts), make_experts(num_experts, d_model, hidden),
                    k=1, capacity_factor=1.25)
+    if bias_rate:
+        moe.bias = torch.zeros(num_experts)
     optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2)
     shares, losses, dropped = [], [], []
     for _ in range(steps):
@@ -398,6 +407,8 @@ def train_router(alpha, steps=240, batch=256, d_model=16, hidden=32, num_experts
         optimizer.step()
         optimizer.zero_grad()
         first_choices = torch.bincount(moe.routing.expert[:, 0], minlength=num_experts)
+        if bias_rate:  # raise the bias of experts under their share, lower it over, by sign
+            moe.bias += bias_rate * torch.sign(batch / num_experts - first_choices)
         shares.append((first_choices / batch).tolist())
         losses.append(loss.item())
         dropped.append(1.0 - moe.routing.kept.float().mean().item())
@@ -434,6 +445,30 @@ for run, name in zip(runs, ("without aux loss", "with aux loss   ")):
 # Newer models add other tools (ST-MoE's router z-loss; DeepSeek-V3 steers the routing with a
 # per-expert bias and keeps only a tiny auxiliary loss), but the diagnosis is the same: watch
 # $f$.
+#
+# **Balancing without an auxiliary loss.** DeepSeek-V3
+# ([DeepSeek-AI, 2024](https://arxiv.org/abs/2412.19437), section 2.1.2) adds a bias $b_i$ to
+# each expert's score *for choosing only*: the top-$k$ is taken over $s_{ti} + b_i$, the
+# weights still come from $s_{ti}$, so the bias never enters the gradient. After each step,
+# $b_i \leftarrow b_i + \gamma \, \mathrm{sign}(\bar{n} - n_i)$, with $n_i$ the tokens expert
+# $i$ got and $\bar{n}$ the mean: an overloaded expert becomes harder to choose, an idle one
+# easier. The same toy, task loss only, with that bias ($\gamma = 0.02$ on the logits):
+
+# %%
+biased = train_router(alpha=0.0, bias_rate=0.02)
+fig, ax = plt.subplots(figsize=(5, 3))
+shares = torch.tensor(biased["shares"]).T
+ax.stackplot(range(shares.shape[1]), shares.numpy(), labels=[f"expert {e}" for e in range(8)])
+ax.set(title="task loss only, bias balancing", xlabel="step", ylabel="share of tokens")
+plt.show()
+top2 = sum(sorted(biased["shares"][-1])[-2:])
+print(f"bias balancing, no auxiliary term: the two busiest experts are wanted by "
+      f"{100 * top2:.0f}% of the tokens, {100 * biased['dropped']:.0f}% dropped, task loss "
+      f"{biased['loss']:.3f}")
+
+# %% [markdown]
+# The load evens out with no auxiliary term in the loss: the bias corrects the counts $f$
+# directly, step by step, instead of pushing the probabilities $P$ through the gradient.
 #
 # ## 4. Expert parallelism
 #

@@ -122,7 +122,7 @@ def test_plain_topk_on_this_machine_does_not_give_ties_to_the_lower_index():
 
 @settings(max_examples=40, deadline=None)
 @given(T=st.integers(1, 20), E=st.integers(1, 8), data=st.data())
-def test_reference_loss_and_its_gradient_match_the_closed_form(T, E, data):
+def test_reference_loss_and_its_gradient_match_the_closed_form(solution, T, E, data):
     k = data.draw(st.integers(1, E))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 10_000)))
     logits = torch.randn(T, E, generator=g, dtype=torch.float64, requires_grad=True)
@@ -139,6 +139,8 @@ def test_reference_loss_and_its_gradient_match_the_closed_form(T, E, data):
     # d/dlogits of E * sum_i f_i mean_t p_ti: (E / T) * p_t * (f - p_t . f), row by row
     closed = (E / T) * p * (f - (p * f).sum(dim=1, keepdim=True))
     torch.testing.assert_close(logits.grad, closed, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(solution.router_gradient(logits, routing, E), closed, rtol=1e-10,
+                               atol=1e-13)  # and the solution's gradient by hand is that form
 
 
 # --------------------------------------------------------------------------- 13.3
@@ -373,6 +375,8 @@ def test_lesson13_runs_headless_and_shows_what_it_claims():
     )
     drop = [int(line.split("% dropped")[0].rsplit(" ", 1)[1]) for line in (without, with_aux)]
     assert drop[0] > 5 * max(drop[1], 1)  # collapse drops far more without the aux loss
+    biased = next(line for line in printed.splitlines() if line.startswith("bias balancing"))
+    assert drop[0] > 5 * max(int(biased.split("% dropped")[0].rsplit(" ", 1)[1]), 1)
     assert (
         "divided by the world size: router as one process: True, experts as one process: True"
         in printed
