@@ -469,6 +469,11 @@ print(f"bias balancing, no auxiliary term: the two busiest experts are wanted by
 # %% [markdown]
 # The load evens out with no auxiliary term in the loss: the bias corrects the counts $f$
 # directly, step by step, instead of pushing the probabilities $P$ through the gradient.
+# (DeepSeek-V3 keeps a very small sequence-wise auxiliary loss besides.) **Expert-choice
+# routing** ([Zhou et al., 2022](https://arxiv.org/abs/2202.09368)) turns the choice around:
+# each expert takes its top-$C$ tokens by score, so every expert is exactly full by
+# construction; the price is that a token may get several experts or none, and that the
+# choice needs the whole batch at once, which autoregressive decoding does not have.
 #
 # ## 4. Expert parallelism
 #
@@ -1132,7 +1137,9 @@ print("grouped_mm equals the loop over experts:", torch.allclose(grouped, loop, 
 #   no padding, shapes that change every step.
 # - An MoE has $E$ experts' parameters for $k$ experts' FLOPs per token.
 # - Without Switch's auxiliary loss $E \sum_i f_i P_i$ the router collapses onto a few experts;
-#   the gradient flows through $P$ only, and the loss is 1 at perfect balance.
+#   the gradient flows through $P$ only, $\frac{E}{T} p_t (f - p_t \cdot f)$ per token, and the
+#   loss is 1 at perfect balance. A per-expert selection bias nudged by the sign of the load
+#   error (DeepSeek-V3) balances without the auxiliary term.
 # - Expert parallelism: one all-to-all of counts, one of tokens, the experts, one of results;
 #   $4 k d_\text{model}$ values per token and layer through the all-to-alls, forward and
 #   backward. The slowest rank sets the pace.
@@ -1146,6 +1153,8 @@ print("grouped_mm equals the loop over experts:", torch.allclose(grouped, loop, 
 # DeepSpeed-MoE ([Rajbhandari et al., 2022](https://arxiv.org/abs/2201.05596)),
 # Mixtral ([Jiang et al., 2024](https://arxiv.org/abs/2401.04088)),
 # MegaBlocks ([Gale et al., 2022](https://arxiv.org/abs/2211.15841)),
+# DeepSeek-V3 ([DeepSeek-AI, 2024](https://arxiv.org/abs/2412.19437)),
+# [`torch.nn.functional.grouped_mm`](https://docs.pytorch.org/docs/main/generated/torch.nn.functional.grouped_mm.html),
 # the [Ultra-Scale Playbook](https://huggingface.co/spaces/nanotron/ultrascale-playbook)'s
 # expert-parallelism chapter, and [torchtitan](https://github.com/pytorch/torchtitan)'s MoE.
 #
