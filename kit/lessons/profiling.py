@@ -305,6 +305,7 @@ def straggler_run(slow_rank: int | None, phase: str, delay: float, *, steps: int
     if phase == "link" and slow_rank is not None:
         raise ValueError(f"a slow link slows every rank's collective, not rank {slow_rank}: "
                          "pass slow_rank=None with phase='link'")
+    torch.set_num_threads(1)  # one core's thread per rank: four ranks with two each thrash two cores
     rank = dist.get_rank()
     overlap = late_launch is not None or busy_wait is not None
     cfg = STRAGGLER_MODEL
