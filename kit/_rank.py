@@ -28,6 +28,7 @@ import cloudpickle
 from kit import recorder  # imported here, once: forked ranks inherit it instead of importing it
 
 OK, ERROR, EXIT = "ok", "error", "exit"
+STOP = b"stop"  # a persistent rank's last command
 
 
 class RankMessage(NamedTuple):
@@ -52,6 +53,7 @@ class RankSpec:
     stack_path: str
     parent_pid: int
     env: dict[str, str]
+    persistent: bool = False  # kit.Ranks: serve calls until told to stop
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -105,6 +107,57 @@ def _encode_return(value: Any) -> tuple[str, Any]:
         )
 
 
+def _failed(e: BaseException, started: float) -> RankMessage:
+    frames = e.__traceback__.tb_next if e.__traceback__ else None  # skip ours
+    while frames is not None and frames.tb_frame.f_code.co_name == "_with_source":
+        frames = frames.tb_next  # kit.Ranks' wrapper that restores the file name
+    tb = "".join(traceback.format_exception(type(e), e, frames))
+    return RankMessage(ERROR, (type(e).__qualname__, str(e), tb), time.perf_counter() - started)
+
+
+def _call(payload: Any, started: float, *, interruptible: bool = False) -> RankMessage:
+    """Run one ``(fn, args, kwargs)`` payload (pickled or not) and say how it ended.
+
+    ``interruptible``: SIGINT (which the parent forwards when the kernel is interrupted) raises
+    KeyboardInterrupt in the function, so a persistent rank stops at a Python line and keeps its
+    state; between calls SIGINT stays ignored.
+    """
+    if interruptible:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+        value = fn(*args, **kwargs)
+        kind, body = _encode_return(value)
+        return RankMessage(kind, body, time.perf_counter() - started)
+    except SystemExit as e:
+        code = e.code
+        if code is None or code == 0:
+            return RankMessage(OK, cloudpickle.dumps(None), time.perf_counter() - started)
+        return RankMessage(EXIT, repr(code), time.perf_counter() - started)
+    except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        return _failed(e, started)
+    finally:
+        if interruptible:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _serve(result: Connection) -> None:
+    """A persistent rank's loop: each command is one pickled call; ``b"stop"`` (or the parent
+    closing the connection) ends it. Globals, modules and the process group live on between
+    calls."""
+    while True:
+        try:
+            data = result.recv_bytes()
+        except (EOFError, OSError):
+            return
+        if data == STOP:
+            return
+        message = _call(data, time.perf_counter(), interruptible=True)
+        _send(result, message._replace(at=time.monotonic()))
+
+
 def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
               out: Connection, err: Connection, listener: socket.socket | None,
               store_ready: Any) -> None:
@@ -130,7 +183,7 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
     # torchrun's default of one intra-op thread per rank (forked ranks inherit the kernel's pool).
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
 
-    fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+    persistent = spec.persistent
     started = time.perf_counter()
     message: RankMessage
     try:
@@ -155,24 +208,17 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
         dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                                 world_size=spec.world_size,
                                 timeout=timedelta(seconds=spec.pg_timeout_s))
-        value = fn(*args, **kwargs)
-        kind, body = _encode_return(value)
-        message = RankMessage(kind, body, time.perf_counter() - started)
-    except SystemExit as e:
-        code = e.code
-        if code is None or code == 0:
-            message = RankMessage(OK, cloudpickle.dumps(None), time.perf_counter() - started)
-        else:
-            message = RankMessage(EXIT, repr(code), time.perf_counter() - started)
-    except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
-        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))  # skip ours
-        message = RankMessage(ERROR, (type(e).__qualname__, str(e), tb),
-                              time.perf_counter() - started)
+    except BaseException as e:  # noqa: BLE001 - the group never formed: report it as the call's
+        message = _failed(e, started)
+    else:
+        message = _call(payload, started, interruptible=persistent)
     sys.stdout.flush()
     sys.stderr.flush()
     # CLOCK_MONOTONIC is system-wide: the parent orders failures by when they happened.
     _send(result, message._replace(at=time.monotonic()))
-    if message.kind == OK:
+    if persistent and dist.is_initialized():
+        _serve(result)  # kit.Ranks: more calls on the same group until the parent says stop
+    elif message.kind == OK:
         # Hold the group until every rank has returned (the parent says so), like a final barrier
         # that cannot itself deadlock: a peer still in a collective keeps its connections.
         try:
@@ -186,4 +232,4 @@ def rank_main(spec: RankSpec, payload: bytes | tuple, result: Connection,
         pass
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if message.kind == OK else 1)
+    os._exit(0 if message.kind == OK or persistent else 1)

@@ -379,19 +379,22 @@ def _drain(ranks: list[_Rank], output: RankOutput) -> None:
 
 
 def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutput,
-               started: float, timeout: float):
-    """Pump output and results until every rank exits; stop all on failure or timeout."""
+               started: float, timeout: float, persistent: bool = False):
+    """Pump output and results until every rank exits; stop all on failure or timeout.
+
+    ``persistent`` (:class:`kit.Ranks`): one call on ranks that stay up, done once every rank has
+    reported; after a failure, only the ranks that have not reported by the grace are killed."""
     deadline = started + timeout
     failures: list[RankFailure] = []
     stop_at: float | None = None
     probe_at: float | None = None  # when to look for a deadlock next (a rank has returned)
     alike = 0  # probes in a row that found every working rank blocked in the same place
     last_probe: _Probe | None = None
-    while any(r.exitcode is None for r in ranks):
+    while any(r.exitcode is None and not (persistent and r.message) for r in ranks):
         now = time.monotonic()
         if stop_at is not None and now >= stop_at:
             for r in ranks:
-                if r.exitcode is None:
+                if r.exitcode is None and not (persistent and r.message):
                     _kill(r)
         if stop_at is None and now >= deadline:
             return failures, _collect_stacks(ranks, output)
@@ -447,7 +450,8 @@ def _supervise(ranks: list[_Rank], sel: selectors.BaseSelector, output: RankOutp
         done = [r for r in ranks if r.message and r.message.kind == _rank.OK]
         if probe_at is None and done and len(done) < len(ranks):
             probe_at = time.monotonic() + DEADLOCK_PROBE_S
-        if stop_at is None and all(r.message and r.message.kind == _rank.OK for r in ranks):
+        if (not persistent and stop_at is None
+                and all(r.message and r.message.kind == _rank.OK for r in ranks)):
             for r in ranks:  # everyone returned: let them tear the group down and exit
                 if not r.released:
                     r.released = True
