@@ -598,6 +598,71 @@ def torch_ddp(steps=3):
 print(launch(torch_ddp, world_size=2))
 
 # %% [markdown]
+# ### Look inside DDP between steps: persistent ranks
+#
+# `launch` and `%%distributed -n N` start fresh ranks for every cell: what they built is gone
+# when the cell ends. To look at a model *between* steps, start ranks that stay up.
+# `%distributed start 2` starts 2 ranks that keep their variables and their process group
+# until `%distributed stop`; every `%%distributed` cell runs on them meanwhile, in one
+# namespace per rank (`kit.Ranks(2)` does the same from Python). A cell where
+# every rank raises (a typo) leaves them as they were; a crash or a hang stops them, and
+# `%distributed restart` starts fresh ones.
+#
+# One cell wraps a model (each rank initialises it from its own seed), the next looks at what
+# DDP did: the parameters are rank 0's on every rank (DDP broadcast them in its constructor),
+# and the Reducer holds its gradient buckets.
+
+# %%
+# %load_ext kit
+# %distributed start 2
+
+# %%
+# %%distributed
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+torch.manual_seed(rank)  # a different initialisation on each rank...
+model = DDP(TinyTransformer(vocab=64, dim=64, layers=2, heads=4, context=32), bucket_cap_mb=0.25)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def bucket_bytes():
+    """The Reducer's gradient buckets, in bytes (a private API, for looking only)."""
+    return [b.buffer().numel() * b.buffer().element_size()
+            for b in model.reducer._get_zeros_like_grad_buckets()]
+
+
+checksum = sum(p.double().sum().item() for p in model.parameters())
+print(f"parameter checksum after wrapping {checksum:.6f}; buckets {bucket_bytes()} bytes")
+
+# %% [markdown]
+# The same checksum on both ranks: DDP replaced rank 1's initialisation with rank 0's. And one
+# bucket of every parameter, over the 0.25 MiB cap: until the first backward, DDP does not know
+# the order in which gradients arrive. Train two steps on each rank's own batch, looking after
+# each:
+
+# %%
+# %%distributed
+x, y = token_batch(8, 32, 64, seed=rank)  # each rank its own batch
+for step in range(2):
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    checksum = sum(p.double().sum().item() for p in model.parameters())
+    print(f"step {step}: loss {loss.item():.4f}, checksum {checksum:.6f}; buckets now "
+          f"{bucket_bytes()} bytes")
+
+# %% [markdown]
+# Different losses (different data), the same weights after each step (averaged gradients).
+# The first backward recorded the order in which gradients became ready, and the second
+# forward rebuilt the buckets in that order, each near the cap (a bucket closes once it
+# reaches the cap, so it may pass it by one parameter). `%distributed stop` ends the
+# ranks:
+
+# %%
+# %distributed stop
+
+# %% [markdown]
 # The Reducer is C++: it calls the process group directly, never `dist.all_reduce`. The
 # course's recorder sits *in* the process group, below Python, so it sees those calls too:
 # here is torch DDP (0.25 MiB buckets) in the same training step as your three versions, on

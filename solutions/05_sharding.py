@@ -822,6 +822,56 @@ for shape in [(4,), (2, 2)]:
         print("  ", line)
 
 # %% [markdown]
+# ### The shards between steps: persistent ranks
+#
+# `%distributed start 2` starts 2 ranks that stay up, with their variables and process group,
+# until `%distributed stop`; every `%%distributed` cell runs on them meanwhile (Lesson 04
+# introduced them). Shard a model in one cell, then look at what each rank holds:
+
+# %%
+# %load_ext kit
+# %distributed start 2
+
+# %%
+# %%distributed
+torch.manual_seed(0)
+model = apply_fsdp2(TinyTransformer(vocab=256, dim=64, layers=4, heads=4, context=32),
+                    init_device_mesh("cpu", (world_size,)))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+w = model.blocks[0].qkv.weight
+print(f"qkv.weight {type(w).__name__} {tuple(w.shape)} {w.placements}: this rank holds "
+      f"{tuple(w.to_local().shape)}")
+
+# %% [markdown]
+# One training step on each rank's own batch. The gradient arrives already reduce-scattered,
+# a DTensor with the weight's placement, and Adam's moments are created with the shard's
+# shape: the optimizer state is sharded for free.
+
+# %%
+# %%distributed
+x, y = token_batch(2, 32, 256, seed=rank)
+F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+g = w.grad
+print(f"grad {type(g).__name__} {g.placements}, local {tuple(g.to_local().shape)}")
+optimizer.step()
+optimizer.zero_grad()
+m = optimizer.state[w]["exp_avg"]
+print(f"Adam exp_avg {type(m).__name__} {m.placements}, local {tuple(m.to_local().shape)}")
+
+# %% [markdown]
+# `full_tensor()` all-gathers a DTensor into the whole tensor on every rank: what a
+# checkpoint written for one process needs, and what you should not do every step.
+
+# %%
+# %%distributed
+full = w.full_tensor()
+print(f"full {tuple(full.shape)}; row block {rank} of it is this rank's shard: "
+      f"{torch.equal(full.chunk(world_size)[rank], w.to_local())}")
+
+# %%
+# %distributed stop
+
+# %% [markdown]
 # ### `reshard_after_forward`
 #
 # `fully_shard(module, reshard_after_forward=True)` frees a block's gathered parameters after

@@ -178,6 +178,17 @@ def test_lesson04_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert "find_unused_parameters=True: ['two steps done', 'two steps done']" in printed
     assert "static_graph=True:           ['two steps done', 'two steps done']" in printed
     assert "DDP: You can enable unused parameter detection" in printed  # and without: the error
+    # persistent ranks: the model built in one cell is trained in the next
+    wrapped = [line for line in printed.splitlines() if "checksum after wrapping" in line]
+    stepped = [line.split("] ", 1)[1] for line in printed.splitlines() if "buckets now" in line]
+    assert len(wrapped) == 2 and len(stepped) == 4, printed
+    assert len({line.split("] ", 1)[1] for line in wrapped}) == 1  # rank 0's weights everywhere
+    assert wrapped[0].endswith("buckets [424960] bytes")  # one bucket before the first backward
+    first, second = ([line.split("checksum ")[1] for line in stepped if line.startswith(f"step {k}")]
+                     for k in (0, 1))
+    assert len(set(first)) == len(set(second)) == 1  # the same weights on both ranks
+    assert first[0].endswith("[424960] bytes") and second[0].count(",") >= 1  # rebuilt
+    assert "2 persistent ranks up" in printed and "persistent ranks stopped" in printed
     check_outputs(result)
 
 

@@ -397,6 +397,12 @@ def test_lesson05_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert torchs[1] == f"('all_reduce', {4 * n_grads})"  # torch's: one element per gradient
     step = re.search(r"train_step, rank 0: (\{.*\})", printed).group(1)
     assert "'all_reduce': 1" in step and "'reduce_scatter_single': 5" in step  # 4 blocks + root
+    # persistent ranks: the shards built in one cell, a step in the next, gathered in a third
+    assert "[rank 1] qkv.weight DTensor (192, 64) (Shard(dim=0),): this rank holds (96, 64)" \
+        in printed, printed
+    assert "[rank 0] grad DTensor (Shard(dim=0),), local (96, 64)" in printed
+    assert "[rank 1] Adam exp_avg DTensor (Shard(dim=0),), local (96, 64)" in printed
+    assert "[rank 1] full (192, 64); row block 1 of it is this rank's shard: True" in printed
     full, mine = re.search(r"the model: (\d+) MiB .* rank 0 holds (\d+) MiB", printed).groups()
     assert int(mine) == pytest.approx(int(full) / 4, rel=0.05)  # meta-device init: 1/4 per rank
     check_outputs(result)
