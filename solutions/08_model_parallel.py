@@ -694,6 +694,51 @@ for key, value in launch(dtensor_mlp, world_size=2)[0].items():
     print(f"{key}: {value}")
 
 # %% [markdown]
+# ### The plan's result, cell by cell: persistent ranks
+#
+# `%distributed start 2` starts ranks that keep their variables and process group between
+# cells until `%distributed stop` (Lesson 04). Apply the plan in one cell and look at every
+# parameter it placed:
+
+# %%
+# %load_ext kit
+# %distributed start 2
+
+# %%
+# %%distributed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+torch.manual_seed(0)
+mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+parallelize_module(mlp, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)),
+                   {"0": ColwiseParallel(), "2": RowwiseParallel()})
+for name, p in mlp.named_parameters():
+    print(f"{name}: {tuple(p.shape)} {p.placements}, this rank holds {tuple(p.to_local().shape)}")
+
+# %% [markdown]
+# The column layer's weight and bias are split by output feature (`Shard(0)`); the row
+# layer's weight by input feature (`Shard(1)`), and its bias is replicated: it is added once,
+# after the all-reduce. Now run the same input through it, stopping in the middle:
+
+# %%
+# %%distributed
+x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))  # the same x everywhere
+hidden = mlp[1](mlp[0](x))
+y = mlp(x)
+print(f"hidden {type(hidden).__name__} {tuple(hidden.shape)}; output {type(y).__name__} "
+      f"{tuple(y.shape)}, sum {y.sum().item():.5f}")
+
+# %% [markdown]
+# The hidden activation is this rank's half of the 256 features, a plain tensor (the styles
+# return local tensors by default, `use_local_output=True`). The output is whole and the same
+# on both ranks; its type, `AsyncCollectiveTensor`, says it came from a functional all-reduce
+# that is waited on where the tensor is first used, not where it was issued.
+
+# %%
+# %distributed stop
+
+# %% [markdown]
 # The same two all-reduces, issued by DTensor as functional collectives (the recorder sees them
 # too). Sequence parallelism is a different plan on the same modules: the LayerNorm gets
 # `SequenceParallel()`, the column layer is told its input arrives sharded along the sequence

@@ -402,6 +402,12 @@ def test_lesson08_runs_headless_with_its_solutions_and_shows_what_it_claims():
     result = run_headless(LESSON, timeout=600, budget=240)
     printed = printed_text(result)
     assert "sum of the 4 partial results + bias equals the MLP: True" in printed
+    # persistent ranks: the plan applied in one cell, the activations looked at in the next
+    assert "[rank 1] 2.weight: (64, 256) (Shard(dim=1),), this rank holds (64, 128)" in printed
+    assert "[rank 0] 2.bias: (64,) (Replicate(),), this rank holds (64,)" in printed
+    outputs = {line.split("] ", 1)[1] for line in printed.splitlines() if "hidden Tensor" in line}
+    assert len(outputs) == 1 and "(2, 16, 128); output AsyncCollectiveTensor (2, 16, 64)" \
+        in outputs.pop(), printed  # the same whole output on both ranks
     assert printed.count("rank 0: all_reduce of 262 kB") == 2  # one forward, one backward
     assert (
         "head-parallel attention equals the unsharded one: True | forward collectives: "
