@@ -1053,6 +1053,72 @@ def _check(task: Any, spec: _Forbidden, impl: Any) -> ForbiddenUse | None:
 # --------------------------------------------------------------------------- the guard
 
 
+def current() -> tuple[str, str] | None:
+    """The active case's gate as plain data, ``(task id, log path)``, or None: what a persistent
+    rank (:mod:`autograder.pool`) needs to watch a case as a rank forked inside :func:`guard`
+    would."""
+    return None if _gate is None else (_gate.task_id, _gate.log)
+
+
+def forget_inherited() -> None:
+    """In a persistent rank just forked (perhaps inside a case's :func:`guard`): drop the gate
+    state it inherited, so that only :func:`in_rank` watches its calls. Torch function and
+    dispatch modes entered in the parent (the builtin net, a meter) are popped too: a rank forked
+    between cases has none."""
+    global _gate
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.overrides import _pop_mode as pop_function_mode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils._python_dispatch import _pop_mode as pop_dispatch_mode
+
+    from kit import recorder
+
+    _gate = None
+    while _observe in recorder.observers:
+        recorder.observers.remove(_observe)
+    while _ImportNet in sys.meta_path:
+        sys.meta_path.remove(_ImportNet)
+    while _get_current_function_mode_stack():
+        pop_function_mode()
+    while _get_current_dispatch_mode_stack():
+        pop_dispatch_mode()
+
+
+@contextmanager
+def in_rank(gate: tuple[str, str] | None) -> Iterator[None]:
+    """In a pooled rank, for one call: the case's gate, installed as :func:`guard` installs it
+    (trampolines, the recorder's observer, the import net, the builtin net), logging to the
+    case's file, which the parent's :func:`guard` reads. The rank raises what it finds where the
+    student called it; the verdict is the parent's. Everything comes off at the end, so the next
+    case's call starts with no gate but its own."""
+    global _gate
+    if gate is None:
+        yield
+        return
+    from autograder.registry import get_task
+    from kit import recorder
+
+    task = get_task(gate[0])
+    spec = _spec(tuple(task.forbidden))
+    _gate = _Gate(task, gate[1], spec)
+    _watch(spec)
+    recorder.observers.insert(0, _observe)
+    sys.meta_path.insert(0, _ImportNet)
+    mode = _builtin_net(_gate) if spec.builtins or spec.op_names else None
+    try:
+        if mode is not None:
+            with mode:
+                yield
+        else:
+            yield
+    finally:
+        if _observe in recorder.observers:
+            recorder.observers.remove(_observe)
+        if _ImportNet in sys.meta_path:
+            sys.meta_path.remove(_ImportNet)
+        _gate = None
+
+
 @contextmanager
 def guard(task: Any, impl: Any = None) -> Iterator[None]:
     """Run a case of ``task`` on ``impl`` under the gates; raise :class:`ForbiddenUse` on a use.

@@ -29,6 +29,9 @@ from kit import recorder  # imported here, once: forked ranks inherit it instead
 
 OK, ERROR, EXIT = "ok", "error", "exit"
 STOP = b"stop"  # a persistent rank's last command
+# Frames of the wrappers persistent ranks run a call in (kit.Ranks restoring the file name, the
+# grading pool's reset): a traceback starts below them, at the user's function, as in kit.launch.
+_WRAPPERS = ("_with_source", "_pooled")
 
 
 class RankMessage(NamedTuple):
@@ -109,8 +112,8 @@ def _encode_return(value: Any) -> tuple[str, Any]:
 
 def _failed(e: BaseException, started: float) -> RankMessage:
     frames = e.__traceback__.tb_next if e.__traceback__ else None  # skip ours
-    while frames is not None and frames.tb_frame.f_code.co_name == "_with_source":
-        frames = frames.tb_next  # kit.Ranks' wrapper that restores the file name
+    while frames is not None and frames.tb_frame.f_code.co_name in _WRAPPERS:
+        frames = frames.tb_next
     tb = "".join(traceback.format_exception(type(e), e, frames))
     return RankMessage(ERROR, (type(e).__qualname__, str(e), tb), time.perf_counter() - started)
 

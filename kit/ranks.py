@@ -116,6 +116,10 @@ class Ranks:
         self.backend = backend
         self.timeout = timeout
         self.echo = echo
+        self.explain = True  # errors say what happened to the group (a grading pool says nothing)
+        # After a call where every rank raised: keep the group (barrier-checked), or stop it (a
+        # grading pool, where each case must start from ranks no failure has touched).
+        self.keep_after_error = True
         self._preload = tuple(preload)
         self._requested_method = start_method
         self._setup = setup
@@ -305,7 +309,7 @@ class Ranks:
             self._break(f"{what} hung")
             raise LaunchTimeout(timeout_message(stacks, returned, timeout, self.world_size,
                                                 deadlock=hung_for)
-                                + "\n\n" + self._stopped_message(),
+                                + ("\n\n" + self._stopped_message() if self.explain else ""),
                                 {k: v.raw for k, v in stacks.items()}, outputs)
         if failures or not whole:
             crash = {r.rank: clean_fatal_error(_read(r.stack_path + ".crash")) for r in ranks}
@@ -318,13 +322,13 @@ class Ranks:
                                    [r for r in returned if r not in failed], stopped) \
                 if failures else f"{what} did not complete on every rank."
             if whole and check_after_error:
-                whole = self._healthy()
+                whole = self.keep_after_error and self._healthy()
             if whole:
                 text += (f"\n\nThe {self.world_size} ranks are still up and keep their state as "
-                         "it was when they raised.")
+                         "it was when they raised.") if self.explain else ""
             else:
                 self._break(f"{what} failed")
-                text += "\n\n" + self._stopped_message()
+                text += "\n\n" + self._stopped_message() if self.explain else ""
             raise LaunchError(text, failures, outputs)
         values = [cloudpickle.loads(r.message.body) for r in ranks]
         durations = [float(r.message.seconds) for r in ranks]

@@ -31,6 +31,9 @@ class Limits:
     threads: int = 1024  # RLIMIT_NPROC counts threads; gloo and torch start many per rank
     file_size: int = 64 << 20
     output: int = 2 << 20  # bytes printed in all
+    # A task's shared launches of one world size run on ranks forked once for the task
+    # (autograder/pool.py) instead of fresh ranks per launch: the same scores, less CPU.
+    rank_pool: bool = False
 
 
 @dataclass

@@ -99,7 +99,8 @@ def _collapse_anonymous_memory() -> int:
 def _worker(job_path: str) -> int:
     os.dup2(1, 2)  # one stream: the parent caps its size
     job = json.loads(Path(job_path).read_text())
-    _limit_self(json.loads(os.environ["KIT_SANDBOX_LIMITS"]), len(job["cases"]))
+    limits = json.loads(os.environ["KIT_SANDBOX_LIMITS"])
+    _limit_self(limits, len(job["cases"]))
     control = os.fdopen(int(os.environ.pop(CONTROL_FD_ENV)), "w", buffering=1)
     out = Path(job_path).parent / "results"
     out.mkdir(exist_ok=True)
@@ -163,6 +164,8 @@ def _worker(job_path: str) -> int:
     # A task's cases share its trampolines (gates.watching); they come off before the next task's
     # cases, and before a notebook is loaded, as check() does.
     watched, watch = None, contextlib.ExitStack()
+    # limits["rank_pool"]: a lesson's shared launches run on ranks forked once (autograder/pool.py)
+    pooled, pool = None, contextlib.ExitStack()
     for task_id, index, key in job["cases"]:
         if task_id != watched:
             watch.close()
@@ -174,6 +177,13 @@ def _worker(job_path: str) -> int:
         module = modules.get(task.lesson)
         if module is None:
             continue
+        if limits.get("rank_pool") and pooled != task.lesson:
+            from autograder.pool import rank_pool
+            from autograder.registry import lesson_tasks
+
+            pool.close()
+            pool.enter_context(rank_pool(lesson_tasks(task.lesson)))
+            pooled = task.lesson
         if task_id in skip:  # a stub only raises again; a memory or fork bomb only explodes again
             save(key, skip[task_id])
             continue
@@ -182,6 +192,7 @@ def _worker(job_path: str) -> int:
         if watched is None:
             watch.enter_context(gates.watching())
             watched = task_id
+
         start = time.perf_counter()
         try:
             with gates.guard(task, impl):  # what the task re-implements scores it 0, as in check()
@@ -201,6 +212,7 @@ def _worker(job_path: str) -> int:
         record["seconds"] = time.perf_counter() - start
         save(key, record)
     watch.close()
+    pool.close()
     control.write("done\n")
     control.flush()
     sys.stdout.flush()
