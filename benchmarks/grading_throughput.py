@@ -20,6 +20,10 @@ path), one notebook per lesson with checks. Reported, measured in this one run o
   rate far more than on a class's; needs at least twice as many copies as workers), and
   the CPU per submission and how busy the cores were in each batch.
 
+Each of these runs twice, side by side: with fresh ranks for every launch and with the rank
+pool (``Limits(rank_pool=True)``, ``autograder/pool.py``), and the full submission's every task
+status and score are compared between the two (``--rank-pool off`` or ``on`` runs one).
+
 Each batch grades into a fresh output folder, so nothing is resumed. Timing only: correctness
 is tests/test_grading*.py's job.
 """
@@ -44,6 +48,7 @@ from autograder.loading import lesson_of
 from autograder.registry import lesson_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
+_JUDGED: dict[Path, dict[str, list]] = {}  # each batch's (task, status, score) by student
 
 
 def _full_submission(folder: Path) -> list[int]:
@@ -57,10 +62,10 @@ def _full_submission(folder: Path) -> list[int]:
 
 def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int,
            finished: list[float] | None = None,
-           unsandboxed: bool = False) -> tuple[float, float, float]:
+           unsandboxed: bool = False, rank_pool: bool = False) -> tuple[float, float, float]:
     """(seconds, total score of all submissions, CPU seconds of the workers and their ranks);
     ``finished`` receives the seconds, after the batch's expectations, at which each
-    submission's record was written."""
+    submission's record was written. Every case's status goes to ``_JUDGED[out]``."""
 
     def progress(done: int, total: int, elapsed: float) -> None:
         if finished is not None:
@@ -68,8 +73,11 @@ def _batch(paths: list[Path], out: Path, lessons: list[int], workers: int,
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    records = grade_batch(discover(paths), BatchConfig(out, lessons, workers, Limits(), seed=0),
+    records = grade_batch(discover(paths),
+                          BatchConfig(out, lessons, workers, Limits(rank_pool=rank_pool), seed=0),
                           progress, unsandboxed=unsandboxed)
+    _JUDGED[out] = {student: [(t["task"], t["status"], t["score"]) for t in r["tasks"]]
+                    for student, r in records.items()}
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -95,6 +103,9 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2",
                         help="the batches' worker counts, e.g. 1,2,3 (default 1,2; the speed-up "
                              "is the last over the first)")
+    parser.add_argument("--rank-pool", default="off,on",
+                        help="grade without and/or with the rank pool (autograder/pool.py), side "
+                             "by side: off,on (default), off or on")
     parser.add_argument("--unsandboxed", action="store_true",
                         help="as root where bubblewrap cannot make a sandbox: time the batches "
                              "anyway, unsandboxed (the submissions are the course's own solutions)")
@@ -125,10 +136,14 @@ def main() -> None:
             per_lesson[lesson_of(nb)] = (grade_notebook(nb, lessons=[lesson_of(nb)]).score,
                                          time.perf_counter() - start)
         in_process = sum(t for _, t in per_lesson.values())
-        sandboxed, points, cpu = _batch([tmp / "alice"], tmp / "out-full", lessons, 1,
-                                        unsandboxed=args.unsandboxed)
+        pools = [{"off": False, "on": True}[p] for p in args.rank_pool.split(",")]
+        full = {}
+        for pool in pools:  # side by side: the same submission without and with the rank pool
+            full[pool] = _batch([tmp / "alice"], tmp / f"out-full-{pool}", lessons, 1,
+                                unsandboxed=args.unsandboxed, rank_pool=pool)
+        sandboxed, points, cpu = full[pools[0]]
         alone, _, _ = _batch([tmp / "alice"], tmp / "out-alone-2", lessons, 2,
-                             unsandboxed=args.unsandboxed)
+                             unsandboxed=args.unsandboxed, rank_pool=pools[-1])
         print("in-process seconds per lesson (expectations already computed; "
               "autograder.grade.batch.LESSON_SECONDS): " + ", ".join(
             f"{n:02d} {t:.1f}" for n, (_, t) in sorted(per_lesson.items())))
@@ -136,8 +151,14 @@ def main() -> None:
               f"{sandboxed:.1f} s ({points:g} points), in-process {in_process:.1f} s "
               f"({sum(p for p, _ in per_lesson.values()):g} points), ratio "
               f"{sandboxed / in_process:.2f}")
-        print(f"the same submission alone with --workers 2 (its lessons split over both): "
-              f"{alone:.1f} s")
+        for pool in pools[1:]:
+            seconds, points_, cpu_ = full[pool]
+            same = _JUDGED[tmp / f"out-full-{pool}"] == _JUDGED[tmp / f"out-full-{pools[0]}"]
+            print(f"with the rank pool: {seconds:.1f} s ({points_:g} points), {cpu_:.1f} CPU-s: "
+                  f"{seconds / sandboxed:.2f}x the time and {cpu_ / cpu:.2f}x the CPU without it; "
+                  f"every task's status and score identical: {same}")
+        print(f"the same submission alone with --workers 2 (its lessons split over both"
+              f"{', rank pool' if pools[-1] else ''}): {alone:.1f} s")
         # A batch that keeps every core busy grades cores * 60 / cpu submissions a minute at best.
         print(f"CPU of the sandboxed submission (worker and ranks): {cpu:.1f} CPU-s, so at most "
               f"{(os.cpu_count() or 1) * 60 / cpu:.2f}/min on {os.cpu_count()} cores")
@@ -149,14 +170,17 @@ def main() -> None:
             shutil.copytree(tmp / "alice", copies / f"student{i:02d}")
         rates = {}
         counts = [int(w) for w in args.workers.split(",")]
-        for workers in counts:
+        for workers, pool in [(w, p) for w in counts for p in pools]:
             finished: list[float] = []
-            seconds, _, used = _batch(sorted(copies.iterdir()), tmp / f"out-{workers}", lessons,
-                                      workers, finished, unsandboxed=args.unsandboxed)
-            rates[workers] = 60 * args.copies / seconds
+            seconds, _, used = _batch(sorted(copies.iterdir()), tmp / f"out-{workers}-{pool}",
+                                      lessons, workers, finished, unsandboxed=args.unsandboxed,
+                                      rank_pool=pool)
+            rates[workers, pool] = 60 * args.copies / seconds
             steady = _steady_rate(finished, workers)
-            print(f"{args.copies} full submissions, {workers} worker(s): {seconds:.1f} s "
-                  f"({rates[workers]:.2f}/min; 300 students in {300 / rates[workers] / 60:.1f} h)"
+            print(f"{args.copies} full submissions, {workers} worker(s)"
+                  f"{', rank pool' if pool else ''}: {seconds:.1f} s "
+                  f"({rates[workers, pool]:.2f}/min; 300 students in "
+                  f"{300 / rates[workers, pool] / 60:.1f} h)"
                   + (f"; steady {steady:.2f}/min while every worker was busy (300 students in "
                      f"{300 / steady / 60:.1f} h and the expectations)" if steady else ""))
             # Below cores * 60 / CPU-s: either cores stood idle or each submission cost more CPU
@@ -164,9 +188,11 @@ def main() -> None:
             print(f"  CPU per submission in this batch: {used / args.copies:.1f} CPU-s; the cores "
                   f"were {100 * used / (seconds * (os.cpu_count() or 1)):.0f}% busy with its "
                   "workers")
-        print(f"speed-up with {counts[-1]} workers over {counts[0]}: "
-              f"{rates[counts[-1]] / rates[counts[0]]:.2f}x; load average now "
-              f"{os.getloadavg()[0]:.1f}")
+        for pool in pools:
+            print(f"speed-up with {counts[-1]} workers over {counts[0]}"
+                  f"{' (rank pool)' if pool else ''}: "
+                  f"{rates[counts[-1], pool] / rates[counts[0], pool]:.2f}x")
+        print(f"load average now {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -150,6 +150,9 @@ def main(argv: list[str]) -> int:
                         "submissions than workers, a submission's lessons are split over them)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="batch: seconds one case may run before its task is marked timeout")
+    parser.add_argument("--rank-pool", action="store_true",
+                        help="batch: run a lesson's launches of one world size on ranks forked "
+                        "once (the same scores, less CPU; see autograder/pool.py)")
     parser.add_argument("--gradescope", action="store_true",
                         help="batch: also write gradescope/<student>/results.json")
     parser.add_argument("--json", dest="json_path",
@@ -179,7 +182,7 @@ def main(argv: list[str]) -> int:
                          lessons=args.lessons,
                          workers=args.workers, timeout=args.timeout, gradescope=args.gradescope,
                          seed=args.seed, unsandboxed=args.unsandboxed, shard=args.shard,
-                         secret=args.secret)
+                         secret=args.secret, rank_pool=args.rank_pool)
     path = Path(args.submissions[0])
     if (why := in_process_refusal(path, args.unsandboxed)) is not None:
         print(f"kit grade: {why}", file=sys.stderr)

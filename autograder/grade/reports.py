@@ -118,7 +118,7 @@ def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = 
               workers: int = 2,
               timeout: float = 60.0, gradescope: bool = False, seed: int | None = None,
               unsandboxed: bool = False, shard: str | None = None,
-              secret: str | None = None) -> int:
+              secret: str | None = None, rank_pool: bool = False) -> int:
     """``kit grade SUBMISSION... --out DIR``: grade, then write every report; returns the exit code.
 
     As root with no namespaced sandbox it refuses (exit code 2, nothing written) unless
@@ -184,7 +184,8 @@ def run_batch(submissions: list[str], *, out: Path, lessons: list[int] | None = 
               file=sys.stderr)
     elif (note := isolation_note()) is not None:
         print(f"kit grade: note: {note}")
-    config = BatchConfig(out, lessons, workers, Limits(case_wall_s=timeout), seed)
+    config = BatchConfig(out, lessons, workers, Limits(case_wall_s=timeout, rank_pool=rank_pool),
+                         seed)
     start = time.monotonic()
     bar = Progress(len(subs), sys.stderr, width=20)
 
