@@ -13,8 +13,9 @@ result its own:
   the ranks (:func:`autograder.gates.in_rank`), so a forbidden call is found there and scores
   the case 0 exactly as in a rank forked under the gate.
 * **a reset before each call.** The default dtype, grad mode, thread count and RNG states the
-  worker has now (what a rank forked now would inherit) are set; after it, every process group
-  the call created is destroyed and a barrier checks the group is whole.
+  worker has now (what a rank forked now would inherit) are set; after it, once every rank has
+  returned, a barrier checks the group is whole, else it is not reused. A call that made
+  process groups (a ``DeviceMesh`` of its own) ends its group's reuse too: see :func:`_pooled`.
 * **a failure is that case's.** A call that fails, hangs or crashes a rank stops its group
   (nothing of it is reused); the next call of that world size forks a fresh one.
 
@@ -35,6 +36,7 @@ __all__ = ["RankPool", "active", "rank_pool", "world_sizes_of"]
 
 _active: RankPool | None = None
 START_TIMEOUT_S = 120.0
+BARRIER_TIMEOUT_S = 10.0  # the barrier that checks a group after a call, before it is reused
 
 
 def active() -> RankPool | None:
@@ -76,7 +78,6 @@ def _state() -> dict[str, Any]:
 def _pooled(gate: tuple[str, str] | None, state: dict[str, Any], fn: Any, args: tuple) -> Any:
     """On a pooled rank: the worker's state and the case's gate, the call, then the cleanup."""
     import torch
-    import torch.distributed as dist
 
     from autograder import gates
 
@@ -85,16 +86,22 @@ def _pooled(gate: tuple[str, str] | None, state: dict[str, Any], fn: Any, args: 
     torch.set_rng_state(state["rng"])
     random.setstate(state["random"])
     torch.set_num_threads(1)
-    before = set(_groups())
-    try:
-        with gates.in_rank(gate):
-            value = fn(*args)
-    finally:
-        for group in [g for g in _groups() if g not in before]:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
-    dist.barrier()  # every rank got here: the group is whole for the next case
-    return value
+    before = len(_groups())
+    with gates.in_rank(gate):
+        value = fn(*args)
+    # A process group the call made (a DeviceMesh's) ends the group's reuse. Destroyed after the
+    # call, it broke later calls of Lesson 14 ("Could not resolve the process group registered
+    # under the name 55": torch.distributed state outside our reach, not its lru_caches, which
+    # we emptied, still named it); kept, each would hold threads and sockets (6 threads and 10
+    # descriptors per rank for a (2, 2) mesh) for the rest of the lesson.
+    return value, len(_groups()) > before
+
+
+def _barrier() -> bool:
+    import torch.distributed as dist
+
+    dist.barrier()
+    return True
 
 
 def _groups() -> list[Any]:
@@ -133,11 +140,28 @@ class RankPool:
         group = self._group(world_size)
         self.calls += 1
         try:
-            return list(group.run(_pooled, gates.current(), _state(), fn, args, timeout=timeout))
+            returned = list(group.run(_pooled, gates.current(), _state(), fn, args,
+                                      timeout=timeout))
         except BaseException:
-            group.stop()
-            self.groups.pop(world_size, None)
+            self._drop(world_size)
             raise
+        values = [value for value, _ in returned]
+        if any(made for _, made in returned):
+            self._drop(world_size)
+            return values
+        # A separate call, once every rank has returned (inside the case's call, a rank done
+        # early would wait in the barrier while its peers wait in the case's collective: the
+        # deadlock probe, which starts once a rank has returned, could not see it).
+        try:
+            group.run(_barrier, timeout=BARRIER_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the case's result stands; its group is not reused
+            self._drop(world_size)
+        return values
+
+    def _drop(self, world_size: int) -> None:
+        group = self.groups.pop(world_size, None)
+        if group is not None:
+            group.stop()
 
     def close(self) -> None:
         for group in self.groups.values():

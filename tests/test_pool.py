@@ -1,6 +1,6 @@
 """The grading rank pool (autograder/pool.py) judges every case exactly as fresh ranks do.
 
-The solutions and every seeded bug of the lessons below are checked twice, with fresh ranks for
+The solutions and every seeded bug of the lessons below (POOLED_LESSONS) are checked twice, with fresh ranks for
 each shared run and with the pool, and every case must get the same status and points; a
 forbidden call made in a pooled rank still scores 0; a failed call leaves nothing of its group
 behind; a group forked inside a case's gate does not keep watching for it; the batch grader
@@ -21,8 +21,9 @@ from autograder.loading import load_tasks
 from autograder.registry import get_task, lesson_tasks
 from kit import LaunchError
 
-# Lessons whose tasks share world sizes across runs (the pool reuses groups), cheap to check.
-POOLED_LESSONS = (0, 4, 13)
+# Lessons whose tasks share world sizes across runs (the pool reuses groups), cheap to check;
+# benchmarks/grading_throughput.py compares every lesson.
+POOLED_LESSONS = (0, 4, 10)
 
 
 def _judged(lesson: int, use_pool: bool) -> tuple[list, pool.RankPool | None]:
@@ -97,12 +98,35 @@ def test_a_failed_call_stops_its_group_and_the_next_call_gets_a_fresh_one():
         assert ranks.forks == 4
 
 
-def test_groups_a_call_makes_are_destroyed_before_the_next():
+def _rank_0_skips_the_barrier(_impl, _seed):
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        dist.barrier()
+
+
+def test_a_deadlock_in_a_pooled_call_is_found_at_once_not_at_the_timeout():
+    import time
+
+    from kit import LaunchTimeout
+
+    with pool.rank_pool([]) as ranks:
+        ranks.run(2, _rank, (None, 0), timeout=30)
+        start = time.monotonic()
+        with pytest.raises(LaunchTimeout, match="already returned"):
+            ranks.run(2, _rank_0_skips_the_barrier, (None, 0), timeout=60)
+        assert time.monotonic() - start < 15
+        assert ranks.run(2, _rank, (None, 0), timeout=30) == [0, 1]  # a fresh group
+
+
+def test_a_call_that_makes_a_process_group_ends_its_groups_reuse():
     with pool.rank_pool([]) as ranks:
         before = ranks.run(2, _pids, (None, 0), timeout=30)
+        again = ranks.run(2, _pids, (None, 0), timeout=30)
+        assert [p for p, _, _ in again] == [p for p, _, _ in before]  # reused
         assert ranks.run(2, _new_group, (None, 0), timeout=30) == [True, True]
         after = ranks.run(2, _pids, (None, 0), timeout=30)
-        assert [p for p, _, _ in after] == [p for p, _, _ in before]  # the same ranks
+        assert {p for p, _, _ in after}.isdisjoint({p for p, _, _ in before})  # fresh ranks
         assert [n for _, _, n in after] == [n for _, _, n in before]  # no group left behind
 
 
