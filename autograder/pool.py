@@ -36,6 +36,9 @@ __all__ = ["RankPool", "active", "rank_pool", "world_sizes_of"]
 
 _active: RankPool | None = None
 START_TIMEOUT_S = 120.0
+# Pooled rank processes alive at once: under the worker's process limit (Limits.processes, 48)
+# with room for a case's own launches beside them (Lesson 01 checks world sizes 1 to 8).
+MAX_POOLED_RANKS = 16
 BARRIER_TIMEOUT_S = 10.0  # the barrier that checks a group after a call, before it is reused
 
 
@@ -118,18 +121,23 @@ class RankPool:
         self.forks = 0  # rank processes started
         self.calls = 0  # runs served
 
-
     def _group(self, world_size: int) -> Any:
         from kit.ranks import Ranks
 
-        group = self.groups.get(world_size)
-        if group is None or not group.alive:
+        group = self.groups.pop(world_size, None)
+        if group is not None and not group.alive:
+            group.stop()
+            group = None
+        while group is None and self.groups and \
+                sum(self.groups) + world_size > MAX_POOLED_RANKS:
+            self._drop(next(iter(self.groups)))  # the least recently used size goes first
+        if group is None:
             group = Ranks(world_size, echo=False, timeout=START_TIMEOUT_S,
                           setup=(_forget_inherited, (), {}))
             group.explain = False
             group.keep_after_error = False
-            self.groups[world_size] = group
             self.forks += world_size
+        self.groups[world_size] = group  # last: the most recently used
         return group
 
     def run(self, world_size: int, fn: Any, args: tuple, timeout: float) -> list[Any]:

@@ -98,6 +98,18 @@ def test_a_failed_call_stops_its_group_and_the_next_call_gets_a_fresh_one():
         assert ranks.forks == 4
 
 
+def test_the_pool_keeps_at_most_its_cap_of_ranks_alive(monkeypatch):
+    monkeypatch.setattr(pool, "MAX_POOLED_RANKS", 5)
+    with pool.rank_pool([]) as ranks:
+        two = ranks.run(2, _pids, (None, 0), timeout=30)
+        ranks.run(3, _pids, (None, 0), timeout=30)
+        assert sorted(ranks.groups) == [2, 3]
+        ranks.run(1, _pids, (None, 0), timeout=30)  # 2 + 3 + 1 > 5: size 2, used least lately
+        assert sorted(ranks.groups) == [1, 3]
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status()
+                       != psutil.STATUS_ZOMBIE for pid, _, _ in two)
+
+
 def _rank_0_skips_the_barrier(_impl, _seed):
     import torch.distributed as dist
 
