@@ -184,8 +184,8 @@ def test_lesson04_runs_headless_with_its_solutions_and_shows_what_it_claims():
     assert len(wrapped) == 2 and len(stepped) == 4, printed
     assert len({line.split("] ", 1)[1] for line in wrapped}) == 1  # rank 0's weights everywhere
     assert wrapped[0].endswith("buckets [424960] bytes")  # one bucket before the first backward
-    first, second = ([line.split("checksum ")[1] for line in stepped if line.startswith(f"step {k}")]
-                     for k in (0, 1))
+    first, second = ([line.split("checksum ")[1] for line in stepped
+                      if line.startswith(f"step {k}")] for k in (0, 1))
     assert len(set(first)) == len(set(second)) == 1  # the same weights on both ranks
     assert first[0].endswith("[424960] bytes") and second[0].count(",") >= 1  # rebuilt
     assert "2 persistent ranks up" in printed and "persistent ranks stopped" in printed

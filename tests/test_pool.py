@@ -1,10 +1,10 @@
 """The grading rank pool (autograder/pool.py) judges every case exactly as fresh ranks do.
 
-The solutions and every seeded bug of the lessons below (POOLED_LESSONS) are checked twice, with fresh ranks for
-each shared run and with the pool, and every case must get the same status and points; a
-forbidden call made in a pooled rank still scores 0; a failed call leaves nothing of its group
-behind; a group forked inside a case's gate does not keep watching for it; the batch grader
-gives the same records with ``Limits(rank_pool=True)``.
+The solutions and every seeded bug of the lessons in POOLED_LESSONS are checked twice, with
+fresh ranks for each shared run and with the pool, and every case must get the same status
+and points; a forbidden call made in a pooled rank still scores 0; a failed call leaves
+nothing of its group behind; a group forked inside a case's gate does not keep watching for
+it; the batch grader gives the same records with ``Limits(rank_pool=True)``.
 """
 
 from __future__ import annotations
