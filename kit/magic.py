@@ -68,13 +68,20 @@ def run_cell(code: str, filename: str, namespace: dict[str, Any] | None,
     return eval(compile(ast.Expression(last.value), filename, "eval"), ns)
 
 
-def _picklable_namespace(user_ns: dict[str, Any]) -> dict[str, Any]:
+def _picklable_namespace(user_ns: dict[str, Any],
+                         sent: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The kernel's names that pickle; with ``sent``, only those new or rebound since they were
+    last sent (each is recorded there, also when it does not pickle: it is not tried again)."""
     import cloudpickle
 
     kept = {}
-    for name, value in user_ns.items():
+    for name, value in list(user_ns.items()):
         if name.startswith("_") or name in _SKIP:
             continue
+        if sent is not None:
+            if name in sent and sent[name] is value:
+                continue
+            sent[name] = value
         try:
             cloudpickle.dumps(value)
         except Exception:  # noqa: BLE001 - unpicklable names are simply not sent
@@ -98,23 +105,6 @@ def seed_state(namespace: dict[str, Any]) -> None:
 
     state.clear()
     state.update({k: v for k, v in namespace.items() if not k.startswith("_") and k not in _SKIP})
-
-
-def _changed_names(user_ns: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any]:
-    """Kernel names new or rebound since they were last sent (and that pickle)."""
-    import cloudpickle
-
-    changed = {}
-    for name, value in list(user_ns.items()):
-        if name.startswith("_") or name in _SKIP or (name in sent and sent[name] is value):
-            continue
-        sent[name] = value  # also when it does not pickle: it is not tried again every cell
-        try:
-            cloudpickle.dumps(value)
-        except Exception:  # noqa: BLE001 - unpicklable names are simply not sent
-            continue
-        changed[name] = value
-    return changed
 
 
 _group: Any = None  # the persistent kit.Ranks of this kernel, while %distributed start holds one
@@ -199,7 +189,7 @@ class DistributedMagics(Magics):
         if opts.backend is not None and opts.backend != group.backend:
             raise UsageError(f"--backend {opts.backend}, but the persistent group runs "
                              f"{group.backend}: %distributed restart --backend {opts.backend}.")
-        pushed = _changed_names(user_ns, _sent)
+        pushed = _picklable_namespace(user_ns, _sent)
         return group.run(run_cell_in_state, cell, filename, pushed, timeout=opts.timeout)
 
     def _manage(self, line: str) -> Any:
