@@ -1,7 +1,7 @@
 """The course's helper package: start ranks from a notebook, trace them, check tasks.
 
 ``from kit import launch, check`` is all a lesson needs; ``%load_ext kit`` adds the
-``%%distributed`` cell magic.
+``%%distributed`` cell magic and ``%distributed start`` (persistent ranks, ``kit.Ranks``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["launch", "check", "progress", "LaunchError", "LaunchTimeout", "LaunchResult",
-           "load_ipython_extension"]
+           "Ranks", "load_ipython_extension"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +18,10 @@ def __getattr__(name: str) -> Any:
         from kit import launcher
 
         return getattr(launcher, name)
+    if name == "Ranks":  # persistent ranks (``%distributed start``)
+        from kit.ranks import Ranks
+
+        return Ranks
     if name == "check":
         from autograder.checking import check
 
@@ -30,7 +34,7 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext kit``: registers ``%%distributed``."""
+    """``%load_ext kit``: registers ``%%distributed`` and ``%distributed``."""
     from kit.magic import DistributedMagics
 
     ipython.register_magics(DistributedMagics)

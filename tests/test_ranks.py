@@ -99,6 +99,7 @@ def test_state_and_process_group_live_on_between_calls(ranks):
 
 
 def test_world_size_one_runs_collectives(tmp_path):
+    assert kit.Ranks is Ranks
     with Ranks(1, echo=False) as one:
         assert list(one.run(_build)) == [0]
         assert one.run(_step, 3)[0][0] == [0.0] * 3
