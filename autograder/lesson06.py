@@ -1094,7 +1094,7 @@ def torchrun_worker(workdir: str) -> None:
     if rank == 0:
         if attempt > 0:
             _lie_about_mtimes(root)
-        (work / f"start-attempt{attempt}.json").write_text(json.dumps(_complete_steps(root)))
+        _write_json(work / f"start-attempt{attempt}.json", _complete_steps(root))
     dist.barrier()
     impl = cloudpickle.loads((work / "impl.pkl").read_bytes())
     watch = _Watch()
@@ -1130,8 +1130,16 @@ def torchrun_worker(workdir: str) -> None:
 
 
 def _log(work: Path, rank: int, attempt: int, watch: _Watch) -> None:
-    (work / f"log-rank{rank}-attempt{attempt}.json").write_text(
-        json.dumps({"steps": watch.steps, "loads": watch.loads}))
+    _write_json(work / f"log-rank{rank}-attempt{attempt}.json",
+                {"steps": watch.steps, "loads": watch.loads})
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Whole or not at all: the agent may stop a worker in the middle of the write (a rank that
+    wrote half its log made the parent's json.loads fail on a loaded machine)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 def _torchrun_run(impl: Any, seed: int) -> dict[str, Any]:

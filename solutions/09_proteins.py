@@ -311,7 +311,8 @@ plt.show()
 # 3. runs forward under [`torch.autocast`](https://pytorch.org/docs/stable/amp.html) in
 #    bf16 and computes the loss in fp32. That pays only where the hardware multiplies bf16:
 #    NVIDIA GPUs from Ampere (A100) on, and CPUs with AVX512-BF16 or AMX. Elsewhere the CPU
-#    emulates bf16 and a step runs several times slower than in fp32, so `BF16` below turns
+#    emulates bf16 and a step runs slower than in fp32 (1.6x for this lesson's model on the
+#    course's 2-core test CPU, one thread per rank), so `BF16` below turns
 #    autocast on only where the CPU has those instructions (`bf16=True` forces it);
 # 4. takes its token-budget batches from Task 9.2 and masks them with Task 9.1.
 #
@@ -324,7 +325,7 @@ plt.show()
 STEPS, SPEED_STEPS = 200, 20  # training steps; steps of each short run for tokens per second
 BF16 = cpu_has_native_bf16()  # bf16 autocast only where this CPU multiplies bf16 in hardware
 print("bf16 autocast:", "on" if BF16 else "off (this CPU has no AVX512-BF16 or AMX: bf16 would "
-      "be emulated, several times slower than fp32; on a GPU, train with bf16=True)")
+      "be emulated, slower than fp32; on a GPU, train with bf16=True)")
 # 4 in 5 for pretraining (and the probe's training set)
 TRAIN = [i for i in range(len(sequences)) if i % 5]
 TEST = [i for i in range(len(sequences)) if i % 5 == 0]  # 1 in 5 held out for the probe

@@ -198,8 +198,9 @@ def _step_seconds(model, tokens, bf16: bool) -> float:
 
 
 def test_lesson09_trains_in_bf16_only_where_the_cpu_multiplies_bf16_and_fp32_is_faster_elsewhere():
-    # Lesson 09's claim: without AVX512-BF16 or AMX a bf16 autocast step is several times slower
-    # than fp32, so BF16 = cpu_has_native_bf16() leaves autocast off there.
+    # Lesson 09's claim: without AVX512-BF16 or AMX a bf16 autocast step is slower than fp32
+    # (1.6x on the 2-core test machine, quiet; 1.8x beside a loaded CI run), so
+    # BF16 = cpu_has_native_bf16() leaves autocast off there.
     import platform
 
     from kit.lessons.precision import cpu_has_native_bf16
@@ -219,7 +220,7 @@ def test_lesson09_trains_in_bf16_only_where_the_cpu_multiplies_bf16_and_fp32_is_
         fp32, bf16 = _step_seconds(model, tokens, False), _step_seconds(model, tokens, True)
     finally:
         torch.set_num_threads(threads)
-    assert bf16 > 2 * fp32, (bf16, fp32)
+    assert bf16 > 1.25 * fp32, (bf16, fp32)
 
 
 def _fp32_list_ops(class_name: str) -> set[str]:

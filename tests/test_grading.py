@@ -331,3 +331,25 @@ def test_split_lessons_balances_the_lessons_and_knows_every_lesson_with_checks()
         assert max(loads) <= sum(loads) / parts + max(LESSON_SECONDS.values()), loads
     assert split_lessons([0, 99], 4) == [[99], [0]]  # an unknown lesson weighs the mean (2.4 s)
     assert split_lessons([], 2) == [] and split_lessons([3], 1) == [[3]]
+
+
+def test_the_batch_grader_gives_the_same_records_with_the_rank_pool(tmp_path):
+    """autograder/pool.py through the sandboxed worker (tests/test_pool.py: case by case)."""
+    from autograder.build import render, source_notebook
+
+    need_grading_sandbox()
+    lessons = [0, 4]
+    for n in lessons:  # a full-marks submission of both lessons
+        spec = course.lesson(n)
+        folder = tmp_path / "alice"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{spec.stem}.ipynb").write_text(render(source_notebook(spec.source)))
+    records = {}
+    for use_pool in (False, True):
+        out = tmp_path / f"out-{use_pool}"
+        got = grade_batch(discover([tmp_path / "alice"]),
+                          BatchConfig(out, lessons, workers=1, limits=Limits(rank_pool=use_pool),
+                                      seed=7))
+        records[use_pool] = [(t["task"], t["status"], t["score"]) for t in got["alice"]["tasks"]]
+    assert records[True] == records[False]
+    assert all(status == "passed" for _, status, _ in records[True]), records[True]

@@ -4,7 +4,7 @@ The solutions and every seeded bug of the lessons in POOLED_LESSONS are checked 
 fresh ranks for each shared run and with the pool, and every case must get the same status
 and points; a forbidden call made in a pooled rank still scores 0; a failed call leaves
 nothing of its group behind; a group forked inside a case's gate does not keep watching for
-it; the batch grader gives the same records with ``Limits(rank_pool=True)``.
+it. (tests/test_grading.py: the batch grader gives the same records with the pool.)
 """
 
 from __future__ import annotations
@@ -180,28 +180,3 @@ def test_a_group_forked_inside_a_gate_watches_only_the_cases_it_is_called_in(tmp
         with pytest.raises(gates.ForbiddenUse), gates.guard(task, None):
             ranks.run(2, run, (impl, 0), timeout=30)
 
-
-def test_the_batch_grader_gives_the_same_records_with_the_pool(tmp_path):
-    from grading_support import need_grading_sandbox
-
-    from autograder.build import render, source_notebook
-    from autograder.grade.batch import BatchConfig, grade_batch
-    from autograder.grade.sandbox import Limits
-    from autograder.grade.submissions import discover
-
-    need_grading_sandbox()
-    lessons = [0, 4]
-    for n in lessons:  # a full-marks submission of both lessons
-        spec = course.lesson(n)
-        folder = tmp_path / "alice"
-        folder.mkdir(exist_ok=True)
-        (folder / f"{spec.stem}.ipynb").write_text(render(source_notebook(spec.source)))
-    records = {}
-    for use_pool in (False, True):
-        out = tmp_path / f"out-{use_pool}"
-        got = grade_batch(discover([tmp_path / "alice"]),
-                          BatchConfig(out, lessons, workers=1, limits=Limits(rank_pool=use_pool),
-                                      seed=7))
-        records[use_pool] = [(t["task"], t["status"], t["score"]) for t in got["alice"]["tasks"]]
-    assert records[True] == records[False]
-    assert all(status == "passed" for _, status, _ in records[True]), records[True]

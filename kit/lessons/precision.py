@@ -31,8 +31,8 @@ def cpu_has_native_bf16() -> bool:
 
     On x86 that takes AVX512-BF16 or AMX, as ``torch.cpu`` reports them; without either, the
     products widen each bf16 element to fp32 in software and round the result back, and a bf16
-    step runs several times slower than an fp32 one (7x for Lesson 09's model, one thread, on
-    an AVX2-only CPU). Elsewhere (Arm) one 256x256 product in each dtype is timed once: bf16
+    step runs slower than an fp32 one (for Lesson 09's model, one thread: 7x on one AVX2-only
+    CPU, 1.6x on another). Elsewhere (Arm) one 256x256 product in each dtype is timed once: bf16
     counts as native unless it is over twice as slow. A GPU is not asked: NVIDIA's have bf16
     tensor cores from Ampere (A100) on.
     """
