@@ -874,7 +874,9 @@ check("12.3", find_straggler)
 # the rank that waits least in total, and the rank that computes most.
 
 # %%
-SCENARIO_DELAY = 0.1  # s: the slow rank's extra time per step (the hiccup: 0.6 of it by default)
+# s: the slow rank's extra time per step (the hiccup: 0.6 of it by default); twice the check's,
+# so that a laptop busy with other work still shows each answer
+SCENARIO_DELAY = 0.2
 SCENARIOS_HERE = {
     "data": dict(slow_rank=1, phase="data", off_step=0, hiccup_rank=2),
     "compute": dict(slow_rank=3, phase="compute", off_step=1, hiccup_rank=0),

@@ -59,11 +59,23 @@ def test_a_model_built_in_one_cell_trains_in_the_next(kernel):
     assert values[0].strip() != before["results"][0].strip("[]").split(",")[0].strip()
 
 
-def test_the_stop_button_keeps_state_or_stops_a_blocked_group(kernel):
+def _wait_for(paths: list, timeout: float = 60) -> None:
+    """Until every rank has written its marker: the cell is running on all of them (however
+    loaded the machine), so the interrupt lands inside it."""
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"the ranks never started the cell: {paths}"
+        time.sleep(0.05)
+    time.sleep(0.3)
+
+
+def test_the_stop_button_keeps_state_or_stops_a_blocked_group(kernel, tmp_path):
     pids = _rank_pids(kernel)
     kernel.run("%%distributed\ncounter = 0")
-    msg_id = kernel.kc.execute("%%distributed\nwhile True:\n    counter += 1\n    time.sleep(0.01)")
-    time.sleep(2.0)
+    marks = [tmp_path / f"loop-{r}" for r in range(4)]
+    msg_id = kernel.kc.execute(f"%%distributed\nopen(f'{tmp_path}/loop-{{rank}}', 'w').close()\n"
+                               "while True:\n    counter += 1\n    time.sleep(0.01)")
+    _wait_for(marks)
     kernel.km.interrupt_kernel()
     reply = kernel.reply(msg_id, timeout=60)
     assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
@@ -73,9 +85,11 @@ def test_the_stop_button_keeps_state_or_stops_a_blocked_group(kernel):
     assert kept["results"] == ["[True, True, True, True]"], kept
     assert _rank_pids(kernel) == pids  # the same ranks
     # A rank blocked in a collective cannot stop at a Python line: the group is stopped.
-    msg_id = kernel.kc.execute("%%distributed --timeout 300\n"
+    marks = [tmp_path / f"block-{r}" for r in range(4)]
+    msg_id = kernel.kc.execute(f"%%distributed --timeout 300\n"
+                               f"open(f'{tmp_path}/block-{{rank}}', 'w').close()\n"
                                "if rank == 0:\n    time.sleep(300)\ndist.barrier()")
-    time.sleep(2.0)
+    _wait_for(marks)
     kernel.km.interrupt_kernel()
     kernel.reply(msg_id, timeout=60)
     assert _gone(pids)
