@@ -39,7 +39,6 @@ START_TIMEOUT_S = 120.0
 # Pooled rank processes alive at once: under the worker's process limit (Limits.processes, 48)
 # with room for a case's own launches beside them (Lesson 01 checks world sizes 1 to 8).
 MAX_POOLED_RANKS = 16
-BARRIER_TIMEOUT_S = 10.0  # the barrier that checks a group after a call, before it is reused
 
 
 def active() -> RankPool | None:
@@ -79,7 +78,8 @@ def _state() -> dict[str, Any]:
 
 
 def _pooled(gate: tuple[str, str] | None, state: dict[str, Any], fn: Any, args: tuple) -> Any:
-    """On a pooled rank: the worker's state and the case's gate, the call, then the cleanup."""
+    """On a pooled rank: the worker's state and the case's gate, then the call; returns its value
+    and whether it made process groups."""
     import torch
 
     from autograder import gates
@@ -98,13 +98,6 @@ def _pooled(gate: tuple[str, str] | None, state: dict[str, Any], fn: Any, args: 
     # we emptied, still named it); kept, each would hold threads and sockets (6 threads and 10
     # descriptors per rank for a (2, 2) mesh) for the rest of the lesson.
     return value, len(_groups()) > before
-
-
-def _barrier() -> bool:
-    import torch.distributed as dist
-
-    dist.barrier()
-    return True
 
 
 def _groups() -> list[Any]:
@@ -159,10 +152,9 @@ class RankPool:
             return values
         # A separate call, once every rank has returned (inside the case's call, a rank done
         # early would wait in the barrier while its peers wait in the case's collective: the
-        # deadlock probe, which starts once a rank has returned, could not see it).
-        try:
-            group.run(_barrier, timeout=BARRIER_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - the case's result stands; its group is not reused
+        # deadlock probe, which starts once a rank has returned, could not see it). The case's
+        # result stands either way; a group that fails it is not reused.
+        if not group.healthy():
             self._drop(world_size)
         return values
 

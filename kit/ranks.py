@@ -55,6 +55,7 @@ from kit.launcher import (
     LaunchResult,
     _drain,
     _kill,
+    _mp,
     _Rank,
     _rank_env,
     _read,
@@ -149,7 +150,7 @@ class Ranks:
         self.start_method = method
         if method == "fork":
             preload_modules(self._preload)
-        ctx = _mp_context(method)
+        ctx = _mp().get_context(method)
         setup = self._setup or (_noop, (), {})
         payload = setup if method == "fork" else cloudpickle.dumps(setup)
         self._tmp = tempfile.mkdtemp(prefix="kit-ranks-")
@@ -322,7 +323,7 @@ class Ranks:
                                    [r for r in returned if r not in failed], stopped) \
                 if failures else f"{what} did not complete on every rank."
             if whole and check_after_error:
-                whole = self.keep_after_error and self._healthy()
+                whole = self.keep_after_error and self.healthy()
             if whole:
                 text += (f"\n\nThe {self.world_size} ranks are still up and keep their state as "
                          "it was when they raised.") if self.explain else ""
@@ -349,8 +350,9 @@ class Ranks:
             _stop_all(self._ranks)
             return [], {}
 
-    def _healthy(self) -> bool:
-        """After a call where every rank raised: a barrier on the group, or the group is stopped."""
+    def healthy(self) -> bool:
+        """A barrier on the group (after a call where every rank raised; a grading pool's check
+        before reuse): True, or False with the group stopped."""
         echo, self.echo = self.echo, False
         try:
             self._call_and_wait(HEALTH_TIMEOUT_S, cloudpickle.dumps((_barrier, (), {})),
@@ -390,12 +392,6 @@ def _with_source(fn: Any, filename: str | None, lines: list[str], args: tuple,
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         fn.__code__ = _refiled(fn.__code__, filename)
     return fn(*args, **kwargs)
-
-
-def _mp_context(method: str):
-    import torch.multiprocessing as mp
-
-    return mp.get_context(method)
 
 
 def _stop_all(ranks: list[_Rank]) -> None:
